@@ -1,0 +1,1 @@
+"""Trio actors (design §3)."""

@@ -1,0 +1,51 @@
+"""The `kvcellar` command line: serve, model, kv (and later simulate, journal).
+
+Subcommand groups live beside the code they drive; this module only assembles
+them and turns a `KvCellarError` into a clear message and exit status 2
+instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvcellar import __version__
+from kvcellar.errors import KvCellarError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvcellar")
+def cli() -> None:
+    """kvcellar: an MLX inference server whose KV caches stay warm across RAM and SSD."""
+
+
+def _register_commands() -> None:
+    from kvcellar.engine.model_cli import model_group
+
+    cli.add_command(model_group)
+
+
+_register_commands()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 an error)."""
+    try:
+        result = cli.main(args=argv, prog_name="kvcellar", standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except KvCellarError as e:
+        click.echo(f"error: {e}", err=True)
+        return 2
+    # In non-standalone mode click returns `ctx.exit(code)` codes as the result.
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

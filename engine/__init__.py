@@ -1,0 +1,1 @@
+"""MLX work: demo models, loading, generation (all on one engine thread)."""

@@ -1,0 +1,66 @@
+"""The one error hierarchy of kvcellar.
+
+Every error kvcellar raises on purpose derives from `KvCellarError`. Errors of
+libraries (OSError, cbor2, MLX) are converted at the boundary with
+`raise ... from e`, so a caller handles one family. Each docstring says when
+the error is raised and whose fault it is.
+"""
+
+from __future__ import annotations
+
+
+class KvCellarError(Exception):
+    """Root of every error kvcellar raises on purpose."""
+
+
+class UsageError(KvCellarError):
+    """Raised when a caller passes an argument kvcellar cannot act on
+    (an unknown architecture, a missing directory). The caller's fault."""
+
+
+class UnknownCacheKind(KvCellarError):
+    """Raised when a cache object of a class kvcellar has no codec for reaches
+    signature or persistence code. "Unknown is a bug, not a route": it is
+    kvcellar's fault (a new mlx-lm class nobody taught us), never routed around."""
+
+
+class RefusedCacheKind(KvCellarError):
+    """Raised for a cache class kvcellar knows but refuses to reuse or persist,
+    such as `ConcatenateKVCache` (its `trim` is unsound) or batched caches that
+    must be split per row first. The caller's fault: pick another cache class."""
+
+
+class StoreError(KvCellarError):
+    """Base of errors about stored KV entries (`.kvc` files)."""
+
+
+class UnsupportedFormat(StoreError):
+    """Raised when a file is not a `.kvc` file or carries a format version this
+    build cannot read (a file from a newer kvcellar, or a foreign file). Nobody's
+    fault at runtime: the entry is skipped or regenerated."""
+
+
+class CorruptEntry(StoreError):
+    """Raised when a `.kvc` file fails a check: truncated, a header or tensor
+    checksum mismatch, or an inconsistent header. The disk's or a crash's fault;
+    the `part` attribute says which part failed (`preamble`, `header`,
+    `tensor <name>`, `size`)."""
+
+    def __init__(self, message: str, *, part: str) -> None:
+        super().__init__(message)
+        self.part = part
+
+
+class DiskError(StoreError):
+    """Raised when the file system fails an operation kvcellar asked of it
+    (ENOSPC, EIO, permission). The environment's fault; the store degrades to
+    "not stored" / "no hit" rather than failing a request."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class ModelError(KvCellarError):
+    """Raised when a model directory cannot be created or loaded (missing files,
+    a config mlx-lm rejects). The operator's fault, or a damaged directory."""

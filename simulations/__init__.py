@@ -1,0 +1,1 @@
+"""Deterministic crash/replay simulations (design §5)."""
