@@ -1,0 +1,393 @@
+"""Random-weight demo models that `mlx_lm.load` opens with no network access.
+
+A demo model is a directory holding `config.json`, `model.safetensors`,
+`tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`. The
+weights come from a fixed seed and the tokenizer is the committed
+`assets/tokenizer.json`, so the same (arch, size, dtype, seed) gives the same
+bytes on every run. Sizes: `tiny` (~0.1M parameters, the configs in
+`assets/tiny-model-configs.json`), `small` (~5M) and `medium` (~20M), the
+latter two used for benchmarks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import platformdirs
+from mlx.utils import tree_flatten
+
+from kvcellar.errors import ModelError, UsageError
+
+ARCHITECTURES = (
+    "llama",
+    "gemma3_text",
+    "qwen3_next",
+    "mamba2",
+    "falcon_h1",
+    "deepseek_v3",
+    "llama4",
+    "recurrent_gemma",
+)
+SIZES = ("tiny", "small", "medium")
+DTYPES = ("float32", "bfloat16")
+
+ASSETS_DIR = Path(__file__).parent / "assets"
+TOKENIZER_ASSET_PATH = ASSETS_DIR / "tokenizer.json"
+TINY_CONFIGS_ASSET_PATH = ASSETS_DIR / "tiny-model-configs.json"
+
+VOCAB_SIZE = 1024
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+# Ids fixed by the committed tokenizer (special tokens are trained first).
+PAD_TOKEN_ID = 0
+EOS_TOKEN_ID = 2
+MODEL_MAX_LENGTH_TOKENS = 8192
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+WEIGHTS_FILE_NAME = "model.safetensors"
+REQUIRED_MODEL_FILES = (
+    "config.json",
+    WEIGHTS_FILE_NAME,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+DEMO_ARCH = "llama"
+DEMO_SIZE = "small"
+DEMO_DTYPE = "float32"
+DEMO_SEED = 0
+DEMO_MODEL_NAME = "demo-llama-small"
+CACHE_DIR_ENV_VAR = "KVCELLAR_CACHE_DIR"
+
+# Keys merged over the tiny config to make the bigger sizes; nested dicts
+# (llama4's text_config) merge key by key. Every entry keeps the invariants
+# the architecture needs (e.g. mamba2: hidden_size * expand == num_heads * head_dim).
+SIZE_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    "llama": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+        },
+    },
+}
+
+_PARTIAL_DIR_MARKER = ".partial-"
+_REPLACED_DIR_MARKER = ".replaced-"
+_TEMPORARY_DIR_PID_PATTERN = re.compile(r"\.(?:partial|replaced)-(\d+)-")
+
+ProgressCallback = Callable[[str], None]
+
+
+def supported_sizes(arch: str) -> tuple[str, ...]:
+    """The sizes `arch` can be built in; raises `UsageError` for an unknown arch."""
+    _require_choice("architecture", arch, ARCHITECTURES)
+    return tuple(
+        size for size in SIZES if size == "tiny" or size in SIZE_OVERRIDES.get(arch, {})
+    )
+
+
+def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:
+    """The `config.json` dict of `arch` at `size`, including `eos_token_id`.
+
+    Raises `UsageError` for an unknown arch or size, or a size the arch does
+    not support (the message names the sizes it does support).
+    """
+    _require_choice("architecture", arch, ARCHITECTURES)
+    _require_choice("size", size, SIZES)
+    if size not in supported_sizes(arch):
+        raise UsageError(
+            f"architecture {arch!r} has no {size!r} size; "
+            f"it supports: {', '.join(supported_sizes(arch))}"
+        )
+    config = _load_tiny_configs()[arch]
+    if size != "tiny":
+        config = _merge_config(config, SIZE_OVERRIDES[arch][size])
+    config["eos_token_id"] = EOS_TOKEN_ID
+    return config
+
+
+def create_model(
+    arch: str,
+    out_dir: Path,
+    *,
+    size: str = "tiny",
+    dtype: str = "float32",
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Write a random-weight model of `arch` into `out_dir` and return `out_dir`.
+
+    The files are written into a temporary directory beside `out_dir` and
+    renamed into place last, so a half-made model never looks complete.
+    Raises `UsageError` for an unknown arch, size or dtype, or when `out_dir`
+    exists and is non-empty (or is not a directory) and `overwrite` is false;
+    raises `ModelError` when MLX cannot build the model, a weight is not
+    finite, or the files cannot be written.
+    """
+    _require_choice("dtype", dtype, DTYPES)
+    config = model_config(arch, size)
+    out_dir = Path(out_dir)
+    _check_out_dir_free(out_dir, overwrite=overwrite)
+    weights = build_weights(config, dtype=dtype, seed=seed)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        partial_dir = Path(
+            tempfile.mkdtemp(
+                prefix=f".{out_dir.name}{_PARTIAL_DIR_MARKER}{os.getpid()}-",
+                dir=out_dir.parent,
+            )
+        )
+    except OSError as e:
+        raise ModelError(f"cannot create a directory beside {out_dir}: {e}") from e
+    try:
+        _write_model_files(partial_dir, config, weights)
+        _publish_dir(partial_dir, out_dir, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def build_weights(config: dict[str, Any], *, dtype: str, seed: int) -> dict[str, mx.array]:
+    """Build the model described by `config` from `seed` and return its flat weights.
+
+    Initialisation runs on the CPU stream so the numbers do not depend on the
+    default device. Raises `ModelError` when mlx-lm rejects the config or a
+    weight is NaN or infinite.
+    """
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+        with mx.stream(mx.cpu):
+            mx.random.seed(seed)
+            model = module.Model(module.ModelArgs.from_dict(config))
+            model.set_dtype(getattr(mx, dtype))
+            weights = dict(tree_flatten(model.parameters()))
+            mx.eval(weights)
+            non_finite_names = [
+                name for name, weight in weights.items() if not mx.all(mx.isfinite(weight)).item()
+            ]
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ModelError(f"mlx-lm cannot build a {config.get('model_type')!r} model: {e}") from e
+    if non_finite_names:
+        raise ModelError(f"non-finite weights after initialisation: {', '.join(non_finite_names)}")
+    return weights
+
+
+def is_complete_model(model_dir: Path) -> bool:
+    """True when `model_dir` holds every file a demo model consists of."""
+    return all((Path(model_dir) / name).is_file() for name in REQUIRED_MODEL_FILES)
+
+
+def count_parameters(model_dir: Path) -> int:
+    """The number of weights in `model_dir/model.safetensors`, read from its header.
+
+    Raises `ModelError` when the file is missing or its header is malformed.
+    """
+    weights_path = Path(model_dir) / WEIGHTS_FILE_NAME
+    try:
+        with weights_path.open("rb") as weights_file:
+            (header_length_bytes,) = struct.unpack("<Q", weights_file.read(8))
+            header = json.loads(weights_file.read(header_length_bytes))
+    except (OSError, struct.error, ValueError) as e:
+        raise ModelError(f"cannot read the safetensors header of {weights_path}: {e}") from e
+    return sum(
+        math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
+    )
+
+
+def model_size_bytes(model_dir: Path) -> int:
+    """The total size of the files in `model_dir`; raises `ModelError` if unreadable."""
+    try:
+        return sum(path.stat().st_size for path in Path(model_dir).iterdir() if path.is_file())
+    except OSError as e:
+        raise ModelError(f"cannot read {model_dir}: {e}") from e
+
+
+def demo_model_dir() -> Path:
+    """Where the demo model lives: `<cache>/models/demo-llama-small`.
+
+    `<cache>` is `$KVCELLAR_CACHE_DIR` when set, else the platform's user
+    cache directory for kvcellar.
+    """
+    base_dir = os.environ.get(CACHE_DIR_ENV_VAR)
+    cache_dir = Path(base_dir) if base_dir else platformdirs.user_cache_path("kvcellar")
+    return cache_dir / "models" / DEMO_MODEL_NAME
+
+
+def ensure_demo_model(progress: ProgressCallback | None = None) -> Path:
+    """Return the demo model's directory, creating it first if it is incomplete.
+
+    Idempotent: a complete model is left alone. Leftover temporary directories
+    of dead processes are removed first. `progress`, when given, receives one
+    line per step. Raises `ModelError` when the model cannot be created.
+    """
+    model_dir = demo_model_dir()
+    if is_complete_model(model_dir):
+        return model_dir
+    _remove_abandoned_partial_dirs(model_dir)
+    if progress is not None:
+        progress(f"creating demo model ({DEMO_ARCH}, {DEMO_SIZE}, {DEMO_DTYPE}) in {model_dir}")
+    try:
+        create_model(
+            DEMO_ARCH, model_dir, size=DEMO_SIZE, dtype=DEMO_DTYPE, seed=DEMO_SEED, overwrite=True
+        )
+    except ModelError:
+        # Another process may have published the same model first.
+        if not is_complete_model(model_dir):
+            raise
+    if progress is not None:
+        progress(f"demo model ready at {model_dir}")
+    return model_dir
+
+
+def _require_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
+
+
+def _load_tiny_configs() -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads(TINY_CONFIGS_ASSET_PATH.read_text(encoding="utf-8"))["configs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot read {TINY_CONFIGS_ASSET_PATH}: {e}") from e
+
+
+def _merge_config(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge_config(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _check_out_dir_free(out_dir: Path, *, overwrite: bool) -> None:
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise UsageError(f"{out_dir} exists and is not a directory")
+    if not overwrite and any(out_dir.iterdir()):
+        raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_MAX_LENGTH_TOKENS,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _write_model_files(
+    model_dir: Path, config: dict[str, Any], weights: dict[str, mx.array]
+) -> None:
+    """Write every model file into `model_dir`, each flushed to disk.
+
+    Raises `ModelError` when a file cannot be written.
+    """
+    json_files = {
+        "config.json": config,
+        "tokenizer_config.json": _tokenizer_config(),
+        "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
+    }
+    try:
+        for name, content in json_files.items():
+            (model_dir / name).write_text(
+                json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+            )
+        shutil.copyfile(TOKENIZER_ASSET_PATH, model_dir / "tokenizer.json")
+        # Metadata is constant on purpose: nothing time- or host-dependent may
+        # enter the file, so its sha256 is reproducible.
+        mx.save_safetensors(str(model_dir / WEIGHTS_FILE_NAME), weights, metadata={"format": "mlx"})
+        for path in model_dir.iterdir():
+            _fsync_path(path)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ModelError(f"cannot write model files into {model_dir}: {e}") from e
+
+
+def _publish_dir(partial_dir: Path, out_dir: Path, *, overwrite: bool) -> None:
+    """Rename `partial_dir` to `out_dir`, moving an existing `out_dir` aside first.
+
+    Raises `UsageError` when `out_dir` became non-empty meanwhile and
+    `overwrite` is false; `ModelError` when a rename fails.
+    """
+    _check_out_dir_free(out_dir, overwrite=overwrite)
+    replaced_dir: Path | None = None
+    try:
+        if out_dir.exists():
+            replaced_dir = out_dir.with_name(
+                f".{out_dir.name}{_REPLACED_DIR_MARKER}{partial_dir.name.split(_PARTIAL_DIR_MARKER, 1)[1]}"
+            )
+            out_dir.rename(replaced_dir)
+        partial_dir.rename(out_dir)
+        _fsync_path(out_dir.parent)
+    except OSError as e:
+        raise ModelError(f"cannot move the new model into {out_dir}: {e}") from e
+    if replaced_dir is not None:
+        shutil.rmtree(replaced_dir, ignore_errors=True)
+
+
+def _fsync_path(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove_abandoned_partial_dirs(model_dir: Path) -> None:
+    """Remove temporary directories beside `model_dir` whose creating process is gone."""
+    parent_dir = model_dir.parent
+    if not parent_dir.is_dir():
+        return
+    for candidate in parent_dir.glob(f".{model_dir.name}.*"):
+        if not candidate.is_dir():
+            continue
+        pid_match = _TEMPORARY_DIR_PID_PATTERN.search(candidate.name)
+        if pid_match and not _process_is_alive(int(pid_match.group(1))):
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+def _process_is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

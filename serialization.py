@@ -1,0 +1,41 @@
+"""The one cattrs converter: every attrs message, event and header crosses a
+process or file boundary only through `to_cbor` / `from_cbor`.
+
+CBOR encoding is canonical (sorted map keys, minimal integers), so the same
+object always yields the same bytes: the `.kvc` header relies on this to patch
+its fixed-width checksum slots in place, and the journal relies on it for
+byte-identical replays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import cattrs
+import cbor2
+from cattrs.preconf.cbor2 import make_converter
+
+from kvcellar.errors import KvCellarError
+
+T = TypeVar("T")
+
+converter = make_converter()
+
+
+class DecodeError(KvCellarError):
+    """Raised when bytes are not valid CBOR for the expected type: a damaged
+    or foreign record. The data's fault; callers convert it to a more specific
+    error (`CorruptEntry` for a `.kvc` header)."""
+
+
+def to_cbor(obj: Any) -> bytes:
+    """Encode an attrs object (or plain data) as canonical CBOR."""
+    return cbor2.dumps(converter.unstructure(obj), canonical=True)
+
+
+def from_cbor(data: bytes, cls: type[T]) -> T:
+    """Decode CBOR bytes into `cls`; raises `DecodeError` on any malformation."""
+    try:
+        return converter.structure(cbor2.loads(data), cls)
+    except (cbor2.CBORDecodeError, cattrs.BaseValidationError, ValueError, TypeError, KeyError) as e:
+        raise DecodeError(f"cannot decode {cls.__name__}: {e}") from e

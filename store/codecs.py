@@ -1,0 +1,279 @@
+"""Per-signature codecs of the `.kvc` format: which tensors and scalars of a
+cache are persisted, and how a cache is rebuilt from them.
+
+Every codec persists only rows up to `offset` (never slack), except a wrapped
+rotating ring, which is persisted raw with its ring index because reordering
+it into time order is not bit-exact. Rebuilt plain, quantized and chunked KV
+land in a capacity rounded up past `offset` to the next 256-row step, so the
+first decode step after a restore updates in place instead of concatenating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+from kvcellar.errors import CorruptEntry, RefusedCacheKind, UsageError
+from kvcellar.store import signature as sig
+
+if TYPE_CHECKING:
+    from kvcellar.store.kvfile import CacheRecord, TensorRecord
+
+STEP_ROWS = 256
+
+Producer = Callable[[], mx.array]
+
+_DTYPE_NAMES: dict[Any, str] = {
+    mx.float32: "float32",
+    mx.float16: "float16",
+    mx.bfloat16: "bfloat16",
+    mx.uint32: "uint32",
+    mx.int32: "int32",
+    mx.uint16: "uint16",
+    mx.int16: "int16",
+    mx.uint8: "uint8",
+    mx.int8: "int8",
+    mx.int64: "int64",
+    mx.uint64: "uint64",
+    mx.bool_: "bool",
+}
+# bf16 has no numpy type: it travels as its uint16 bit pattern.
+_HOST_DTYPES: dict[str, Any] = {
+    "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32,
+    "int32": np.int32, "uint16": np.uint16, "int16": np.int16, "uint8": np.uint8, "int8": np.int8,
+    "int64": np.int64, "uint64": np.uint64, "bool": np.bool_,
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise UsageError(f"dtype {dtype} cannot be persisted") from None
+
+
+def materialise(array: mx.array) -> memoryview:
+    """Evaluate one tensor into contiguous bytes (the only transient copy)."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    array = mx.contiguous(array)
+    mx.eval(array)
+    return memoryview(array).cast("B")
+
+
+def host_to_mlx(host: np.ndarray, dtype: str, shape: Sequence[int]) -> mx.array:
+    """Copy host bytes into an MLX-owned array of `dtype` and `shape`."""
+    try:
+        host_dtype = _HOST_DTYPES[dtype]
+        typed = host.view(host_dtype).reshape(tuple(shape))
+    except (KeyError, ValueError) as e:
+        raise CorruptEntry(f"tensor of dtype {dtype!r} and shape {tuple(shape)} does not fit its bytes", part="header") from e
+    array = mx.array(typed)
+    if dtype == "bfloat16":
+        array = array.view(mx.bfloat16)
+    mx.eval(array)
+    return array
+
+
+class _Plan:
+    """Collects tensor records and their producers in file order."""
+
+    def __init__(self) -> None:
+        self.producers: list[Producer] = []
+
+    def tensor(self, name: str, array: mx.array) -> TensorRecord:
+        from kvcellar.store.kvfile import TensorRecord
+
+        self.producers.append(lambda: array)
+        length = int(np.prod(array.shape, dtype=np.int64)) * array.dtype.size
+        return TensorRecord(name=name, dtype=dtype_name(array.dtype), shape=tuple(int(d) for d in array.shape),
+                            file_offset=0, length=length, checksum=b"")
+
+
+def _rows(array: mx.array, count: int) -> mx.array:
+    return array[..., :count, :]
+
+
+def _check_offset(cache: Any, name: str, token_count: int) -> None:
+    if cache.offset != token_count:
+        raise UsageError(f"{name}: cache offset {cache.offset} does not match {token_count} tokens")
+
+
+def _plan_one(cache: Any, name: str, token_count: int, plan: _Plan) -> CacheRecord:
+    from kvcellar.store.kvfile import CacheRecord
+
+    signature = sig.cache_signature(cache)
+    if signature in sig.BATCH_SIGNATURES:
+        raise RefusedCacheKind(f"{name}: {signature} holds a batch; extract one row per entry before persisting")
+    fields: dict[str, int] = {}
+    tensors: list[TensorRecord] = []
+    children: list[CacheRecord] = []
+    offset = token_count
+    kind = type(cache)
+    if kind is mlx_cache.CacheList:
+        children = [_plan_one(child, f"{name}.{i}", token_count, plan) for i, child in enumerate(cache.caches)]
+    elif kind is mlx_cache.ArraysCache:
+        fields["slots"] = len(cache.cache)
+        for i, slot in enumerate(cache.cache):
+            if slot is not None:
+                tensors.append(plan.tensor(f"{name}.slot{i}", slot))
+        for extra in ("left_padding", "lengths"):
+            if getattr(cache, extra, None) is not None:
+                tensors.append(plan.tensor(f"{name}.{extra}", getattr(cache, extra)))
+    else:
+        _check_offset(cache, name, token_count)
+        offset = cache.offset
+        tensors = _plan_attention(cache, name, fields, plan)
+    return CacheRecord(
+        signature=signature,
+        offset=offset,
+        minimum_reusable_offset=sig.minimum_reusable_offset(cache, token_count),
+        trimmable=sig.is_trimmable(cache),
+        fields=fields,
+        tensors=tuple(tensors),
+        children=tuple(children),
+    )
+
+
+def _plan_attention(cache: Any, name: str, fields: dict[str, int], plan: _Plan) -> list[TensorRecord]:
+    kind = type(cache)
+    if kind is mlx_cache.QuantizedKVCache:
+        fields.update(group_size=cache.group_size, bits=cache.bits)
+        if cache.keys is None:
+            return []
+        return [plan.tensor(f"{name}.{part}.{i}", _rows(array, cache.offset))
+                for part, triple in (("keys", cache.keys), ("values", cache.values))
+                for i, array in enumerate(triple)]
+    if kind is mlx_cache.RotatingKVCache:
+        return _plan_rotating(cache, name, fields, plan)
+    rows = cache.offset
+    if kind is mlx_cache.ChunkedKVCache:
+        fields.update(chunk_size=cache.chunk_size, start_position=cache.start_position)
+        rows = cache.offset - cache.start_position
+    if cache.keys is None:
+        return []
+    return [plan.tensor(f"{name}.keys", _rows(cache.keys, rows)),
+            plan.tensor(f"{name}.values", _rows(cache.values, rows))]
+
+
+def _plan_rotating(cache: Any, name: str, fields: dict[str, int], plan: _Plan) -> list[TensorRecord]:
+    wrapped = cache.offset >= cache.max_size
+    fields.update(keep=cache.keep, max_size=cache.max_size, ring_index=cache._idx, wrapped=int(wrapped))
+    if cache.keys is None:
+        return []
+    if wrapped:
+        keys, values = cache.keys, cache.values
+    else:
+        # Before the wrap the ring is in time order and the write index is the offset.
+        if cache._idx != cache.offset:
+            raise UsageError(f"{name}: unwrapped ring with index {cache._idx} != offset {cache.offset}")
+        keys, values = _rows(cache.keys, cache.offset), _rows(cache.values, cache.offset)
+    return [plan.tensor(f"{name}.keys", keys), plan.tensor(f"{name}.values", values)]
+
+
+def plan_caches(caches: Sequence[Any], token_count: int) -> tuple[list[CacheRecord], list[Producer]]:
+    """Records (offsets unassigned, checksums empty) and tensor producers of
+    an entry, both in file order. Materialises nothing."""
+    plan = _Plan()
+    records = [_plan_one(cache, f"c{i}", token_count, plan) for i, cache in enumerate(caches)]
+    return records, plan.producers
+
+
+def _with_capacity(rows: mx.array, capacity: int) -> mx.array:
+    """Place `rows` ([..., n, d]) at the start of a zeroed `capacity`-row buffer."""
+    count = rows.shape[-2]
+    if capacity == count:
+        return rows
+    buffer = mx.zeros((*rows.shape[:-2], capacity, rows.shape[-1]), dtype=rows.dtype)
+    buffer[..., :count, :] = rows
+    mx.eval(buffer)
+    return buffer
+
+
+def _step_capacity(rows: int) -> int:
+    return (rows // STEP_ROWS + 1) * STEP_ROWS
+
+
+TensorReader = Callable[["TensorRecord"], mx.array]
+
+
+def _rebuild_one(record: CacheRecord, read: TensorReader) -> Any:
+    signature = record.signature
+    if signature.startswith(sig.LIST_PREFIX):
+        return mlx_cache.CacheList(*(_rebuild_one(child, read) for child in record.children))
+    if signature == sig.SIGNATURE_SSM:
+        return _rebuild_arrays(record, read)
+    if signature.startswith(sig.QUANT_PREFIX):
+        return _rebuild_quantized(record, read)
+    tensors = list(record.tensors)
+    if signature == sig.SIGNATURE_PLAIN:
+        cache = mlx_cache.KVCache()
+        if tensors:
+            capacity = _step_capacity(record.offset)
+            cache.keys = _with_capacity(read(tensors[0]), capacity)
+            cache.values = _with_capacity(read(tensors[1]), capacity)
+        cache.offset = record.offset
+        return cache
+    if signature == sig.SIGNATURE_CHUNKED:
+        return _rebuild_chunked(record, read)
+    if signature == sig.SIGNATURE_ROTATING:
+        return _rebuild_rotating(record, read)
+    raise CorruptEntry(f"entry holds unknown cache signature {signature!r}", part="header")
+
+
+def _rebuild_quantized(record: CacheRecord, read: TensorReader) -> Any:
+    cache = mlx_cache.QuantizedKVCache(group_size=record.fields["group_size"], bits=record.fields["bits"])
+    if record.tensors:
+        capacity = _step_capacity(record.offset)
+        parts = [_with_capacity(read(tensor), capacity) for tensor in record.tensors]
+        cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
+    cache.offset = record.offset
+    return cache
+
+
+def _rebuild_chunked(record: CacheRecord, read: TensorReader) -> Any:
+    cache = mlx_cache.ChunkedKVCache(record.fields["chunk_size"])
+    cache.start_position = record.fields["start_position"]
+    if record.tensors:
+        capacity = _step_capacity(record.offset - cache.start_position)
+        cache.keys = _with_capacity(read(record.tensors[0]), capacity)
+        cache.values = _with_capacity(read(record.tensors[1]), capacity)
+    cache.offset = record.offset
+    return cache
+
+
+def _rebuild_rotating(record: CacheRecord, read: TensorReader) -> Any:
+    fields = record.fields
+    cache = mlx_cache.RotatingKVCache(max_size=fields["max_size"], keep=fields["keep"])
+    cache.offset = record.offset
+    cache._idx = fields["ring_index"]
+    if record.tensors:
+        keys, values = read(record.tensors[0]), read(record.tensors[1])
+        if not fields["wrapped"]:
+            # The capacity the next in-place step would grow to, so it does not concatenate.
+            capacity = record.offset + min(STEP_ROWS, cache.max_size - record.offset)
+            keys, values = _with_capacity(keys, capacity), _with_capacity(values, capacity)
+        cache.keys, cache.values = keys, values
+    return cache
+
+
+def _rebuild_arrays(record: CacheRecord, read: TensorReader) -> Any:
+    cache = mlx_cache.ArraysCache(record.fields["slots"])
+    for tensor in record.tensors:
+        label = tensor.name.rsplit(".", 1)[-1]
+        if label.startswith("slot"):
+            cache.cache[int(label[4:])] = read(tensor)
+        elif label in ("left_padding", "lengths"):
+            setattr(cache, label, read(tensor))
+        else:
+            raise CorruptEntry(f"ssm cache has unexpected tensor {tensor.name!r}", part="header")
+    return cache
+
+
+def rebuild_caches(records: Sequence[CacheRecord], read: TensorReader) -> list[Any]:
+    """Fresh MLX-owned caches from an entry's records, reading tensors in order."""
+    return [_rebuild_one(record, read) for record in records]

@@ -1,0 +1,227 @@
+"""The `Disk` interface: every file-system call of the store goes through it.
+
+The real implementation calls `os`; the simulator swaps in an in-memory disk
+that loses, tears and reorders what was not synced, and injects faults. The
+interface is deliberately small and positional (write/read at an offset), so a
+simulated disk can model durability per byte range.
+
+Crash-safety contract of an atomic file write, as kvcellar performs it:
+create exclusively -> write -> fsync(file) -> rename -> fsync(directory).
+"""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from kvcellar.errors import DiskError
+
+FileHandle = Any
+"""An opaque handle returned by `create_exclusive` / `open_read`."""
+
+
+@attrs.frozen(kw_only=True)
+class FileStat:
+    size_bytes: int
+    mtime_ns: int
+    inode: int
+
+
+@attrs.frozen(kw_only=True)
+class DirEntry:
+    name: str
+    is_dir: bool
+    size_bytes: int
+    mtime_ns: int
+
+
+class Disk(Protocol):
+    """What the store may ask of a file system. Every method raises
+    `DiskError` (carrying the errno) when the operation fails."""
+
+    def create_exclusive(self, path: Path) -> FileHandle: ...
+    def open_read(self, path: Path) -> FileHandle: ...
+    def write_at(self, handle: FileHandle, offset: int, data: bytes | memoryview) -> None: ...
+    def read_into(self, handle: FileHandle, offset: int, buffer: memoryview) -> int: ...
+    def size(self, handle: FileHandle) -> int: ...
+    def fsync(self, handle: FileHandle) -> None: ...
+    def close(self, handle: FileHandle) -> None: ...
+    def rename(self, source: Path, target: Path) -> None: ...
+    def fsync_dir(self, path: Path) -> None: ...
+    def unlink(self, path: Path) -> None: ...
+    def makedirs(self, path: Path) -> None: ...
+    def scandir(self, path: Path) -> list[DirEntry]: ...
+    def stat(self, path: Path) -> FileStat: ...
+    def utime(self, path: Path, mtime_ns: int) -> None: ...
+
+
+def _disk_error(operation: str, path: object, e: OSError) -> DiskError:
+    reason = os.strerror(e.errno) if e.errno else str(e)
+    return DiskError(f"{operation} {path}: {reason}", errno=e.errno)
+
+
+class RealDisk:
+    """`Disk` on the real file system through `os` file descriptors."""
+
+    def create_exclusive(self, path: Path) -> int:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise _disk_error("create", path, e) from e
+
+    def open_read(self, path: Path) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise _disk_error("open", path, e) from e
+
+    def write_at(self, handle: int, offset: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                written = os.pwrite(handle, view, offset)
+                if written == 0:
+                    raise OSError(errno_codes.EIO, "pwrite wrote 0 bytes")
+                view = view[written:]
+                offset += written
+        except OSError as e:
+            raise _disk_error("write", f"fd {handle}", e) from e
+
+    def read_into(self, handle: int, offset: int, buffer: memoryview) -> int:
+        view = memoryview(buffer).cast("B")
+        total = 0
+        try:
+            while total < len(view):
+                got = os.preadv(handle, [view[total:]], offset + total)
+                if got == 0:
+                    break
+                total += got
+        except OSError as e:
+            raise _disk_error("read", f"fd {handle}", e) from e
+        return total
+
+    def size(self, handle: int) -> int:
+        try:
+            return os.fstat(handle).st_size
+        except OSError as e:
+            raise _disk_error("stat", f"fd {handle}", e) from e
+
+    def fsync(self, handle: int) -> None:
+        try:
+            os.fsync(handle)
+        except OSError as e:
+            raise _disk_error("fsync", f"fd {handle}", e) from e
+
+    def close(self, handle: int) -> None:
+        try:
+            os.close(handle)
+        except OSError as e:
+            raise _disk_error("close", f"fd {handle}", e) from e
+
+    def rename(self, source: Path, target: Path) -> None:
+        try:
+            os.replace(source, target)
+        except OSError as e:
+            raise _disk_error("rename", f"{source} -> {target}", e) from e
+
+    def fsync_dir(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as e:
+            raise _disk_error("open directory", path, e) from e
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise _disk_error("fsync directory", path, e) from e
+        finally:
+            os.close(fd)
+
+    def unlink(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except OSError as e:
+            raise _disk_error("unlink", path, e) from e
+
+    def makedirs(self, path: Path) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise _disk_error("mkdir", path, e) from e
+
+    def scandir(self, path: Path) -> list[DirEntry]:
+        try:
+            with os.scandir(path) as it:
+                entries = []
+                for entry in it:
+                    st = entry.stat(follow_symlinks=False)
+                    entries.append(
+                        DirEntry(
+                            name=entry.name,
+                            is_dir=entry.is_dir(follow_symlinks=False),
+                            size_bytes=st.st_size,
+                            mtime_ns=st.st_mtime_ns,
+                        )
+                    )
+                return entries
+        except OSError as e:
+            raise _disk_error("scandir", path, e) from e
+
+    def stat(self, path: Path) -> FileStat:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise _disk_error("stat", path, e) from e
+        return FileStat(size_bytes=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
+
+    def utime(self, path: Path, mtime_ns: int) -> None:
+        try:
+            os.utime(path, ns=(mtime_ns, mtime_ns))
+        except OSError as e:
+            raise _disk_error("utime", path, e) from e
+
+
+@attrs.frozen(kw_only=True)
+class DiskCall:
+    operation: str
+    path: str | None
+
+
+class TracingDisk:
+    """Wraps a `Disk` and records each call (operation and path), so tests and
+    simulations can check the order of a crash-safety sequence."""
+
+    _PATH_OPERATIONS = frozenset(
+        {"create_exclusive", "open_read", "rename", "fsync_dir", "unlink", "makedirs", "scandir", "stat", "utime"}
+    )
+
+    def __init__(self, inner: Disk) -> None:
+        self.inner = inner
+        self.calls: list[DiskCall] = []
+        self._handle_paths: dict[int, str] = {}
+
+    def __getattr__(self, operation: str) -> Any:
+        method = getattr(self.inner, operation)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            path = self._describe(operation, args)
+            self.calls.append(DiskCall(operation=operation, path=path))
+            result = method(*args, **kwargs)
+            if operation in ("create_exclusive", "open_read"):
+                self._handle_paths[id(result) if not isinstance(result, int) else result] = str(args[0])
+            return result
+
+        return traced
+
+    def _describe(self, operation: str, args: tuple[Any, ...]) -> str | None:
+        if not args:
+            return None
+        if operation == "rename":
+            return f"{args[0]} -> {args[1]}"
+        if operation in self._PATH_OPERATIONS:
+            return str(args[0])
+        handle = args[0]
+        return self._handle_paths.get(handle if isinstance(handle, int) else id(handle))

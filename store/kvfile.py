@@ -1,0 +1,403 @@
+"""The `.kvc` file format, version 1: one prefix entry (tokens + caches) per file.
+
+Layout (all integers little-endian):
+
+    0      preamble, 32 bytes: magic (8) | format version u32 | header length u32 |
+           header checksum u64 | payload offset u64
+    32     header: canonical CBOR of `Header` (exactly `header length` bytes)
+    P      payload: tensors at 16 KiB-aligned offsets, P = align(32 + header length)
+
+The header checksum is xxh3-64 over the preamble (checksum field zeroed) and
+the header, so the version, lengths and payload offset are covered too. Each
+tensor carries its own xxh3-64 checksum in a fixed-width 8-byte slot: the header
+is encoded once with zeroed slots to size it, the tensors are materialised and
+written one at a time (peak transient = one tensor), then the header is
+patched with the real checksums (same length, canonical CBOR) and written last.
+
+Only rows up to each cache's `offset` are persisted, never the 256-step slack.
+A wrapped rotating ring is written raw with its ring index: reordering it into
+time order is not bit-exact. bf16 travels as a uint16 view.
+
+Writes are atomic: a temp file created exclusively in the target directory,
+fsync, rename over the target, fsync of the directory. All file access goes
+through `Disk`.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
+from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.store import codecs
+from kvcellar.store.disk import Disk, RealDisk
+from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
+
+MAGIC = b"\x89KVC\r\n\x1a\n"
+FORMAT_VERSION = 1
+ALIGNMENT_BYTES = 16 * 1024
+FILE_SUFFIX = ".kvc"
+TEMP_SUFFIX = ".tmp"
+_PREAMBLE = struct.Struct("<8sIIQQ")
+PREAMBLE_BYTES = _PREAMBLE.size
+CHECKSUM_BYTES = 8
+_ZERO_CHECKSUM = bytes(CHECKSUM_BYTES)
+_HEADER_BYTES_MAX = 256 * 1024 * 1024
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
+def _checksum(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_64_digest(data)
+
+
+@attrs.frozen(kw_only=True)
+class TensorRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file_offset: int
+    length: int
+    checksum: bytes
+
+
+@attrs.frozen(kw_only=True)
+class CacheRecord:
+    """One cache of an entry. `fields` holds the codec's scalars (ring index,
+    max size, keep, group size, bits, chunk size, start position, slots)."""
+
+    signature: str
+    offset: int
+    minimum_reusable_offset: int
+    trimmable: bool
+    fields: dict[str, int]
+    tensors: tuple[TensorRecord, ...]
+    children: tuple[CacheRecord, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Header:
+    format_version: int
+    fingerprint: dict[str, str]
+    namespace: str
+    tokenizer_hash: str
+    created_at_ns: int
+    tokens: tuple[int, ...]
+    minimum_reusable_offset: int
+    trimmable: bool
+    caches: tuple[CacheRecord, ...]
+    payload_offset: int
+    file_bytes: int
+
+    def tensor_records(self) -> Iterator[TensorRecord]:
+        """Every tensor of the entry in file order."""
+        yield from _walk_tensors(self.caches)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(tensor.length for tensor in self.tensor_records())
+
+
+def _walk_tensors(records: Sequence[CacheRecord]) -> Iterator[TensorRecord]:
+    for record in records:
+        yield from record.tensors
+        yield from _walk_tensors(record.children)
+
+
+@attrs.frozen(kw_only=True)
+class EntryMeta:
+    """What an entry says about where it came from (all optional)."""
+
+    namespace: str = ""
+    fingerprint: dict[str, str] = attrs.field(factory=dict)
+    tokenizer_hash: str = ""
+    created_at_ns: int | None = None
+
+
+@attrs.define(kw_only=True)
+class Entry:
+    """A loaded entry: MLX-owned caches ready to continue decoding."""
+
+    caches: list[Any]
+    tokens: tuple[int, ...]
+    header: Header
+
+
+def _coerce_meta(meta: EntryMeta | Mapping[str, Any] | None) -> EntryMeta:
+    if meta is None:
+        return EntryMeta()
+    if isinstance(meta, EntryMeta):
+        return meta
+    unknown = set(meta) - {"namespace", "fingerprint", "tokenizer_hash", "created_at_ns"}
+    if unknown:
+        raise UsageError(f"unknown meta keys {sorted(unknown)}")
+    return EntryMeta(**meta)
+
+
+class KvFileWriter:
+    """Writes one entry step by step, so a caller can give each tensor its own
+    engine turn: `open()`, `write_tensor(i)` for i in range(`tensor_count`),
+    `commit()`; `abort()` on any failure. `save()` runs the whole sequence.
+
+    Planning (constructor) does no I/O and materialises nothing.
+    """
+
+    def __init__(self, path: Path, caches: Sequence[Any], tokens: Sequence[int],
+                 meta: EntryMeta | Mapping[str, Any] | None = None, disk: Disk | None = None) -> None:
+        self.path = Path(path)
+        self.disk = disk or RealDisk()
+        self.temp_path = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+        token_tuple = tuple(int(token) for token in tokens)
+        records, self._producers = codecs.plan_caches(caches, len(token_tuple))
+        info = _coerce_meta(meta)
+        self._header = Header(
+            format_version=FORMAT_VERSION,
+            fingerprint=dict(info.fingerprint),
+            namespace=info.namespace,
+            tokenizer_hash=info.tokenizer_hash,
+            created_at_ns=info.created_at_ns if info.created_at_ns is not None else time.time_ns(),
+            tokens=token_tuple,
+            minimum_reusable_offset=entry_minimum_reusable_offset(caches, len(token_tuple)),
+            trimmable=caches_trimmable(caches),
+            caches=tuple(records),
+            payload_offset=0,
+            file_bytes=0,
+        )
+        self._header = _place_tensors(self._header)
+        self._tensors = list(self._header.tensor_records())
+        self._checksums: dict[str, bytes] = {}
+        self._handle: Any = None
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def planned_header(self) -> Header:
+        return self._header
+
+    def open(self) -> None:
+        """Create the temp file exclusively beside the target."""
+        self._handle = self.disk.create_exclusive(self.temp_path)
+
+    def write_tensor(self, index: int) -> None:
+        """Materialise tensor `index` (an MLX eval: run it on the engine
+        thread), checksum it and write it at its aligned offset."""
+        record = self._tensors[index]
+        data = codecs.materialise(self._producers[index]())
+        if data.nbytes != record.length:
+            raise UsageError(f"tensor {record.name}: planned {record.length} bytes, got {data.nbytes}")
+        self._checksums[record.name] = _checksum(data)
+        self.disk.write_at(self._handle, record.file_offset, data)
+
+    def commit(self) -> Header:
+        """Patch the header with the checksums, write it, fsync, rename over
+        the target and fsync the directory (the commit point)."""
+        header = _with_checksums(self._header, self._checksums)
+        header_bytes = to_cbor(header)
+        planned_bytes = to_cbor(self._header)
+        if len(header_bytes) != len(planned_bytes):
+            raise AssertionError("patched header changed length: checksum slots must be fixed-width")
+        self.disk.write_at(self._handle, 0, _preamble(header_bytes, header.payload_offset) + header_bytes)
+        self.disk.fsync(self._handle)
+        self.disk.close(self._handle)
+        self._handle = None
+        self.disk.rename(self.temp_path, self.path)
+        self.disk.fsync_dir(self.path.parent)
+        return header
+
+    def abort(self) -> None:
+        """Close and remove the temp file; never raises."""
+        if self._handle is not None:
+            try:
+                self.disk.close(self._handle)
+            except DiskError:
+                pass
+            self._handle = None
+        try:
+            self.disk.unlink(self.temp_path)
+        except DiskError:
+            pass
+
+
+def _place_tensors(header: Header) -> Header:
+    """Assign aligned file offsets. Offsets are CBOR integers whose width can
+    change the header length, so iterate to the fixed point (2-3 rounds)."""
+    payload_offset = _align(PREAMBLE_BYTES)
+    for _ in range(8):
+        placed = _assign_offsets(header, payload_offset)
+        needed = _align(PREAMBLE_BYTES + len(to_cbor(placed)))
+        if needed == payload_offset:
+            return placed
+        payload_offset = needed
+    raise AssertionError("header placement did not converge")
+
+
+def _assign_offsets(header: Header, payload_offset: int) -> Header:
+    cursor = payload_offset
+    end = payload_offset
+
+    def place(record: CacheRecord) -> CacheRecord:
+        nonlocal cursor, end
+        tensors = []
+        for tensor in record.tensors:
+            tensors.append(attrs.evolve(tensor, file_offset=cursor, checksum=_ZERO_CHECKSUM))
+            end = cursor + tensor.length
+            cursor = _align(end)
+        children = tuple(place(child) for child in record.children)
+        return attrs.evolve(record, tensors=tuple(tensors), children=children)
+
+    caches = tuple(place(record) for record in header.caches)
+    return attrs.evolve(header, caches=caches, payload_offset=payload_offset, file_bytes=end)
+
+
+def _with_checksums(header: Header, checksums: Mapping[str, bytes]) -> Header:
+    def patch(record: CacheRecord) -> CacheRecord:
+        tensors = tuple(attrs.evolve(t, checksum=checksums[t.name]) for t in record.tensors)
+        return attrs.evolve(record, tensors=tensors, children=tuple(patch(c) for c in record.children))
+
+    return attrs.evolve(header, caches=tuple(patch(record) for record in header.caches))
+
+
+def _preamble(header_bytes: bytes, payload_offset: int) -> bytes:
+    unsigned = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), 0, payload_offset)
+    digest = xxhash.xxh3_64_intdigest(unsigned + header_bytes)
+    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), digest, payload_offset)
+
+
+def save(path: Path | str, caches: Sequence[Any], tokens: Sequence[int],
+         meta: EntryMeta | Mapping[str, Any] | None = None, *, disk: Disk | None = None) -> Header:
+    """Write an entry atomically to `path` and return its header.
+
+    Raises `UnknownCacheKind` / `RefusedCacheKind` for caches without a codec,
+    `UsageError` when the caches' offsets disagree with `tokens`, and
+    `DiskError` when the file system fails (the temp file is removed).
+    """
+    writer = KvFileWriter(Path(path), caches, tokens, meta, disk)
+    writer.open()
+    try:
+        for index in range(writer.tensor_count):
+            writer.write_tensor(index)
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, path: Path) -> bytearray:
+    buffer = bytearray(length)
+    got = disk.read_into(handle, offset, memoryview(buffer))
+    if got != length:
+        raise CorruptEntry(f"{path}: truncated {part} ({got} of {length} bytes)", part=part)
+    return buffer
+
+
+def _read_header_from(disk: Disk, handle: Any, path: Path) -> Header:
+    preamble = bytearray(PREAMBLE_BYTES)
+    got = disk.read_into(handle, 0, memoryview(preamble))
+    if preamble[: min(got, len(MAGIC))] != MAGIC[: min(got, len(MAGIC))] or got == 0:
+        raise UnsupportedFormat(f"{path}: not a .kvc file (bad magic)")
+    if got < PREAMBLE_BYTES:
+        raise CorruptEntry(f"{path}: truncated preamble ({got} of {PREAMBLE_BYTES} bytes)", part="preamble")
+    _, version, header_length, header_digest, payload_offset = _PREAMBLE.unpack(preamble)
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormat(f"{path}: format version {version}; this build reads version {FORMAT_VERSION}")
+    if header_length > _HEADER_BYTES_MAX:
+        raise CorruptEntry(f"{path}: header length {header_length} is implausible", part="header")
+    header_bytes = _read_exact(disk, handle, PREAMBLE_BYTES, header_length, "header", path)
+    unsigned = _PREAMBLE.pack(MAGIC, version, header_length, 0, payload_offset)
+    if xxhash.xxh3_64_intdigest(unsigned + header_bytes) != header_digest:
+        raise CorruptEntry(f"{path}: header checksum mismatch", part="header")
+    try:
+        header = from_cbor(bytes(header_bytes), Header)
+    except DecodeError as e:
+        raise CorruptEntry(f"{path}: header checksum matches but it does not decode: {e}", part="header") from e
+    if header.format_version != version or header.payload_offset != payload_offset:
+        raise CorruptEntry(f"{path}: header disagrees with the preamble", part="header")
+    size_bytes = disk.size(handle)
+    if size_bytes < header.file_bytes:
+        raise CorruptEntry(f"{path}: truncated ({size_bytes} of {header.file_bytes} bytes)", part="size")
+    return header
+
+
+def read_header(path: Path | str, *, disk: Disk | None = None) -> Header:
+    """Read and verify only the header (and that the file is long enough).
+
+    Raises `UnsupportedFormat` for a foreign file or another format version,
+    `CorruptEntry` for a damaged header or a truncated file, `DiskError` when
+    the file cannot be read.
+    """
+    disk = disk or RealDisk()
+    path = Path(path)
+    handle = disk.open_read(path)
+    try:
+        return _read_header_from(disk, handle, path)
+    finally:
+        disk.close(handle)
+
+
+def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None) -> Entry:
+    """Load an entry into fresh MLX-owned caches.
+
+    The header checksum is always verified; tensor checksums when `verify`.
+    Tensors are read one at a time into a host buffer and copied into MLX
+    (peak transient = one tensor). Raises like `read_header`, plus
+    `CorruptEntry(part="tensor <name>")` when a tensor fails its checksum.
+    """
+    disk = disk or RealDisk()
+    path = Path(path)
+    handle = disk.open_read(path)
+    try:
+        header = _read_header_from(disk, handle, path)
+
+        def read_tensor(record: TensorRecord) -> mx.array:
+            return _read_tensor(disk, handle, record, verify, path)
+
+        caches = codecs.rebuild_caches(header.caches, read_tensor)
+    finally:
+        disk.close(handle)
+    return Entry(caches=caches, tokens=header.tokens, header=header)
+
+
+def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, path: Path) -> mx.array:
+    part = f"tensor {record.name}"
+    host = np.empty(record.length, dtype=np.uint8)
+    got = disk.read_into(handle, record.file_offset, memoryview(host))
+    if got != record.length:
+        raise CorruptEntry(f"{path}: truncated {part} ({got} of {record.length} bytes)", part=part)
+    if verify and _checksum(host) != record.checksum:
+        raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
+    return codecs.host_to_mlx(host, record.dtype, record.shape)
+
+
+def verify_file(path: Path | str, *, disk: Disk | None = None) -> Header:
+    """Check every byte of an entry without building caches: header checksum,
+    size, and every tensor checksum. Raises like `load`."""
+    disk = disk or RealDisk()
+    path = Path(path)
+    handle = disk.open_read(path)
+    try:
+        header = _read_header_from(disk, handle, path)
+        for record in header.tensor_records():
+            part = f"tensor {record.name}"
+            data = _read_exact(disk, handle, record.file_offset, record.length, part, path)
+            if _checksum(data) != record.checksum:
+                raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
+    finally:
+        disk.close(handle)
+    return header
+
+
+TensorReader = Callable[[TensorRecord], mx.array]

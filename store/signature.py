@@ -1,0 +1,130 @@
+"""Cache signatures: the stable storage identity of every mlx-lm cache class.
+
+A signature names what a cache holds and how it persists (`kv:plain`,
+`kv:quant:<bits>:<group>`, `kv:rotating-plain`, `kv:chunked-plain`, `ssm`,
+`list(<sig>,...)`). Persistence codecs and the scheduler dispatch on it.
+Classes are matched exactly, never by `isinstance`: a subclass may change the
+layout, and an unknown class raises `UnknownCacheKind` ("unknown is a bug,
+not a route", spec §2.4).
+
+Minimum reusable offset (spec, "Minimum reusable offsets"): the shortest
+prefix of an entry that still has a valid representation. A trimmable cache
+serves any prefix (0); an untrimmable one only its full length. A cache may
+declare a larger bound after an irreversible transition by carrying a
+`minimum_reusable_offset` attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.models import cache as mlx_cache
+
+from kvcellar.errors import RefusedCacheKind, UnknownCacheKind
+
+SIGNATURE_PLAIN = "kv:plain"
+SIGNATURE_ROTATING = "kv:rotating-plain"
+SIGNATURE_CHUNKED = "kv:chunked-plain"
+SIGNATURE_SSM = "ssm"
+SIGNATURE_BATCH_PLAIN = "kv:batch-plain"
+SIGNATURE_BATCH_ROTATING = "kv:batch-rotating-plain"
+QUANT_PREFIX = "kv:quant:"
+LIST_PREFIX = "list("
+
+# Batched caches hold several rows; they reach the scheduler but never
+# persistence, which needs one row extracted per entry (spec §4, extract-and-put).
+BATCH_SIGNATURES = frozenset({SIGNATURE_BATCH_PLAIN, SIGNATURE_BATCH_ROTATING})
+
+_FIXED_SIGNATURES: dict[type, str] = {
+    mlx_cache.KVCache: SIGNATURE_PLAIN,
+    mlx_cache.RotatingKVCache: SIGNATURE_ROTATING,
+    mlx_cache.ChunkedKVCache: SIGNATURE_CHUNKED,
+    mlx_cache.ArraysCache: SIGNATURE_SSM,
+    mlx_cache.BatchKVCache: SIGNATURE_BATCH_PLAIN,
+    mlx_cache.BatchRotatingKVCache: SIGNATURE_BATCH_ROTATING,
+}
+
+
+def _class_name(cache: Any) -> str:
+    cls = type(cache)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def cache_signature(cache: Any) -> str:
+    """The signature of one cache object.
+
+    Raises `RefusedCacheKind` for `ConcatenateKVCache` (its `trim` is unsound)
+    and `UnknownCacheKind` for any class without a codec.
+    """
+    cls = type(cache)
+    fixed = _FIXED_SIGNATURES.get(cls)
+    if fixed is not None:
+        return fixed
+    if cls is mlx_cache.QuantizedKVCache:
+        return f"{QUANT_PREFIX}{cache.bits}:{cache.group_size}"
+    if cls is mlx_cache.CacheList:
+        return LIST_PREFIX + ",".join(cache_signature(child) for child in cache.caches) + ")"
+    if cls is mlx_cache.ConcatenateKVCache:
+        raise RefusedCacheKind(
+            "ConcatenateKVCache is refused: its trim() only moves offset while fetch returns "
+            "every row, so a trimmed prefix would attend to stale keys; use KVCache"
+        )
+    raise UnknownCacheKind(
+        f"unknown cache class {_class_name(cache)}: kvcellar has no signature or codec for it "
+        "(unknown is a bug, not a route: teach store/signature.py and store/kvfile.py this class)"
+    )
+
+
+def is_trimmable(cache: Any) -> bool:
+    """Whether the cache can drop its last tokens and still be valid.
+
+    Plain, quantized and chunked KV always can; a rotating ring only before it
+    wraps (`offset < max_size`); recurrent state (`ssm`) never; a `CacheList`
+    only if all of its members can. Raises like `cache_signature`.
+    """
+    signature = cache_signature(cache)
+    if signature == SIGNATURE_SSM:
+        return False
+    if signature.startswith(LIST_PREFIX):
+        return all(is_trimmable(child) for child in cache.caches)
+    return bool(cache.is_trimmable())
+
+
+def minimum_reusable_offset(cache: Any, token_count: int) -> int:
+    """The shortest prefix length this cache can serve, for an entry of
+    `token_count` tokens (recurrent state has no offset of its own)."""
+    if type(cache) is mlx_cache.CacheList:
+        bounds = [minimum_reusable_offset(child, token_count) for child in cache.caches]
+        return max(bounds, default=0)
+    floor = 0 if is_trimmable(cache) else token_count
+    declared = getattr(cache, "minimum_reusable_offset", None)
+    return max(floor, int(declared)) if declared is not None else floor
+
+
+def caches_trimmable(caches: Sequence[Any]) -> bool:
+    """Whether every cache of an entry can trim."""
+    return all(is_trimmable(cache) for cache in caches)
+
+
+def entry_minimum_reusable_offset(caches: Sequence[Any], token_count: int) -> int:
+    """The entry's bound: the largest of its caches' bounds."""
+    return max((minimum_reusable_offset(cache, token_count) for cache in caches), default=0)
+
+
+def usable_prefix_length(common_prefix_tokens: int, entry_tokens: int, prompt_tokens: int,
+                         trimmable: bool, minimum_reusable: int) -> int:
+    """How many tokens of an entry a prompt can reuse, or 0 when none.
+
+    The match is capped at `prompt_tokens - 1` so at least one token is
+    forwarded; serving fewer tokens than the entry holds needs a trimmable
+    entry; and the result must reach the entry's minimum reusable offset.
+    """
+    usable = min(common_prefix_tokens, prompt_tokens - 1, entry_tokens)
+    if usable <= 0:
+        return 0
+    if usable < entry_tokens and not trimmable:
+        return 0
+    if usable < minimum_reusable:
+        return 0
+    return usable
