@@ -23,8 +23,10 @@ def cli() -> None:
 
 def _register_commands() -> None:
     from kvcellar.engine.model_cli import model_group
+    from kvcellar.store.kv_cli import kv_group
 
     cli.add_command(model_group)
+    cli.add_command(kv_group)
 
 
 _register_commands()

@@ -1,0 +1,44 @@
+"""Shared fixtures: real tiny MLX models created offline, once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model_dir_factory(tmp_path_factory: pytest.TempPathFactory):
+    """`factory(arch, size="tiny", dtype="float32") -> Path`, each model made once."""
+    from kvcellar.engine.demo_models import create_model
+
+    made: dict[tuple[str, str, str], Path] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def factory(arch: str, size: str = "tiny", dtype: str = "float32") -> Path:
+        key = (arch, size, dtype)
+        if key not in made:
+            made[key] = create_model(arch, root / f"{arch}-{size}-{dtype}", size=size, dtype=dtype)
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def loaded_model_factory(model_dir_factory):
+    """`factory(arch, size="tiny", dtype="float32") -> (model, tokenizer)`, loaded once."""
+    from mlx_lm import load
+
+    loaded: dict[tuple[str, str, str], tuple] = {}
+
+    def factory(arch: str, size: str = "tiny", dtype: str = "float32"):
+        key = (arch, size, dtype)
+        if key not in loaded:
+            loaded[key] = load(str(model_dir_factory(arch, size, dtype)))
+        return loaded[key]
+
+    return factory
