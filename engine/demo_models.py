@@ -11,14 +11,15 @@ latter two used for benchmarks.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
 import os
 import re
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,174 @@ SIZE_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
             "num_key_value_heads": 4,
         },
     },
+    "gemma3_text": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "head_dim": 32,
+            "num_key_value_heads": 2,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 128,
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "head_dim": 64,
+            "num_key_value_heads": 2,
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 256,
+        },
+    },
+    "qwen3_next": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "linear_num_value_heads": 8,
+            "linear_num_key_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "moe_intermediate_size": 256,
+            "shared_expert_intermediate_size": 256,
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_value_heads": 8,
+            "linear_num_key_heads": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+        },
+    },
+    "mamba2": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_heads": 16,
+            "head_dim": 32,
+            "state_size": 32,
+            "num_hidden_layers": 12,
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1024,
+            "num_heads": 16,
+            "head_dim": 64,
+            "state_size": 64,
+            "num_hidden_layers": 12,
+        },
+    },
+    "falcon_h1": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 5,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 32,
+            "mamba_d_head": 32,
+            "mamba_n_heads": 8,
+            "mamba_d_ssm": 256,
+            "mamba_d_state": 32,
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 5,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "mamba_d_head": 64,
+            "mamba_n_heads": 8,
+            "mamba_d_ssm": 512,
+            "mamba_d_state": 64,
+        },
+    },
+    "deepseek_v3": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "moe_intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "kv_lora_rank": 128,
+            "q_lora_rank": 192,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "qk_nope_head_dim": 32,
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "moe_intermediate_size": 512,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "kv_lora_rank": 256,
+            "q_lora_rank": 384,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "qk_nope_head_dim": 64,
+        },
+    },
+    "llama4": {
+        "small": {
+            "text_config": {
+                "hidden_size": 256,
+                "intermediate_size": 256,
+                "intermediate_size_mlp": 768,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "attention_chunk_size": 128,
+            },
+        },
+        "medium": {
+            "text_config": {
+                "hidden_size": 512,
+                "intermediate_size": 512,
+                "intermediate_size_mlp": 1536,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "attention_chunk_size": 256,
+            },
+        },
+    },
+    "recurrent_gemma": {
+        "small": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_attention_heads": 8,
+            "num_hidden_layers": 9,
+            "attention_window_size": 128,
+            "block_types": ["recurrent", "recurrent", "attention"],
+        },
+        "medium": {
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_attention_heads": 8,
+            "num_hidden_layers": 9,
+            "attention_window_size": 256,
+            "block_types": ["recurrent", "recurrent", "attention"],
+        },
+    },
 }
 
 _PARTIAL_DIR_MARKER = ".partial-"
@@ -129,7 +298,7 @@ def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:
         )
     config = _load_tiny_configs()[arch]
     if size != "tiny":
-        config = _merge_config(config, SIZE_OVERRIDES[arch][size])
+        config = copy.deepcopy(_merge_config(config, SIZE_OVERRIDES[arch][size]))
     config["eos_token_id"] = EOS_TOKEN_ID
     return config
 
@@ -157,14 +326,13 @@ def create_model(
     out_dir = Path(out_dir)
     _check_out_dir_free(out_dir, overwrite=overwrite)
     weights = build_weights(config, dtype=dtype, seed=seed)
+    # Named rather than mkdtemp'd so the directory gets the umask's usual
+    # permissions; the pid in the name lets a later run clean up after a crash.
+    partial_name = f".{out_dir.name}{_PARTIAL_DIR_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
+    partial_dir = out_dir.with_name(partial_name)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        partial_dir = Path(
-            tempfile.mkdtemp(
-                prefix=f".{out_dir.name}{_PARTIAL_DIR_MARKER}{os.getpid()}-",
-                dir=out_dir.parent,
-            )
-        )
+        partial_dir.mkdir()
     except OSError as e:
         raise ModelError(f"cannot create a directory beside {out_dir}: {e}") from e
     try:
@@ -180,8 +348,8 @@ def build_weights(config: dict[str, Any], *, dtype: str, seed: int) -> dict[str,
     """Build the model described by `config` from `seed` and return its flat weights.
 
     Initialisation runs on the CPU stream so the numbers do not depend on the
-    default device. Raises `ModelError` when mlx-lm rejects the config or a
-    weight is NaN or infinite.
+    default device; it reseeds MLX's global random generator. Raises
+    `ModelError` when mlx-lm rejects the config or a weight is NaN or infinite.
     """
     try:
         module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
@@ -350,9 +518,9 @@ def _publish_dir(partial_dir: Path, out_dir: Path, *, overwrite: bool) -> None:
     replaced_dir: Path | None = None
     try:
         if out_dir.exists():
-            replaced_dir = out_dir.with_name(
-                f".{out_dir.name}{_REPLACED_DIR_MARKER}{partial_dir.name.split(_PARTIAL_DIR_MARKER, 1)[1]}"
-            )
+            unique_suffix = partial_dir.name.split(_PARTIAL_DIR_MARKER, 1)[1]
+            replaced_name = f".{out_dir.name}{_REPLACED_DIR_MARKER}{unique_suffix}"
+            replaced_dir = out_dir.with_name(replaced_name)
             out_dir.rename(replaced_dir)
         partial_dir.rename(out_dir)
         _fsync_path(out_dir.parent)

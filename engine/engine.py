@@ -1,0 +1,165 @@
+"""The engine thread: the one thread that loads the model and does all MLX work.
+
+MLX streams and lazy arrays belong to the thread that made them (mlx-notes,
+"Threads"), so the model is loaded *on* this thread and every MLX call runs
+here. The Trio side submits jobs and awaits their results; jobs run one at a
+time in submission order, which is the serial lane's FIFO admission.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import trio
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from kvcellar.errors import KvCellarError, ModelError
+
+PREFILL_STEP_TOKENS = 512
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@attrs.define(kw_only=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    model_dir: Path
+    context_tokens_max: int
+
+
+def generate_tokens(model: Any, prompt_ids: Sequence[int], params: SamplingParams,
+                    cache: list[Any] | None = None) -> Iterator[int]:
+    """Prefill `prompt_ids` in chunks, then yield sampled token ids until
+    `max_tokens` or a stop token (the stop token is yielded, then generation ends).
+    Runs on the engine thread."""
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    sampler = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    cache = cache if cache is not None else make_prompt_cache(model)
+    remaining = mx.array(list(prompt_ids))
+    while remaining.size > 1:
+        chunk = remaining[: min(PREFILL_STEP_TOKENS, remaining.size - 1)]
+        model(chunk[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        remaining = remaining[chunk.size:]
+    logits = model(remaining[None], cache=cache)[:, -1, :]
+    for _ in range(params.max_tokens):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        mx.eval(token)
+        token_id = int(token.item())
+        yield token_id
+        if token_id in params.stop_token_ids:
+            return
+        logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+
+
+class EngineStopped(KvCellarError):
+    """Raised when a job is submitted to an engine that has shut down. The
+    server's fault (a request raced shutdown); the request fails cleanly."""
+
+
+class EngineThread:
+    """Owns the engine thread. `start()` loads the model on it; `call(job)`
+    runs `job(loaded_model)` there; `stream(job, cancelled)` runs a generator
+    job there and yields its items to Trio as they come."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvcellar-engine", daemon=True)
+        self._loaded: LoadedModel | None = None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    async def start(self) -> LoadedModel:
+        self._thread.start()
+        self._loaded = await self.call(lambda _: _load(self.model_dir), needs_model=False)
+        return self._loaded
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the queued jobs, then end the thread. Joining matters: MLX
+        aborts the process if its thread is still running at interpreter exit."""
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    async def call(self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True) -> Any:
+        if not self._thread.is_alive():
+            raise EngineStopped("the engine thread is not running")
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = job(self._loaded if needs_model else None)
+            except BaseException as e:  # carried back to the awaiting task
+                outcome["error"] = e
+            token.run_sync_soon(done.set)
+
+        self._jobs.put(run)
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event):
+        """Yield each item `job` produces on the engine thread; setting
+        `cancelled` stops the job between two steps."""
+        token = trio.lowlevel.current_trio_token()
+        send, receive = trio.open_memory_channel[tuple[str, Any]](float("inf"))
+
+        def run() -> None:
+            try:
+                for item in job(self._loaded):
+                    token.run_sync_soon(send.send_nowait, ("item", item))
+                    if cancelled.is_set():
+                        break
+                token.run_sync_soon(send.send_nowait, ("end", None))
+            except BaseException as e:
+                token.run_sync_soon(send.send_nowait, ("error", e))
+
+        self._jobs.put(run)
+        try:
+            async for kind, value in receive:
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            cancelled.set()
+
+
+def _load(model_dir: Path) -> LoadedModel:
+    from mlx_lm import load
+
+    try:
+        model, tokenizer = load(str(model_dir))
+    except Exception as e:
+        raise ModelError(f"cannot load the model in {model_dir}: {e}") from e
+    config = getattr(model, "args", None)
+    context = getattr(config, "max_position_embeddings", None) or 8192
+    return LoadedModel(model=model, tokenizer=tokenizer, model_dir=model_dir, context_tokens_max=int(context))
