@@ -37,7 +37,7 @@ def test_inspect_json_prints_the_header(entry_path):
 
 
 def test_inspect_table_names_signatures_and_fields(entry_path):
-    result = CliRunner().invoke(cli, ["kv", "inspect", str(entry_path)], terminal_width=200)
+    result = CliRunner(env={"COLUMNS": "240"}).invoke(cli, ["kv", "inspect", str(entry_path)])
     assert result.exit_code == 0, result.output
     assert "kv:rotating-plain" in result.output and "ring_index=" in result.output
     assert "fingerprint.model" in result.output
