@@ -481,6 +481,40 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
+_SAFETENSORS_DTYPES = {
+    mx.float32: ("F32", None), mx.float16: ("F16", None), mx.bfloat16: ("BF16", mx.uint16),
+    mx.int32: ("I32", None), mx.uint32: ("U32", None),
+}
+
+
+def write_safetensors(path: Path, weights: dict[str, mx.array]) -> None:
+    """Write a safetensors file with tensors in sorted name order.
+
+    `mx.save_safetensors` lays tensor data out in its hash map's order, which
+    may differ between MLX builds; sorting makes the bytes the same on every
+    machine for the same weights.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name in sorted(weights):
+        array = weights[name]
+        tag, _ = _SAFETENSORS_DTYPES[array.dtype]
+        length = array.nbytes
+        header[name] = {"dtype": tag, "shape": list(array.shape), "data_offsets": [offset, offset + length]}
+        offset += length
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as out:
+        out.write(len(header_bytes).to_bytes(8, "little"))
+        out.write(header_bytes)
+        for name in sorted(weights):
+            array = weights[name]
+            view_dtype = _SAFETENSORS_DTYPES[array.dtype][1]
+            array = mx.contiguous(array.view(view_dtype) if view_dtype is not None else array)
+            mx.eval(array)
+            out.write(memoryview(array).cast("B"))
+
+
 def _write_model_files(
     model_dir: Path, config: dict[str, Any], weights: dict[str, mx.array]
 ) -> None:
@@ -501,7 +535,7 @@ def _write_model_files(
         shutil.copyfile(TOKENIZER_ASSET_PATH, model_dir / "tokenizer.json")
         # Metadata is constant on purpose: nothing time- or host-dependent may
         # enter the file, so its sha256 is reproducible.
-        mx.save_safetensors(str(model_dir / WEIGHTS_FILE_NAME), weights, metadata={"format": "mlx"})
+        write_safetensors(model_dir / WEIGHTS_FILE_NAME, weights)
         for path in model_dir.iterdir():
             _fsync_path(path)
     except (OSError, RuntimeError, ValueError) as e:
