@@ -111,4 +111,5 @@ def test_models_lists_the_served_model(server):
 def test_sigterm_shuts_the_server_down_cleanly(server):
     _, _, process = server
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0
+    status = process.wait(timeout=30)
+    assert status == 0, process.stdout.read()

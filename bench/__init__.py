@@ -1,0 +1,1 @@
+"""Benchmarks that measure kvcellar against a baseline in the same run."""

@@ -1,0 +1,26 @@
+"""Smoke test of the kvfile I/O benchmark tool: it runs and reports, not how fast."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from kvcellar.bench import kvfile_io
+
+
+def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
+    docs_before = kvfile_io.DOCS_PATH.read_text() if kvfile_io.DOCS_PATH.exists() else None
+
+    outcome = CliRunner().invoke(
+        kvfile_io.main, ["--size-mib", "4", "--repeats", "1", "--json", "--dir", str(tmp_path)])
+
+    assert outcome.exit_code == 0, outcome.output
+    figures = json.loads(outcome.stdout.strip().splitlines()[-1])
+    assert figures["save_mb_s"] > 0
+    assert figures["load_mb_s"] > 0
+    assert "save_ratio" in figures and "load_ratio" in figures
+    assert figures["payload_bytes"] >= 4 * kvfile_io.MIB_BYTES
+    assert list(tmp_path.iterdir()) == []
+    docs_after = kvfile_io.DOCS_PATH.read_text() if kvfile_io.DOCS_PATH.exists() else None
+    assert docs_after == docs_before
