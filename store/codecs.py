@@ -56,22 +56,40 @@ def dtype_name(dtype: Any) -> str:
         raise UsageError(f"dtype {dtype} cannot be persisted") from None
 
 
-def materialise(array: mx.array) -> memoryview:
-    """Evaluate one tensor into contiguous bytes (the only transient copy)."""
+def materialise(array: mx.array) -> list[memoryview]:
+    """Evaluate one tensor and return its bytes in C order as contiguous segments.
+
+    A row slice `[..., :offset, :]` of a capacity buffer is contiguous per
+    leading index (one segment per batch row and head), so the segments are
+    zero-copy views of the evaluated buffer; anything else falls back to one
+    contiguous copy. The views alias the cache: write them out before the
+    engine updates that cache again.
+    """
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
-    array = mx.contiguous(array)
     mx.eval(array)
-    return memoryview(array).cast("B")
+    host = np.asarray(memoryview(array))
+    if host.flags.c_contiguous:
+        return [memoryview(host).cast("B")]
+    if host.ndim >= 2:
+        segments = [host[index] for index in np.ndindex(host.shape[:-2])]
+        if all(segment.flags.c_contiguous for segment in segments):
+            return [memoryview(segment).cast("B") for segment in segments]
+    contiguous = mx.contiguous(array)
+    mx.eval(contiguous)
+    return [memoryview(contiguous).cast("B")]
 
 
-def host_to_mlx(host: np.ndarray, dtype: str, shape: Sequence[int]) -> mx.array:
-    """Copy host bytes into an MLX-owned array of `dtype` and `shape`."""
+def host_dtype(dtype: str) -> Any:
+    """The numpy type a persisted dtype travels as."""
     try:
-        host_dtype = _HOST_DTYPES[dtype]
-        typed = host.view(host_dtype).reshape(tuple(shape))
-    except (KeyError, ValueError) as e:
-        raise CorruptEntry(f"tensor of dtype {dtype!r} and shape {tuple(shape)} does not fit its bytes", part="header") from e
+        return _HOST_DTYPES[dtype]
+    except KeyError:
+        raise CorruptEntry(f"tensor dtype {dtype!r} is not one this build reads", part="header") from None
+
+
+def host_to_mlx(typed: np.ndarray, dtype: str) -> mx.array:
+    """Copy a typed host array into an MLX-owned array (bf16 from its bit pattern)."""
     array = mx.array(typed)
     if dtype == "bfloat16":
         array = array.view(mx.bfloat16)
@@ -183,22 +201,13 @@ def plan_caches(caches: Sequence[Any], token_count: int) -> tuple[list[CacheReco
     return records, plan.producers
 
 
-def _with_capacity(rows: mx.array, capacity: int) -> mx.array:
-    """Place `rows` ([..., n, d]) at the start of a zeroed `capacity`-row buffer."""
-    count = rows.shape[-2]
-    if capacity == count:
-        return rows
-    buffer = mx.zeros((*rows.shape[:-2], capacity, rows.shape[-1]), dtype=rows.dtype)
-    buffer[..., :count, :] = rows
-    mx.eval(buffer)
-    return buffer
-
-
 def _step_capacity(rows: int) -> int:
     return (rows // STEP_ROWS + 1) * STEP_ROWS
 
 
-TensorReader = Callable[["TensorRecord"], mx.array]
+TensorReader = Callable[..., mx.array]
+"""`read(record, capacity_rows=None) -> mx.array`: the tensor, placed at the
+start of a zero-filled buffer of `capacity_rows` rows (axis -2) when given."""
 
 
 def _rebuild_one(record: CacheRecord, read: TensorReader) -> Any:
@@ -214,8 +223,8 @@ def _rebuild_one(record: CacheRecord, read: TensorReader) -> Any:
         cache = mlx_cache.KVCache()
         if tensors:
             capacity = _step_capacity(record.offset)
-            cache.keys = _with_capacity(read(tensors[0]), capacity)
-            cache.values = _with_capacity(read(tensors[1]), capacity)
+            cache.keys = read(tensors[0], capacity)
+            cache.values = read(tensors[1], capacity)
         cache.offset = record.offset
         return cache
     if signature == sig.SIGNATURE_CHUNKED:
@@ -229,7 +238,7 @@ def _rebuild_quantized(record: CacheRecord, read: TensorReader) -> Any:
     cache = mlx_cache.QuantizedKVCache(group_size=record.fields["group_size"], bits=record.fields["bits"])
     if record.tensors:
         capacity = _step_capacity(record.offset)
-        parts = [_with_capacity(read(tensor), capacity) for tensor in record.tensors]
+        parts = [read(tensor, capacity) for tensor in record.tensors]
         cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
     cache.offset = record.offset
     return cache
@@ -240,8 +249,8 @@ def _rebuild_chunked(record: CacheRecord, read: TensorReader) -> Any:
     cache.start_position = record.fields["start_position"]
     if record.tensors:
         capacity = _step_capacity(record.offset - cache.start_position)
-        cache.keys = _with_capacity(read(record.tensors[0]), capacity)
-        cache.values = _with_capacity(read(record.tensors[1]), capacity)
+        cache.keys = read(record.tensors[0], capacity)
+        cache.values = read(record.tensors[1], capacity)
     cache.offset = record.offset
     return cache
 
@@ -252,12 +261,10 @@ def _rebuild_rotating(record: CacheRecord, read: TensorReader) -> Any:
     cache.offset = record.offset
     cache._idx = fields["ring_index"]
     if record.tensors:
-        keys, values = read(record.tensors[0]), read(record.tensors[1])
-        if not fields["wrapped"]:
-            # The capacity the next in-place step would grow to, so it does not concatenate.
-            capacity = record.offset + min(STEP_ROWS, cache.max_size - record.offset)
-            keys, values = _with_capacity(keys, capacity), _with_capacity(values, capacity)
-        cache.keys, cache.values = keys, values
+        # Unwrapped: the capacity the next in-place step would grow to, so it
+        # does not concatenate. Wrapped: the raw ring exactly as it was.
+        capacity = None if fields["wrapped"] else record.offset + min(STEP_ROWS, cache.max_size - record.offset)
+        cache.keys, cache.values = read(record.tensors[0], capacity), read(record.tensors[1], capacity)
     return cache
 
 

@@ -196,11 +196,17 @@ class KvFileWriter:
         """Materialise tensor `index` (an MLX eval: run it on the engine
         thread), checksum it and write it at its aligned offset."""
         record = self._tensors[index]
-        data = codecs.materialise(self._producers[index]())
-        if data.nbytes != record.length:
-            raise UsageError(f"tensor {record.name}: planned {record.length} bytes, got {data.nbytes}")
-        self._checksums[record.name] = _checksum(data)
-        self.disk.write_at(self._handle, record.file_offset, data)
+        segments = codecs.materialise(self._producers[index]())
+        produced_bytes = sum(segment.nbytes for segment in segments)
+        if produced_bytes != record.length:
+            raise UsageError(f"tensor {record.name}: planned {record.length} bytes, got {produced_bytes}")
+        hasher = xxhash.xxh3_64()
+        offset = record.file_offset
+        for segment in segments:
+            hasher.update(segment)
+            self.disk.write_at(self._handle, offset, segment)
+            offset += segment.nbytes
+        self._checksums[record.name] = hasher.digest()
 
     def commit(self) -> Header:
         """Patch the header with the checksums, write it, fsync, rename over
@@ -362,8 +368,8 @@ def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None) -> 
     try:
         header = _read_header_from(disk, handle, path)
 
-        def read_tensor(record: TensorRecord) -> mx.array:
-            return _read_tensor(disk, handle, record, verify, path)
+        def read_tensor(record: TensorRecord, capacity_rows: int | None = None) -> mx.array:
+            return _read_tensor(disk, handle, record, verify, path, capacity_rows)
 
         caches = codecs.rebuild_caches(header.caches, read_tensor)
     finally:
@@ -371,15 +377,39 @@ def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None) -> 
     return Entry(caches=caches, tokens=header.tokens, header=header)
 
 
-def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, path: Path) -> mx.array:
+def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, path: Path,
+                 capacity_rows: int | None) -> mx.array:
+    """Read one tensor straight into its final host layout, then make one copy
+    into MLX. With `capacity_rows`, each leading slice's rows (contiguous in the
+    file) land at the start of a zero-filled `capacity_rows`-row slot, so no
+    second copy is needed to add slack; the checksum streams over the same
+    segments in file order, so it equals the one-shot digest."""
     part = f"tensor {record.name}"
-    host = np.empty(record.length, dtype=np.uint8)
-    got = disk.read_into(handle, record.file_offset, memoryview(host))
-    if got != record.length:
-        raise CorruptEntry(f"{path}: truncated {part} ({got} of {record.length} bytes)", part=part)
-    if verify and _checksum(host) != record.checksum:
+    shape = tuple(record.shape)
+    typed_dtype = codecs.host_dtype(record.dtype)
+    itemsize = np.dtype(typed_dtype).itemsize
+    if int(np.prod(shape, dtype=np.int64)) * itemsize != record.length:
+        raise CorruptEntry(f"{path}: {part} shape {shape} does not match its {record.length} bytes", part="header")
+    if capacity_rows is None or len(shape) < 2 or capacity_rows <= shape[-2]:
+        host = np.empty(shape, dtype=typed_dtype)
+        segments = [host.reshape(-1)]
+    else:
+        host = np.zeros((*shape[:-2], capacity_rows, shape[-1]), dtype=typed_dtype)
+        slots = host.reshape(-1, capacity_rows, shape[-1])
+        segments = [slots[i, : shape[-2]] for i in range(slots.shape[0])]
+    hasher = xxhash.xxh3_64()
+    offset = record.file_offset
+    for segment in segments:
+        view = memoryview(segment).cast("B")
+        got = disk.read_into(handle, offset, view)
+        if got != len(view):
+            raise CorruptEntry(f"{path}: truncated {part}", part=part)
+        if verify:
+            hasher.update(view)
+        offset += got
+    if verify and hasher.digest() != record.checksum:
         raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
-    return codecs.host_to_mlx(host, record.dtype, record.shape)
+    return codecs.host_to_mlx(host, record.dtype)
 
 
 def verify_file(path: Path | str, *, disk: Disk | None = None) -> Header:
