@@ -29,6 +29,7 @@ import platformdirs
 from mlx.utils import tree_flatten
 
 from kvcellar.errors import ModelError, UsageError
+from kvcellar.store.disk import fsync_path
 
 ARCHITECTURES = (
     "llama",
@@ -537,7 +538,7 @@ def _write_model_files(
         # enter the file, so its sha256 is reproducible.
         write_safetensors(model_dir / WEIGHTS_FILE_NAME, weights)
         for path in model_dir.iterdir():
-            _fsync_path(path)
+            fsync_path(path)
     except (OSError, RuntimeError, ValueError) as e:
         raise ModelError(f"cannot write model files into {model_dir}: {e}") from e
 
@@ -557,19 +558,11 @@ def _publish_dir(partial_dir: Path, out_dir: Path, *, overwrite: bool) -> None:
             replaced_dir = out_dir.with_name(replaced_name)
             out_dir.rename(replaced_dir)
         partial_dir.rename(out_dir)
-        _fsync_path(out_dir.parent)
+        fsync_path(out_dir.parent)
     except OSError as e:
         raise ModelError(f"cannot move the new model into {out_dir}: {e}") from e
     if replaced_dir is not None:
         shutil.rmtree(replaced_dir, ignore_errors=True)
-
-
-def _fsync_path(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _remove_abandoned_partial_dirs(model_dir: Path) -> None:

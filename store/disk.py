@@ -59,6 +59,17 @@ class Disk(Protocol):
     def utime(self, path: Path, mtime_ns: int) -> None: ...
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (so a rename or create inside it is durable);
+    raises `OSError`. Also used for files outside the KV store's `Disk` domain
+    (demo models, the shard digest memo)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def _disk_error(operation: str, path: object, e: OSError) -> DiskError:
     reason = os.strerror(e.errno) if e.errno else str(e)
     return DiskError(f"{operation} {path}: {reason}", errno=e.errno)
@@ -130,15 +141,9 @@ class RealDisk:
 
     def fsync_dir(self, path: Path) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        except OSError as e:
-            raise _disk_error("open directory", path, e) from e
-        try:
-            os.fsync(fd)
+            fsync_path(path)
         except OSError as e:
             raise _disk_error("fsync directory", path, e) from e
-        finally:
-            os.close(fd)
 
     def unlink(self, path: Path) -> None:
         try:

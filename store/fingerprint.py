@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from kvcellar.errors import ModelError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.store.disk import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class ShardDigestMemo:
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temp, self.path)
-            _fsync_directory(self.directory)
+            fsync_path(self.directory)
         except OSError as e:
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
@@ -183,14 +184,6 @@ class ShardDigestMemo:
             level = logging.DEBUG if self._warned_write_failure else logging.WARNING
             log.log(level, "cannot write shard digest memo %s (shards will be re-read): %s", self.path, e)
             self._warned_write_failure = True
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _read_json(path: Path) -> Any:
