@@ -61,6 +61,13 @@ class DiskError(StoreError):
         self.errno = errno
 
 
+class DirectoryLocked(StoreError):
+    """Raised at startup when another process already holds the cache
+    directory's lock (a second server on the same directory). The operator's
+    fault: stop the other server or pick another directory. The message names
+    the holder."""
+
+
 class ModelError(KvCellarError):
     """Raised when a model directory cannot be created or loaded (missing files,
     a config mlx-lm rejects). The operator's fault, or a damaged directory."""

@@ -12,13 +12,14 @@ create exclusively -> write -> fsync(file) -> rename -> fsync(directory).
 from __future__ import annotations
 
 import errno as errno_codes
+import fcntl
 import os
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 
-from kvcellar.errors import DiskError
+from kvcellar.errors import DirectoryLocked, DiskError
 
 FileHandle = Any
 """An opaque handle returned by `create_exclusive` / `open_read`."""
@@ -57,6 +58,8 @@ class Disk(Protocol):
     def scandir(self, path: Path) -> list[DirEntry]: ...
     def stat(self, path: Path) -> FileStat: ...
     def utime(self, path: Path, mtime_ns: int) -> None: ...
+    def lock_exclusive(self, path: Path, owner: str) -> FileHandle: ...
+    def unlock(self, handle: FileHandle) -> None: ...
 
 
 def fsync_path(path: Path) -> None:
@@ -187,6 +190,34 @@ class RealDisk:
             os.utime(path, ns=(mtime_ns, mtime_ns))
         except OSError as e:
             raise _disk_error("utime", path, e) from e
+
+
+    def lock_exclusive(self, path: Path, owner: str) -> int:
+        """Take an exclusive advisory lock on `path` (created if needed) and
+        record `owner` in it; raises `DirectoryLocked` naming the holder when
+        another process has it. The lock dies with the process."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise _disk_error("open lock", path, e) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "an unknown process"
+            os.close(fd)
+            raise DirectoryLocked(f"{path.parent} is in use by {holder}") from None
+        except OSError as e:
+            os.close(fd)
+            raise _disk_error("lock", path, e) from e
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, owner.encode(), 0)
+        return fd
+
+    def unlock(self, handle: int) -> None:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        finally:
+            os.close(handle)
 
 
 @attrs.frozen(kw_only=True)

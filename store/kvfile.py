@@ -283,15 +283,8 @@ def _preamble(header_bytes: bytes, payload_offset: int) -> bytes:
     return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), digest, payload_offset)
 
 
-def save(path: Path | str, caches: Sequence[Any], tokens: Sequence[int],
-         meta: EntryMeta | Mapping[str, Any] | None = None, *, disk: Disk | None = None) -> Header:
-    """Write an entry atomically to `path` and return its header.
-
-    Raises `UnknownCacheKind` / `RefusedCacheKind` for caches without a codec,
-    `UsageError` when the caches' offsets disagree with `tokens`, and
-    `DiskError` when the file system fails (the temp file is removed).
-    """
-    writer = KvFileWriter(Path(path), caches, tokens, meta, disk)
+def write_entry(writer: KvFileWriter) -> Header:
+    """Run a writer's whole sequence; on any failure the temp file is removed."""
     writer.open()
     try:
         for index in range(writer.tensor_count):
@@ -300,6 +293,17 @@ def save(path: Path | str, caches: Sequence[Any], tokens: Sequence[int],
     except BaseException:
         writer.abort()
         raise
+
+
+def save(path: Path | str, caches: Sequence[Any], tokens: Sequence[int],
+         meta: EntryMeta | Mapping[str, Any] | None = None, *, disk: Disk | None = None) -> Header:
+    """Write an entry atomically to `path` and return its header.
+
+    Raises `UnknownCacheKind` / `RefusedCacheKind` for caches without a codec,
+    `UsageError` when the caches' offsets disagree with `tokens`, and
+    `DiskError` when the file system fails (the temp file is removed).
+    """
+    return write_entry(KvFileWriter(Path(path), caches, tokens, meta, disk))
 
 
 def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, path: Path) -> bytearray:

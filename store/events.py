@@ -1,0 +1,164 @@
+"""Events of the SSD cold tier, appended to the journal.
+
+Every durable state change of the tier is one event: what was stored,
+superseded, evicted, quarantined, reaped, hit and restored, and each
+correction the startup reconciliation made. Events are frozen attrs classes,
+serialised only through the one cattrs converter (CBOR). `kind` names the
+class in the journal's `kind` column; `EVENT_TYPES` maps it back.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class EntryFields:
+    """What the journal's `entries` projection holds for one entry."""
+
+    entry_id: str
+    namespace: str
+    path: str
+    token_count: int
+    tokens_sha256: str
+    bytes: int
+    mtime_ns: int
+    trimmable: bool
+    minimum_reusable_offset: int
+
+
+@attrs.frozen(kw_only=True)
+class EntryStored:
+    """A new entry was committed (after the directory fsync)."""
+
+    kind: ClassVar[str] = "entry.stored"
+    entry: EntryFields
+
+
+@attrs.frozen(kw_only=True)
+class EntrySuperseded:
+    """An entry was removed because a newer one covers it (exact duplicate, or
+    a strict prefix ancestor of a trimmable newcomer)."""
+
+    kind: ClassVar[str] = "entry.superseded"
+    entry_id: str
+    by_entry_id: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class EntryEvicted:
+    """An entry was removed to keep the tier under its byte cap (oldest first)."""
+
+    kind: ClassVar[str] = "entry.evicted"
+    entry_id: str
+    bytes: int
+    reason: str = "byte_cap"
+
+
+@attrs.frozen(kw_only=True)
+class EntryHit:
+    """`find` matched this entry and `restore` began: its mtime (LRU) was touched."""
+
+    kind: ClassVar[str] = "entry.hit"
+    entry_id: str
+    mtime_ns: int
+    usable_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class EntryRestored:
+    """The entry was loaded and trimmed to `usable_tokens`."""
+
+    kind: ClassVar[str] = "entry.restored"
+    entry_id: str
+    usable_tokens: int
+    restore_ms: float
+
+
+@attrs.frozen(kw_only=True)
+class EntryQuarantined:
+    """A corrupt, foreign or mismatched file was moved aside (`entry_id` is
+    empty when the file was never indexed)."""
+
+    kind: ClassVar[str] = "entry.quarantined"
+    entry_id: str
+    path: str
+    quarantine_path: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class QuarantinePurged:
+    """A quarantined file was removed to keep quarantine under its cap."""
+
+    kind: ClassVar[str] = "quarantine.purged"
+    quarantine_path: str
+    bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class TempReaped:
+    """An orphaned `.tmp` file of an interrupted write was removed at startup."""
+
+    kind: ClassVar[str] = "entry.temp_reaped"
+    path: str
+
+
+@attrs.frozen(kw_only=True)
+class EntryWriteFailed:
+    """A store did not happen (disk full, I/O error): the entry is not stored."""
+
+    kind: ClassVar[str] = "entry.write_failed"
+    namespace: str
+    token_count: int
+    reason: str
+    errno: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ReconcileAdded:
+    """Startup found a valid file the journal did not know."""
+
+    kind: ClassVar[str] = "reconcile.added"
+    entry: EntryFields
+
+
+@attrs.frozen(kw_only=True)
+class ReconcileRemoved:
+    """Startup found a journal entry whose file is gone."""
+
+    kind: ClassVar[str] = "reconcile.removed"
+    entry_id: str
+
+
+@attrs.frozen(kw_only=True)
+class ReconcileUpdated:
+    """Startup found a file whose header or stat disagrees with the journal."""
+
+    kind: ClassVar[str] = "reconcile.updated"
+    entry: EntryFields
+
+
+Event = (
+    EntryStored | EntrySuperseded | EntryEvicted | EntryHit | EntryRestored | EntryQuarantined
+    | QuarantinePurged | TempReaped | EntryWriteFailed | ReconcileAdded | ReconcileRemoved | ReconcileUpdated
+)
+
+EVENT_TYPES: dict[str, type] = {
+    cls.kind: cls
+    for cls in (
+        EntryStored, EntrySuperseded, EntryEvicted, EntryHit, EntryRestored, EntryQuarantined,
+        QuarantinePurged, TempReaped, EntryWriteFailed, ReconcileAdded, ReconcileRemoved, ReconcileUpdated,
+    )
+}
+
+
+def event_entry_id(event: Event) -> str:
+    """The entry an event is about ("" when none)."""
+    entry = getattr(event, "entry", None)
+    if entry is not None:
+        return entry.entry_id
+    return getattr(event, "entry_id", "") or ""

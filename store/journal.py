@@ -1,0 +1,249 @@
+"""The SQLite journal of the SSD tier: an append-only event log plus projections.
+
+Files are the database: the `.kvc` files are the truth and the journal mirrors
+them, so that what happened can be inspected and replayed. Each `append`
+inserts one row into `events` and updates the projections it implies (the
+`entries` table) in the same transaction, through `apply_event`. Replaying
+the events from the start with the same function rebuilds exactly the stored
+projections (`replay`).
+
+Durability: WAL with `synchronous=NORMAL`. A committed event survives a
+process crash; a power loss may drop the last few, which the next startup's
+reconciliation against the files puts right (each correction is an event).
+A journal that cannot be written degrades to "not journaled": one warning,
+no more appends, serving continues.
+
+Schema (version 1, `PRAGMA user_version`):
+    events(seq INTEGER PRIMARY KEY AUTOINCREMENT, time_ns, actor, kind, entry_id, payload BLOB)
+    entries(entry_id PRIMARY KEY, namespace, path, token_count, tokens_sha256, bytes,
+            mtime_ns, trimmable, minimum_reusable_offset, hits, restores)
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import sqlite_utils
+
+from kvcellar.errors import StoreError
+from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.store import events as ev
+
+log = logging.getLogger("kvcellar.journal")
+
+SCHEMA_VERSION = 1
+JOURNAL_FILE_NAME = "journal.sqlite"
+
+ENTRY_COLUMNS = (
+    "entry_id", "namespace", "path", "token_count", "tokens_sha256", "bytes", "mtime_ns",
+    "trimmable", "minimum_reusable_offset", "hits", "restores",
+)
+
+
+class JournalError(StoreError):
+    """Raised when a journal cannot be opened for reading: not a kvcellar
+    journal, a schema newer than this build, or a damaged database. The
+    environment's fault; the server itself degrades instead of raising."""
+
+
+def _migrate_to_1(db: sqlite_utils.Database) -> None:
+    db.execute(
+        "CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, time_ns INTEGER NOT NULL, "
+        "actor TEXT NOT NULL, kind TEXT NOT NULL, entry_id TEXT NOT NULL, payload BLOB NOT NULL)"
+    )
+    db.execute("CREATE INDEX events_entry ON events(entry_id)")
+    db.execute("CREATE INDEX events_kind ON events(kind)")
+    _create_projections(db)
+
+
+def _create_projections(db: sqlite_utils.Database) -> None:
+    db.execute(
+        "CREATE TABLE entries (entry_id TEXT PRIMARY KEY, namespace TEXT NOT NULL, path TEXT NOT NULL, "
+        "token_count INTEGER NOT NULL, tokens_sha256 TEXT NOT NULL, bytes INTEGER NOT NULL, "
+        "mtime_ns INTEGER NOT NULL, trimmable INTEGER NOT NULL, minimum_reusable_offset INTEGER NOT NULL, "
+        "hits INTEGER NOT NULL DEFAULT 0, restores INTEGER NOT NULL DEFAULT 0)"
+    )
+
+
+# Index i migrates a database at user_version i to i + 1.
+MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_migrate_to_1,)
+
+
+def _upsert_entry(db: sqlite_utils.Database, entry: ev.EntryFields, *, keep_counters: bool) -> None:
+    row = attrs.asdict(entry)
+    row["trimmable"] = int(row["trimmable"])
+    if keep_counters:
+        current = db.execute("SELECT hits, restores FROM entries WHERE entry_id = ?", [entry.entry_id]).fetchone()
+        row["hits"], row["restores"] = current if current else (0, 0)
+    else:
+        row["hits"], row["restores"] = 0, 0
+    placeholders = ", ".join("?" for _ in ENTRY_COLUMNS)
+    db.execute(f"INSERT OR REPLACE INTO entries ({', '.join(ENTRY_COLUMNS)}) VALUES ({placeholders})",
+               [row[column] for column in ENTRY_COLUMNS])
+
+
+def apply_event(db: sqlite_utils.Database, event: ev.Event) -> None:
+    """Update the projections for one event. The only place projections change."""
+    if isinstance(event, (ev.EntryStored, ev.ReconcileAdded)):
+        _upsert_entry(db, event.entry, keep_counters=False)
+    elif isinstance(event, ev.ReconcileUpdated):
+        _upsert_entry(db, event.entry, keep_counters=True)
+    elif isinstance(event, (ev.EntrySuperseded, ev.EntryEvicted, ev.ReconcileRemoved)):
+        db.execute("DELETE FROM entries WHERE entry_id = ?", [event.entry_id])
+    elif isinstance(event, ev.EntryQuarantined) and event.entry_id:
+        db.execute("DELETE FROM entries WHERE entry_id = ?", [event.entry_id])
+    elif isinstance(event, ev.EntryHit):
+        db.execute("UPDATE entries SET hits = hits + 1, mtime_ns = ? WHERE entry_id = ?",
+                   [event.mtime_ns, event.entry_id])
+    elif isinstance(event, ev.EntryRestored):
+        db.execute("UPDATE entries SET restores = restores + 1 WHERE entry_id = ?", [event.entry_id])
+
+
+@attrs.frozen(kw_only=True)
+class JournalEvent:
+    seq: int
+    time_ns: int
+    actor: str
+    kind: str
+    entry_id: str
+    event: Any
+
+
+def decode_event(kind: str, payload: bytes) -> Any:
+    """The event object of a stored row; raises `JournalError` for an unknown kind or bad payload."""
+    event_type = ev.EVENT_TYPES.get(kind)
+    if event_type is None:
+        raise JournalError(f"unknown event kind {kind!r}")
+    try:
+        return from_cbor(payload, event_type)
+    except DecodeError as e:
+        raise JournalError(f"damaged {kind} event payload: {e}") from e
+
+
+class Journal:
+    """The journal of one fingerprint directory. Open with `Journal.open`
+    (read-write, migrating) or `Journal.open_readonly` (inspection)."""
+
+    def __init__(self, db: sqlite_utils.Database | None, path: Path, clock_ns: Callable[[], int]) -> None:
+        self._db = db
+        self.path = path
+        self._clock_ns = clock_ns
+        self.degraded = db is None
+
+    @classmethod
+    def open(cls, path: Path, *, clock_ns: Callable[[], int] = time.time_ns) -> Journal:
+        """Open or create the journal; a journal that cannot be opened is
+        returned degraded (logged), never raised: serving must not depend on it."""
+        try:
+            connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            db = sqlite_utils.Database(connection)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            _migrate(db)
+        except (sqlite3.Error, JournalError) as e:
+            log.warning("journal %s cannot be opened, continuing without a journal: %s", path, e)
+            return cls(None, path, clock_ns)
+        return cls(db, path, clock_ns)
+
+    @classmethod
+    def open_readonly(cls, path: Path) -> Journal:
+        """Open for inspection only; safe beside a running server (WAL).
+        Raises `JournalError` for a missing, foreign, damaged or newer journal."""
+        if not path.is_file():
+            raise JournalError(f"{path}: no journal here")
+        try:
+            connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+            db = sqlite_utils.Database(connection)
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            tables = set(db.table_names())
+        except sqlite3.Error as e:
+            raise JournalError(f"{path}: not a readable SQLite database: {e}") from e
+        if version > SCHEMA_VERSION:
+            raise JournalError(f"{path}: journal schema {version} is newer than this build reads ({SCHEMA_VERSION})")
+        if version < 1 or not {"events", "entries"} <= tables:
+            raise JournalError(f"{path}: not a kvcellar journal")
+        return cls(db, path, time.time_ns)
+
+    def append(self, event: ev.Event, *, actor: str = "ssd") -> int | None:
+        """Append one event and apply it to the projections in one transaction.
+        Returns its sequence number, or None when the journal is degraded."""
+        if self._db is None:
+            return None
+        try:
+            with self._db.conn:
+                self._db.execute("BEGIN IMMEDIATE")
+                cursor = self._db.execute(
+                    "INSERT INTO events (time_ns, actor, kind, entry_id, payload) VALUES (?, ?, ?, ?, ?)",
+                    [self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event)],
+                )
+                apply_event(self._db, event)
+                return int(cursor.lastrowid)
+        except sqlite3.Error as e:
+            log.warning("journal %s cannot be written, continuing without a journal: %s", self.path, e)
+            self._db = None
+            self.degraded = True
+            return None
+
+    def events(self, *, after_seq: int = 0, until_seq: int | None = None, kind: str | None = None,
+               entry_id: str | None = None) -> Iterator[JournalEvent]:
+        """Stored events in sequence order, optionally filtered."""
+        if self._db is None:
+            return
+        clauses, params = ["seq > ?"], [after_seq]
+        if until_seq is not None:
+            clauses.append("seq <= ?")
+            params.append(until_seq)
+        if kind is not None:
+            clauses.append("kind = ?")
+            params.append(kind)
+        if entry_id is not None:
+            clauses.append("entry_id = ?")
+            params.append(entry_id)
+        query = f"SELECT seq, time_ns, actor, kind, entry_id, payload FROM events WHERE {' AND '.join(clauses)} ORDER BY seq"
+        for seq, time_ns, actor, kind_, entry, payload in self._db.execute(query, params).fetchall():
+            yield JournalEvent(seq=seq, time_ns=time_ns, actor=actor, kind=kind_, entry_id=entry,
+                               event=decode_event(kind_, payload))
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The stored `entries` projection, ordered by entry id."""
+        if self._db is None:
+            return []
+        return _entry_rows(self._db)
+
+    def replay(self, *, until_seq: int | None = None) -> list[dict[str, Any]]:
+        """The `entries` projection rebuilt from the events alone (up to `until_seq`)."""
+        scratch = sqlite_utils.Database(memory=True)
+        _create_projections(scratch)
+        for record in self.events(until_seq=until_seq):
+            apply_event(scratch, record.event)
+        return _entry_rows(scratch)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.conn.close()
+            self._db = None
+
+
+def _entry_rows(db: sqlite_utils.Database) -> list[dict[str, Any]]:
+    cursor = db.execute(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM entries ORDER BY entry_id")
+    return [dict(zip(ENTRY_COLUMNS, row)) for row in cursor.fetchall()]
+
+
+def _migrate(db: sqlite_utils.Database) -> None:
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise JournalError(f"journal schema {version} is newer than this build ({SCHEMA_VERSION})")
+    if version == 0 and db.table_names():
+        raise JournalError("the database holds tables but is not a kvcellar journal")
+    while version < SCHEMA_VERSION:
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            MIGRATIONS[version](db)
+            version += 1
+            db.execute(f"PRAGMA user_version = {version}")

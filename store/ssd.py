@@ -1,0 +1,484 @@
+"""The SSD cold tier: one `.kvc` file per prefix entry; the files are the database.
+
+Layout under the root directory:
+
+    <root>/<fingerprint>/lock                 exclusive lock, names its holder
+    <root>/<fingerprint>/journal.sqlite       the journal (events + projections)
+    <root>/<fingerprint>/<ns-hash>/<uuid>.kvc one file per entry
+    <root>/<fingerprint>/quarantine/          corrupt or mismatched files, capped
+
+Only our own fingerprint directory is ever read or written; a different
+model, tokenizer, KV scheme or MLX build selects another directory and leaves
+the old one intact. Startup scans headers only into an in-memory index (one
+`PrefixIndex` per namespace), reaps `.tmp` orphans, quarantines what fails a
+check, and reconciles the journal against the scan (each correction is an
+event). `find` is index-only. Every failure degrades to "no hit" or "not
+stored": the tier never takes serving down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcellar.errors import CorruptEntry, DiskError, StoreError, UnsupportedFormat
+from kvcellar.store import events as ev
+from kvcellar.store import kvfile
+from kvcellar.store.disk import Disk, RealDisk
+from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal
+from kvcellar.store.prefix_index import PrefixIndex
+
+log = logging.getLogger("kvcellar.ssd")
+
+QUARANTINE_DIR_NAME = "quarantine"
+LOCK_FILE_NAME = "lock"
+QUARANTINE_MAX_BYTES_DEFAULT = 1 << 30
+_NS_HASH_HEX_CHARS = 16
+
+
+def namespace_dir_name(namespace: str) -> str:
+    """The directory of a namespace: a hash, so any adapter spec is a safe name."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:_NS_HASH_HEX_CHARS]
+
+
+def tokens_sha256(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<u4").tobytes()).hexdigest()
+
+
+@attrs.define(kw_only=True)
+class IndexedEntry:
+    entry_id: str
+    namespace: str
+    path: Path
+    tokens: np.ndarray
+    bytes: int
+    mtime_ns: int
+    trimmable: bool
+    minimum_reusable_offset: int
+
+
+@attrs.frozen(kw_only=True)
+class SsdMatch:
+    """What `find` returns: restore `usable_tokens` of the entry."""
+
+    entry_id: str
+    namespace: str
+    usable_tokens: int
+    entry_tokens: int
+
+
+@attrs.define(kw_only=True)
+class SsdCounters:
+    restores: int = 0
+    spills: int = 0
+    hits: int = 0
+    restore_ms_last: float = 0.0
+    quarantined: int = 0
+    evictions: int = 0
+    supersessions: int = 0
+    write_failures: int = 0
+    restore_failures: int = 0
+
+
+class SsdStore:
+    """The cold tier of one serving fingerprint. Thread-safe (one lock)."""
+
+    def __init__(self, root_dir: Path, fingerprint: str, *, max_bytes: int | None, disk: Disk,
+                 fingerprint_fields: dict[str, str], quarantine_max_bytes: int, verify: bool,
+                 clock_ns: Callable[[], int]) -> None:
+        self.root_dir = Path(root_dir)
+        self.fingerprint = fingerprint
+        self.directory = self.root_dir / fingerprint
+        self.max_bytes = max_bytes or None
+        self.disk = disk
+        self.verify = verify
+        self.quarantine_max_bytes = quarantine_max_bytes
+        self._fingerprint_fields = {**fingerprint_fields, "digest": fingerprint}
+        self._clock_ns = clock_ns
+        self._lock = threading.RLock()
+        self._entries: dict[str, IndexedEntry] = {}
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._bytes_total = 0
+        self._mtime_max_ns = 0
+        self.counters = SsdCounters()
+        self._warned_write_failure = False
+        self._lock_handle: Any = None
+        self.journal: Journal | None = None
+
+    @classmethod
+    def open(cls, root_dir: Path | str, fingerprint: str, max_bytes: int | None = None, disk: Disk | None = None,
+             *, fingerprint_fields: dict[str, str] | None = None,
+             quarantine_max_bytes: int = QUARANTINE_MAX_BYTES_DEFAULT, verify: bool = True,
+             journal: bool = True, clock_ns: Callable[[], int] = time.time_ns) -> SsdStore:
+        """Lock the fingerprint directory, scan it and reconcile the journal.
+
+        Raises `DirectoryLocked` when another process holds the directory and
+        `DiskError` when the directory cannot be created or locked.
+        """
+        store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
+                    fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
+                    verify=verify, clock_ns=clock_ns)
+        store.disk.makedirs(store.directory)
+        owner = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
+        store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
+        try:
+            if journal:
+                store.journal = Journal.open(store.directory / JOURNAL_FILE_NAME, clock_ns=clock_ns)
+            store._scan()
+            store._reconcile_journal()
+            store._evict_over_cap()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        """Close the journal and release the directory lock."""
+        with self._lock:
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
+            if self._lock_handle is not None:
+                self.disk.unlock(self._lock_handle)
+                self._lock_handle = None
+
+    def _event(self, event: ev.Event) -> None:
+        if self.journal is not None:
+            self.journal.append(event)
+
+    # -- startup -----------------------------------------------------------
+
+    def _scan(self) -> None:
+        for entry in self.disk.scandir(self.directory):
+            if not entry.is_dir or entry.name == QUARANTINE_DIR_NAME:
+                continue
+            ns_dir = self.directory / entry.name
+            for item in self.disk.scandir(ns_dir):
+                path = ns_dir / item.name
+                if item.name.endswith(kvfile.TEMP_SUFFIX):
+                    self._reap(path)
+                elif item.name.endswith(kvfile.FILE_SUFFIX) and not item.is_dir:
+                    self._scan_file(path, entry.name)
+
+    def _reap(self, path: Path) -> None:
+        try:
+            self.disk.unlink(path)
+        except DiskError as e:
+            log.warning("cannot reap %s: %s", path, e)
+            return
+        self._event(ev.TempReaped(path=self._relative(path)))
+
+    def _scan_file(self, path: Path, ns_dir_name: str) -> None:
+        try:
+            header = kvfile.read_header(path, disk=self.disk)
+        except (UnsupportedFormat, CorruptEntry) as e:
+            self._quarantine(path, "", str(e))
+            return
+        except DiskError as e:
+            log.warning("skipping unreadable %s: %s", path, e)
+            return
+        problem = self._mismatch(header, ns_dir_name, path)
+        if problem:
+            self._quarantine(path, "", problem)
+            return
+        stat = self.disk.stat(path)
+        self._index(IndexedEntry(
+            entry_id=path.stem, namespace=header.namespace, path=path,
+            tokens=np.asarray(header.tokens, dtype=np.uint32), bytes=stat.size_bytes, mtime_ns=stat.mtime_ns,
+            trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset,
+        ))
+
+    def _mismatch(self, header: kvfile.Header, ns_dir_name: str, path: Path) -> str:
+        if header.fingerprint.get("digest") != self.fingerprint:
+            return f"fingerprint {header.fingerprint.get('digest')!r} is not this directory's {self.fingerprint!r}"
+        if namespace_dir_name(header.namespace) != ns_dir_name:
+            return f"namespace {header.namespace!r} does not belong in directory {ns_dir_name}"
+        if not _is_entry_id(path.stem):
+            return "file name is not an entry id"
+        return ""
+
+    def _reconcile_journal(self) -> None:
+        """The files are the truth: bring the journal's projection in line with
+        the scan, one event per correction."""
+        if self.journal is None:
+            return
+        journaled = {row["entry_id"]: row for row in self.journal.entries()}
+        for entry_id, entry in sorted(self._entries.items()):
+            fields = self._fields(entry)
+            row = journaled.pop(entry_id, None)
+            if row is None:
+                self._event(ev.ReconcileAdded(entry=fields))
+            elif _row_fields(row) != fields:
+                self._event(ev.ReconcileUpdated(entry=fields))
+        for entry_id in sorted(journaled):
+            self._event(ev.ReconcileRemoved(entry_id=entry_id))
+
+    # -- index -------------------------------------------------------------
+
+    def _index(self, entry: IndexedEntry) -> None:
+        self._entries[entry.entry_id] = entry
+        self._indexes.setdefault(entry.namespace, PrefixIndex()).add(
+            entry.entry_id, entry.tokens, trimmable=entry.trimmable,
+            minimum_reusable_offset=entry.minimum_reusable_offset)
+        self._bytes_total += entry.bytes
+        self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
+
+    def _unindex(self, entry_id: str) -> IndexedEntry | None:
+        entry = self._entries.pop(entry_id, None)
+        if entry is not None:
+            self._indexes[entry.namespace].remove(entry_id)
+            self._bytes_total -= entry.bytes
+        return entry
+
+    def _fields(self, entry: IndexedEntry) -> ev.EntryFields:
+        return ev.EntryFields(
+            entry_id=entry.entry_id, namespace=entry.namespace, path=self._relative(entry.path),
+            token_count=int(entry.tokens.size), tokens_sha256=tokens_sha256(entry.tokens), bytes=entry.bytes,
+            mtime_ns=entry.mtime_ns, trimmable=entry.trimmable, minimum_reusable_offset=entry.minimum_reusable_offset,
+        )
+
+    def _relative(self, path: Path) -> str:
+        return str(path.relative_to(self.directory))
+
+    # -- quarantine ----------------------------------------------------------
+
+    def _quarantine(self, path: Path, entry_id: str, reason: str) -> None:
+        """Move a bad file aside (kept for inspection), then keep quarantine under its cap."""
+        self.counters.quarantined += 1
+        log.warning("quarantining %s: %s", path, reason)
+        quarantine_dir = self.directory / QUARANTINE_DIR_NAME
+        target = quarantine_dir / f"{self._clock_ns()}-{path.parent.name}-{path.name}"
+        try:
+            self.disk.makedirs(quarantine_dir)
+            self.disk.rename(path, target)
+        except DiskError as e:
+            log.warning("cannot quarantine %s (%s); removing it", path, e)
+            try:
+                self.disk.unlink(path)
+            except DiskError:
+                pass
+            target = Path("")
+        self._event(ev.EntryQuarantined(entry_id=entry_id, path=self._relative(path),
+                                        quarantine_path=str(target.name), reason=reason))
+        self._purge_quarantine()
+
+    def _purge_quarantine(self) -> None:
+        quarantine_dir = self.directory / QUARANTINE_DIR_NAME
+        try:
+            items = sorted(self.disk.scandir(quarantine_dir), key=lambda item: (item.mtime_ns, item.name))
+        except DiskError:
+            return
+        total = sum(item.size_bytes for item in items)
+        for item in items:
+            if total <= self.quarantine_max_bytes:
+                break
+            try:
+                self.disk.unlink(quarantine_dir / item.name)
+            except DiskError:
+                continue
+            total -= item.size_bytes
+            self._event(ev.QuarantinePurged(quarantine_path=item.name, bytes=item.size_bytes))
+
+    # -- find / restore ------------------------------------------------------
+
+    def find(self, tokens: Sequence[int] | np.ndarray, ns: str = "") -> SsdMatch | None:
+        """The entry giving the longest usable prefix of `tokens` in `ns`
+        (capped at `len(tokens) - 1`, untrimmable entries only for exact
+        prefixes); index-only, no I/O. None when nothing is usable."""
+        with self._lock:
+            index = self._indexes.get(ns)
+            if index is None or len(tokens) < 2:
+                return None
+            match = index.best(np.asarray(tokens, dtype=np.uint32))
+            if match is None:
+                return None
+            return SsdMatch(entry_id=match.entry_id, namespace=ns, usable_tokens=match.usable_tokens,
+                            entry_tokens=match.entry_tokens)
+
+    def restore(self, match: SsdMatch) -> list[Any] | None:
+        """Load the matched entry into fresh caches trimmed to `usable_tokens`.
+
+        Returns None ("no hit") when the entry is gone, unreadable or fails a
+        check; a failing file is quarantined. Touches the file's mtime (LRU).
+        """
+        with self._lock:
+            entry = self._entries.get(match.entry_id)
+            if entry is None or match.usable_tokens > entry.tokens.size:
+                return None
+            started_ns = time.perf_counter_ns()
+            try:
+                loaded = kvfile.load(entry.path, verify=self.verify, disk=self.disk)
+            except (CorruptEntry, UnsupportedFormat) as e:
+                self._drop_bad_entry(entry, str(e))
+                return None
+            except DiskError as e:
+                self.counters.restore_failures += 1
+                log.warning("cannot restore %s: %s", entry.path, e)
+                return None
+            if not np.array_equal(np.asarray(loaded.tokens, dtype=np.uint32), entry.tokens):
+                self._drop_bad_entry(entry, "tokens differ from the indexed header")
+                return None
+            caches = _trimmed(loaded.caches, entry.tokens.size - match.usable_tokens)
+            self._touch(entry, match.usable_tokens)
+            restore_ms = (time.perf_counter_ns() - started_ns) / 1e6
+            self.counters.restores += 1
+            self.counters.restore_ms_last = restore_ms
+            self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
+                                         restore_ms=round(restore_ms, 3)))
+            return caches
+
+    def _drop_bad_entry(self, entry: IndexedEntry, reason: str) -> None:
+        self.counters.restore_failures += 1
+        self._unindex(entry.entry_id)
+        self._quarantine(entry.path, entry.entry_id, reason)
+
+    def _newest_mtime_ns(self) -> int:
+        """Now by the store's clock, but never older than any entry, so the
+        most recent store or hit is always the last to be evicted."""
+        self._mtime_max_ns = max(self._clock_ns(), self._mtime_max_ns + 1)
+        return self._mtime_max_ns
+
+    def _touch(self, entry: IndexedEntry, usable_tokens: int) -> None:
+        mtime_ns = self._newest_mtime_ns()
+        try:
+            self.disk.utime(entry.path, mtime_ns)
+        except DiskError as e:
+            log.debug("cannot touch %s: %s", entry.path, e)
+            return
+        entry.mtime_ns = mtime_ns
+        self.counters.hits += 1
+        self._event(ev.EntryHit(entry_id=entry.entry_id, mtime_ns=mtime_ns, usable_tokens=usable_tokens))
+
+    # -- store ---------------------------------------------------------------
+
+    def store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], ns: str = "",
+              *, tokenizer_hash: str = "") -> str | None:
+        """Persist an entry atomically; returns its id, or None when it was not
+        stored (disk full, I/O error, larger than the cap). Supersedes exact
+        duplicates, and strict prefix ancestors when the new entry is trimmable
+        and can serve them; then evicts the oldest entries until under the cap.
+
+        Raises `UnknownCacheKind`, `RefusedCacheKind` or `UsageError` for
+        caches that cannot be persisted at all (the caller's bug).
+        """
+        token_array = np.asarray(tokens, dtype=np.uint32)
+        with self._lock:
+            entry_id = uuid.uuid4().hex
+            path = self.directory / namespace_dir_name(ns) / f"{entry_id}{kvfile.FILE_SUFFIX}"
+            meta = kvfile.EntryMeta(namespace=ns, fingerprint=self._fingerprint_fields,
+                                    tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
+            writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk)
+            planned = writer.planned_header.file_bytes
+            if self.max_bytes is not None and planned > self.max_bytes:
+                self._write_failed(ns, token_array.size, f"entry of {planned} bytes exceeds the cap", None)
+                return None
+            try:
+                self.disk.makedirs(path.parent)
+                header = kvfile.write_entry(writer)
+            except DiskError as e:
+                self._write_failed(ns, token_array.size, str(e), e.errno)
+                return None
+            # LRU order comes from the store's clock, not the file system's, so
+            # it is the same in simulations and under coarse timestamps.
+            mtime_ns = self._newest_mtime_ns()
+            try:
+                self.disk.utime(path, mtime_ns)
+            except DiskError as e:
+                log.debug("cannot set the mtime of %s: %s", path, e)
+            entry = IndexedEntry(entry_id=entry_id, namespace=ns, path=path, tokens=token_array,
+                                 bytes=header.file_bytes, mtime_ns=mtime_ns, trimmable=header.trimmable,
+                                 minimum_reusable_offset=header.minimum_reusable_offset)
+            self._index(entry)
+            self.counters.spills += 1
+            self._event(ev.EntryStored(entry=self._fields(entry)))
+            self._supersede(entry)
+            self._evict_over_cap()
+            return entry_id
+
+    def _write_failed(self, ns: str, token_count: int, reason: str, errno: int | None) -> None:
+        self.counters.write_failures += 1
+        level = logging.DEBUG if self._warned_write_failure else logging.WARNING
+        log.log(level, "SSD cache entry not stored (serving continues): %s", reason)
+        self._warned_write_failure = True
+        self._event(ev.EntryWriteFailed(namespace=ns, token_count=token_count, reason=reason, errno=errno))
+
+    def _supersede(self, entry: IndexedEntry) -> None:
+        index = self._indexes[entry.namespace]
+        for other_id in index.exact(entry.tokens):
+            if other_id != entry.entry_id:
+                self._remove(other_id, ev.EntrySuperseded(entry_id=other_id, by_entry_id=entry.entry_id,
+                                                          reason="duplicate"))
+        if not entry.trimmable:
+            return
+        for ancestor_id in index.strict_prefix_ancestors(entry.tokens):
+            ancestor = self._entries[ancestor_id]
+            # A descendant can stand in for an ancestor only if it can be trimmed that far.
+            if entry.minimum_reusable_offset <= ancestor.tokens.size:
+                self._remove(ancestor_id, ev.EntrySuperseded(entry_id=ancestor_id, by_entry_id=entry.entry_id,
+                                                             reason="prefix"))
+
+    def _remove(self, entry_id: str, event: ev.Event) -> None:
+        entry = self._unindex(entry_id)
+        if entry is None:
+            return
+        try:
+            self.disk.unlink(entry.path)
+        except DiskError as e:
+            log.warning("cannot remove %s: %s", entry.path, e)
+        if isinstance(event, ev.EntrySuperseded):
+            self.counters.supersessions += 1
+        else:
+            self.counters.evictions += 1
+        self._event(event)
+
+    def _evict_over_cap(self) -> None:
+        if self.max_bytes is None:
+            return
+        while self._bytes_total > self.max_bytes and self._entries:
+            oldest = min(self._entries.values(), key=lambda e: (e.mtime_ns, e.entry_id))
+            self._remove(oldest.entry_id, ev.EntryEvicted(entry_id=oldest.entry_id, bytes=oldest.bytes))
+
+    # -- introspection -------------------------------------------------------
+
+    def entry_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def entry(self, entry_id: str) -> IndexedEntry | None:
+        with self._lock:
+            return self._entries.get(entry_id)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = attrs.asdict(self.counters)
+            return {"entries": len(self._entries), "bytes": self._bytes_total, "max_bytes": self.max_bytes,
+                    **counters, "journal": "degraded" if self.journal is None or self.journal.degraded else "ok"}
+
+
+def _trimmed(caches: list[Any], tokens_to_drop: int) -> list[Any]:
+    if tokens_to_drop > 0:
+        for cache in caches:
+            cache.trim(tokens_to_drop)
+    return caches
+
+
+def _is_entry_id(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _row_fields(row: dict[str, Any]) -> ev.EntryFields:
+    return ev.EntryFields(**{field.name: row[field.name] for field in attrs.fields(ev.EntryFields)})
+
+
+__all__ = ["SsdMatch", "SsdStore", "StoreError", "namespace_dir_name"]

@@ -1,0 +1,107 @@
+"""The SQLite journal: schema, migrations, projections, replay, degradation."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from kvcellar.store import events as ev
+from kvcellar.store.journal import SCHEMA_VERSION, Journal, JournalError
+
+
+def _fields(entry_id: str, tokens: int = 10) -> ev.EntryFields:
+    return ev.EntryFields(entry_id=entry_id, namespace="", path=f"ns/{entry_id}.kvc", token_count=tokens,
+                          tokens_sha256="ab" * 32, bytes=100 * tokens, mtime_ns=tokens, trimmable=True,
+                          minimum_reusable_offset=0)
+
+
+def test_append_updates_projection_in_the_same_transaction_and_replay_matches(tmp_path):
+    clock = iter(range(1000, 2000)).__next__
+    journal = Journal.open(tmp_path / "j.sqlite", clock_ns=clock)
+    seqs = [
+        journal.append(ev.EntryStored(entry=_fields("a"))),
+        journal.append(ev.EntryStored(entry=_fields("b", 20))),
+        journal.append(ev.EntryHit(entry_id="a", mtime_ns=99, usable_tokens=9)),
+        journal.append(ev.EntryRestored(entry_id="a", usable_tokens=9, restore_ms=1.5)),
+        journal.append(ev.EntrySuperseded(entry_id="b", by_entry_id="a", reason="duplicate")),
+    ]
+    assert seqs == [1, 2, 3, 4, 5]
+    rows = journal.entries()
+    assert [(r["entry_id"], r["hits"], r["restores"], r["mtime_ns"]) for r in rows] == [("a", 1, 1, 99)]
+    assert journal.replay() == rows
+    assert [r["entry_id"] for r in journal.replay(until_seq=2)] == ["a", "b"]
+    records = list(journal.events(kind="entry.hit"))
+    assert len(records) == 1 and records[0].event == ev.EntryHit(entry_id="a", mtime_ns=99, usable_tokens=9)
+    assert records[0].time_ns == 1002 and records[0].actor == "ssd" and records[0].entry_id == "a"
+    journal.close()
+
+
+def test_reopening_keeps_events_and_a_readonly_view_sees_them(tmp_path):
+    path = tmp_path / "j.sqlite"
+    journal = Journal.open(path)
+    journal.append(ev.EntryStored(entry=_fields("a")))
+    reader = Journal.open_readonly(path)
+    assert [r["entry_id"] for r in reader.entries()] == ["a"]
+    journal.append(ev.EntryEvicted(entry_id="a", bytes=1000))
+    assert reader.entries() == []
+    reader.close()
+    journal.close()
+    reopened = Journal.open(path)
+    assert [r.kind for r in reopened.events()] == ["entry.stored", "entry.evicted"]
+    reopened.close()
+
+
+def test_a_newer_schema_is_refused_for_reading_and_degrades_for_writing(tmp_path):
+    path = tmp_path / "j.sqlite"
+    Journal.open(path).close()
+    with sqlite3.connect(path) as connection:
+        connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(JournalError, match="newer"):
+        Journal.open_readonly(path)
+    journal = Journal.open(path)
+    assert journal.degraded
+    assert journal.append(ev.TempReaped(path="x")) is None
+
+
+@pytest.mark.parametrize("content", [b"", b"this is not sqlite at all" * 100])
+def test_a_foreign_or_damaged_file_is_a_clear_error_for_readers(tmp_path, content):
+    path = tmp_path / "j.sqlite"
+    path.write_bytes(content)
+    with pytest.raises(JournalError):
+        Journal.open_readonly(path)
+
+
+def test_a_foreign_sqlite_database_is_never_migrated(tmp_path):
+    path = tmp_path / "j.sqlite"
+    with sqlite3.connect(path) as connection:
+        connection.execute("CREATE TABLE mine (x)")
+    journal = Journal.open(path)
+    assert journal.degraded
+    with sqlite3.connect(path) as connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == {"mine"}
+
+
+def test_write_failure_degrades_once_and_stops_journaling(tmp_path, caplog):
+    journal = Journal.open(tmp_path / "j.sqlite")
+    journal.append(ev.EntryStored(entry=_fields("a")))
+    journal._db.conn.close()
+    assert journal.append(ev.EntryStored(entry=_fields("b"))) is None
+    assert journal.degraded
+    assert journal.append(ev.EntryStored(entry=_fields("c"))) is None
+    assert sum("cannot be written" in record.message for record in caplog.records) == 1
+
+
+def test_events_carry_canonical_payloads_so_identical_histories_are_identical_bytes(tmp_path):
+    def history(path):
+        clock = iter(range(10)).__next__
+        journal = Journal.open(path, clock_ns=clock)
+        journal.append(ev.EntryStored(entry=_fields("a")))
+        journal.append(ev.EntryQuarantined(entry_id="a", path="p", quarantine_path="q", reason="bad"))
+        rows = [(r.seq, r.time_ns, r.kind) for r in journal.events()]
+        payloads = journal._db.execute("SELECT payload FROM events ORDER BY seq").fetchall()
+        journal.close()
+        return rows, payloads
+
+    assert history(tmp_path / "one.sqlite") == history(tmp_path / "two.sqlite")
