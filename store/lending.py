@@ -1,0 +1,101 @@
+"""Lending caches without aliasing (mlx-notes, "Aliasing").
+
+Two caches holding the same MLX array *objects* write into each other,
+because cache updates are slice assignments on those objects. A slice
+(`keys[..., :n, :]`) is a new array object over the same buffer: a write to
+either side replaces only that side's object and copies the shared buffer
+(MLX never donates a buffer something else still references). So a borrower
+gets fresh cache objects holding sliced views of the donor's arrays: zero
+copies up front, copy-on-write on the first decode step, and the donor stays
+byte-identical however the borrower decodes.
+
+A snapshot is the same views, evaluated, and safe to hand to another thread
+while the engine keeps decoding (mlx-notes, "Threads").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from kvcellar.errors import UsageError
+from kvcellar.store.signature import cache_signature
+
+
+def _view(array: mx.array | None) -> mx.array | None:
+    if array is None:
+        return None
+    return array[..., : array.shape[-2], :] if array.ndim >= 2 else array[:]
+
+
+def _lend_attention(cache: Any, drop_tokens: int) -> Any:
+    kind = type(cache)
+    if kind is mlx_cache.QuantizedKVCache:
+        lent = mlx_cache.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+        if cache.keys is not None:
+            lent.keys = tuple(_view(a) for a in cache.keys)
+            lent.values = tuple(_view(a) for a in cache.values)
+    elif kind is mlx_cache.RotatingKVCache:
+        lent = mlx_cache.RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+        lent.keys, lent.values = _view(cache.keys), _view(cache.values)
+        lent._idx = cache._idx - drop_tokens
+    elif kind is mlx_cache.ChunkedKVCache:
+        lent = mlx_cache.ChunkedKVCache(cache.chunk_size)
+        lent.start_position = cache.start_position
+        lent.keys, lent.values = _view(cache.keys), _view(cache.values)
+    else:
+        lent = mlx_cache.KVCache()
+        lent.keys, lent.values = _view(cache.keys), _view(cache.values)
+    lent.offset = cache.offset - drop_tokens
+    return lent
+
+
+def lend_cache(cache: Any, drop_tokens: int = 0) -> Any:
+    """A new cache object over views of `cache`'s arrays, its last
+    `drop_tokens` tokens trimmed. Raises `UsageError` when asked to trim a
+    cache that cannot be trimmed (the caller's bug: the usable-prefix rule
+    never asks for it)."""
+    signature = cache_signature(cache)
+    if type(cache) is mlx_cache.CacheList:
+        return mlx_cache.CacheList(*(lend_cache(child, drop_tokens) for child in cache.caches))
+    if type(cache) is mlx_cache.ArraysCache:
+        if drop_tokens:
+            raise UsageError("recurrent state cannot be trimmed")
+        lent = mlx_cache.ArraysCache(len(cache.cache))
+        # Recurrent layers replace their slots instead of writing into them, so
+        # sharing the slot arrays in a new list cannot alias.
+        lent.cache = list(cache.cache)
+        return lent
+    if drop_tokens and not cache.is_trimmable():
+        raise UsageError(f"{signature} cache cannot drop {drop_tokens} tokens")
+    return _lend_attention(cache, drop_tokens)
+
+
+def lend_caches(caches: Sequence[Any], drop_tokens: int = 0) -> list[Any]:
+    """`lend_cache` for every layer of an entry."""
+    return [lend_cache(cache, drop_tokens) for cache in caches]
+
+
+def cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
+    """Every array an entry's caches hold (for evaluation or freeing)."""
+    arrays: list[mx.array] = []
+    for cache in caches:
+        if type(cache) is mlx_cache.CacheList:
+            arrays.extend(cache_arrays(cache.caches))
+        elif type(cache) is mlx_cache.ArraysCache:
+            arrays.extend(a for a in cache.cache if a is not None)
+        elif getattr(cache, "keys", None) is not None:
+            for part in (cache.keys, cache.values):
+                arrays.extend(part if isinstance(part, tuple) else (part,))
+    return arrays
+
+
+def snapshot_caches(caches: Sequence[Any]) -> list[Any]:
+    """Evaluated views of an entry: safe to read on another thread while the
+    engine decodes, and independent of whatever happens to the donor."""
+    lent = lend_caches(caches)
+    mx.eval(cache_arrays(lent))
+    return lent

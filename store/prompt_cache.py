@@ -1,0 +1,304 @@
+"""The RAM tier: a byte-capped LRU of whole prefix entries (spec §4).
+
+`take(prompt, ns)` lends the entry with the longest usable prefix as views
+(the donor stays intact), consulting the cold tier inside the call: the cold
+tier wins only with a strictly longer usable prefix. `put` stores a finished
+generation's caches: exact duplicates are replaced, strict prefix ancestors
+are superseded (without spill) only by a trimmable newcomer that can serve
+them, then least-recently-used entries are spilled and evicted until the
+billed bytes are under the cap. Pure: no Trio, no I/O of its own; the clock is
+injected.
+
+Spill contract: the sink receives a `SpillSnapshot` (evaluated views and a
+copy of the tokens) made before the donor is dropped, and owns it on every
+path. A sink that raises has not taken ownership: the spill is a no-op and
+the eviction goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+
+from kvcellar.store import codecs
+from kvcellar.store.lending import lend_caches, snapshot_caches
+from kvcellar.store.prefix_index import PrefixIndex
+from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
+
+log = logging.getLogger("kvcellar.prompt_cache")
+
+MAX_BYTES_DEFAULT = 8 * 10**9
+
+
+@attrs.frozen(kw_only=True)
+class SpillSnapshot:
+    """What a spill sink receives and then owns."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    caches: list[Any]
+    bytes: int
+    reason: str
+
+
+SpillSink = Callable[[SpillSnapshot], None]
+
+
+class ColdMatch(Protocol):
+    usable_tokens: int
+    entry_tokens: int
+
+
+class ColdTier(Protocol):
+    """What the RAM tier needs of the SSD tier (`SsdStore` fits)."""
+
+    def find(self, tokens: Sequence[int], ns: str = "") -> ColdMatch | None: ...
+    def restore(self, match: Any) -> list[Any] | None: ...
+
+
+@attrs.frozen(kw_only=True)
+class TakeResult:
+    """Borrowed caches covering the first `reused_tokens` of the prompt
+    (`caches` is None and `tier` "none" on a miss)."""
+
+    caches: list[Any] | None
+    reused_tokens: int
+    tier: str
+    entry_id: str = ""
+
+
+@attrs.define(kw_only=True)
+class _RamEntry:
+    entry_id: str
+    namespace: str
+    tokens: np.ndarray
+    caches: list[Any]
+    bytes: int
+    trimmable: bool
+    minimum_reusable_offset: int
+    last_used_tick: int
+    last_used_s: float
+
+
+@attrs.define(kw_only=True)
+class PromptCacheCounters:
+    hits: int = 0
+    misses: int = 0
+    cold_hits: int = 0
+    cold_refused: int = 0
+    puts: int = 0
+    evictions: int = 0
+    supersessions: int = 0
+    spills: int = 0
+    spill_failures: int = 0
+    demotions: int = 0
+    oversize: int = 0
+
+
+def logical_bytes(caches: Sequence[Any], token_count: int) -> int:
+    """Bytes the caches really hold: rows up to `offset` per layer (the raw
+    ring once a window wraps, recurrent state as is), never the slack."""
+    records, _ = codecs.plan_caches(caches, token_count)
+    return sum(record_bytes(record) for record in records)
+
+
+def record_bytes(record: Any) -> int:
+    return sum(t.length for t in record.tensors) + sum(record_bytes(c) for c in record.children)
+
+
+class PromptCache:
+    """The RAM prompt cache. Not thread-safe: the engine thread owns it."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES_DEFAULT, *, cold_tier: ColdTier | None = None,
+                 spill_sink: SpillSink | None = None, on_put: Callable[[str, tuple[int, ...]], None] | None = None,
+                 clock_s: Callable[[], float] = time.monotonic,
+                 bill: Callable[[Sequence[Any], int], int] = logical_bytes) -> None:
+        self.max_bytes = max_bytes
+        self.cold_tier = cold_tier
+        self.spill_sink = spill_sink
+        self.on_put = on_put
+        self._clock_s = clock_s
+        self._bill = bill
+        self._entries: dict[str, _RamEntry] = {}
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._ids = itertools.count(1)
+        self._ticks = itertools.count(1)
+        self.bytes_total = 0
+        self.counters = PromptCacheCounters()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- take ------------------------------------------------------------------
+
+    def take(self, prompt: Sequence[int], ns: str = "") -> TakeResult:
+        """Borrow the longest usable prefix of `prompt` in `ns` (capped at
+        `len(prompt) - 1`), from RAM or, when strictly longer, from the cold tier."""
+        query = np.asarray(prompt, dtype=np.uint32)
+        ram = self._ram_candidate(query, ns)
+        if ram is None:
+            self.counters.misses += 1
+        else:
+            self.counters.hits += 1
+        ram_tokens = ram[1] if ram is not None else 0
+        cold = self._cold_take(query, ns, ram_tokens)
+        if cold is not None:
+            return cold
+        if ram is None:
+            return TakeResult(caches=None, reused_tokens=0, tier="none")
+        entry, usable = ram
+        self._touch(entry)
+        lent = lend_caches(entry.caches, drop_tokens=entry.tokens.size - usable)
+        return TakeResult(caches=lent, reused_tokens=usable, tier="ram", entry_id=entry.entry_id)
+
+    def _ram_candidate(self, query: np.ndarray, ns: str) -> tuple[_RamEntry, int] | None:
+        index = self._indexes.get(ns)
+        if not self.enabled or index is None or query.size < 2:
+            return None
+        match = index.best(query)
+        if match is None:
+            return None
+        return self._entries[match.entry_id], match.usable_tokens
+
+    def _cold_take(self, query: np.ndarray, ns: str, ram_tokens: int) -> TakeResult | None:
+        if self.cold_tier is None or query.size < 2:
+            return None
+        match = self.cold_tier.find(query, ns)
+        if match is None or match.usable_tokens <= ram_tokens:
+            return None
+        caches = self.cold_tier.restore(match)
+        if caches is None:
+            return None
+        offsets = {cache.offset for cache in caches if hasattr(cache, "offset")}
+        if offsets and offsets != {match.usable_tokens}:
+            # A cold entry the tier could not trim to the usable prefix is never served.
+            self.counters.cold_refused += 1
+            log.warning("cold entry refused: restored offsets %s, needed %d", sorted(offsets), match.usable_tokens)
+            return None
+        self.counters.cold_hits += 1
+        return TakeResult(caches=caches, reused_tokens=match.usable_tokens, tier="ssd",
+                          entry_id=getattr(match, "entry_id", ""))
+
+    def _touch(self, entry: _RamEntry) -> None:
+        entry.last_used_tick = next(self._ticks)
+        entry.last_used_s = self._clock_s()
+
+    # -- put -------------------------------------------------------------------
+
+    def put(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "") -> bool:
+        """Take ownership of a finished generation's caches as an entry.
+        Returns whether it is now held in RAM (an entry larger than the cap is
+        spilled instead; a disabled cache holds nothing)."""
+        if not self.enabled:
+            return False
+        token_array = np.asarray(tokens, dtype=np.uint32)
+        caches = list(caches)
+        entry = _RamEntry(
+            entry_id=f"r{next(self._ids)}", namespace=ns, tokens=token_array, caches=caches,
+            bytes=self._bill(caches, token_array.size), trimmable=caches_trimmable(caches),
+            minimum_reusable_offset=entry_minimum_reusable_offset(caches, token_array.size),
+            last_used_tick=next(self._ticks), last_used_s=self._clock_s(),
+        )
+        if entry.bytes > self.max_bytes:
+            self.counters.oversize += 1
+            self._spill(entry, "oversize")
+            return False
+        self._supersede(entry)
+        self._insert(entry)
+        self.counters.puts += 1
+        self._evict_until_under_cap(keep=entry.entry_id)
+        if self.on_put is not None:
+            self.on_put(ns, tuple(int(t) for t in token_array))
+        return True
+
+    def _supersede(self, entry: _RamEntry) -> None:
+        index = self._indexes.get(entry.namespace)
+        if index is None:
+            return
+        doomed = list(index.exact(entry.tokens))
+        if entry.trimmable:
+            for ancestor_id in index.strict_prefix_ancestors(entry.tokens):
+                if entry.minimum_reusable_offset <= self._entries[ancestor_id].tokens.size:
+                    doomed.append(ancestor_id)
+        for entry_id in doomed:
+            self._drop(entry_id)
+            self.counters.supersessions += 1
+
+    def _insert(self, entry: _RamEntry) -> None:
+        self._entries[entry.entry_id] = entry
+        self._indexes.setdefault(entry.namespace, PrefixIndex()).add(
+            entry.entry_id, entry.tokens, trimmable=entry.trimmable,
+            minimum_reusable_offset=entry.minimum_reusable_offset)
+        self.bytes_total += entry.bytes
+
+    def _drop(self, entry_id: str) -> _RamEntry:
+        entry = self._entries.pop(entry_id)
+        self._indexes[entry.namespace].remove(entry_id)
+        self.bytes_total -= entry.bytes
+        return entry
+
+    def _evict_until_under_cap(self, *, keep: str) -> None:
+        while self.bytes_total > self.max_bytes:
+            victim = min((e for e in self._entries.values() if e.entry_id != keep),
+                         key=lambda e: e.last_used_tick, default=None)
+            if victim is None:
+                return
+            self._spill(victim, "evict")
+            self._drop(victim.entry_id)
+            self.counters.evictions += 1
+
+    # -- spill and demotion ----------------------------------------------------
+
+    def _spill(self, entry: _RamEntry, reason: str) -> None:
+        """Hand a snapshot to the sink; a raising sink has not taken it."""
+        if self.spill_sink is None:
+            return
+        snapshot = SpillSnapshot(namespace=entry.namespace, tokens=tuple(int(t) for t in entry.tokens),
+                                 caches=snapshot_caches(entry.caches), bytes=entry.bytes, reason=reason)
+        try:
+            self.spill_sink(snapshot)
+        except Exception as e:
+            self.counters.spill_failures += 1
+            log.warning("spill of %d tokens failed (%s); the entry is dropped without a cold copy",
+                        entry.tokens.size, e)
+            return
+        self.counters.spills += 1
+
+    def demote_idle(self, threshold_s: float) -> int:
+        """Spill and drop entries unused for `threshold_s` or longer; returns
+        how many. A no-op without a spill sink: demoting to nowhere is data loss."""
+        if self.spill_sink is None:
+            return 0
+        now_s = self._clock_s()
+        idle = [e for e in self._entries.values() if now_s - e.last_used_s >= threshold_s]
+        for entry in sorted(idle, key=lambda e: e.last_used_tick):
+            self._spill(entry, "demote")
+            self._drop(entry.entry_id)
+            self.counters.demotions += 1
+        return len(idle)
+
+    def snapshot_exact(self, tokens: Sequence[int], ns: str = "") -> SpillSnapshot | None:
+        """A snapshot of the entry holding exactly `tokens` (for write-behind), or None."""
+        index = self._indexes.get(ns)
+        if index is None:
+            return None
+        matches = index.exact(np.asarray(tokens, dtype=np.uint32))
+        if not matches:
+            return None
+        entry = self._entries[matches[0]]
+        return SpillSnapshot(namespace=ns, tokens=tuple(int(t) for t in entry.tokens),
+                             caches=snapshot_caches(entry.caches), bytes=entry.bytes, reason="write-behind")
+
+    def stats(self) -> dict[str, Any]:
+        return {"entries": len(self._entries), "bytes": self.bytes_total, "max_bytes": self.max_bytes,
+                **attrs.asdict(self.counters)}
