@@ -156,6 +156,16 @@ EVENT_TYPES: dict[str, type] = {
 }
 
 
+def register_event(cls: type) -> type:
+    """Make an event class (with a `kind` ClassVar) known to the journal; a
+    class decorator for the actors' own events. Kinds are unique."""
+    existing = EVENT_TYPES.get(cls.kind)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"event kind {cls.kind!r} is already registered by {existing.__qualname__}")
+    EVENT_TYPES[cls.kind] = cls
+    return cls
+
+
 def event_entry_id(event: Event) -> str:
     """The entry an event is about ("" when none)."""
     entry = getattr(event, "entry", None)

@@ -1,0 +1,276 @@
+"""The Gateway: the one engine lane, shared by requests and background work.
+
+The core owns the lane. Requests are admitted FIFO and run one at a time
+(the serial lane); a background step (`run_when_idle`) is dispatched only
+when no request is active or waiting, and the lane stays taken until the step
+reports back, so the idle decision and the work are one atomic engine turn.
+A request arriving during background work waits for that one step only,
+never for the rest of a flush; background work never lands between two
+decode steps, because a generation holds the lane from its first step to
+its last. `busy` is true while any request is active or waiting.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, ClassVar
+
+import attrs
+import trio
+
+from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent
+from kvcellar.engine.engine import EngineThread
+from kvcellar.errors import KvCellarError
+from kvcellar.store.events import register_event
+
+# -- messages -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Generate:
+    request_id: int
+    prompt_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class GenerationFinished:
+    request_id: int
+    completion_tokens: int
+    outcome: str
+
+
+@attrs.frozen(kw_only=True)
+class RunWhenIdle:
+    step_id: int
+
+
+@attrs.frozen(kw_only=True)
+class StepFinished:
+    step_id: int
+
+
+@attrs.frozen(kw_only=True)
+class StopAdmission:
+    pass
+
+
+@attrs.frozen(kw_only=True)
+class AwaitDrained:
+    waiter_id: int
+
+
+# -- effects --------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class StartGeneration:
+    request_id: int
+
+
+@attrs.frozen(kw_only=True)
+class RunStep:
+    step_id: int
+
+
+@attrs.frozen(kw_only=True)
+class Rejected:
+    request_id: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Drained:
+    waiter_id: int
+
+
+# -- journal events -------------------------------------------------------------
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class RequestAdmitted:
+    kind: ClassVar[str] = "request.admitted"
+    request_id: int
+    prompt_tokens: int
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class RequestFinished:
+    kind: ClassVar[str] = "request.finished"
+    request_id: int
+    completion_tokens: int
+    outcome: str
+
+
+# -- core -----------------------------------------------------------------------
+
+
+class Lane(enum.Enum):
+    IDLE = "idle"
+    GENERATING = "generating"
+    BACKGROUND = "background"
+
+
+class GatewayCore:
+    """Sans-IO lane scheduler. Admission is open until `StopAdmission`."""
+
+    def __init__(self) -> None:
+        self.lane = Lane.IDLE
+        self.admitting = True
+        self.running: int | None = None
+        self.waiting: deque[int] = deque()
+        self.steps: deque[int] = deque()
+        self.drain_waiters: list[int] = []
+
+    @property
+    def busy(self) -> bool:
+        return self.lane is Lane.GENERATING or bool(self.waiting)
+
+    def handle(self, msg: Any, now: float) -> list[Any]:
+        effects: list[Any] = []
+        if isinstance(msg, Generate):
+            if not self.admitting:
+                return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
+            self.waiting.append(msg.request_id)
+            effects.append(JournalEvent(event=RequestAdmitted(request_id=msg.request_id,
+                                                              prompt_tokens=msg.prompt_tokens)))
+        elif isinstance(msg, GenerationFinished):
+            self._release(Lane.GENERATING, msg.request_id, msg)
+            effects.append(JournalEvent(event=RequestFinished(
+                request_id=msg.request_id, completion_tokens=msg.completion_tokens, outcome=msg.outcome)))
+        elif isinstance(msg, RunWhenIdle):
+            self.steps.append(msg.step_id)
+        elif isinstance(msg, StepFinished):
+            self._release(Lane.BACKGROUND, msg.step_id, msg)
+        elif isinstance(msg, StopAdmission):
+            self.admitting = False
+        elif isinstance(msg, AwaitDrained):
+            self.drain_waiters.append(msg.waiter_id)
+        else:
+            raise IllegalTransition(f"gateway in lane state {self.lane.value} got {type(msg).__name__}")
+        return effects + self._dispatch()
+
+    def _release(self, expected: Lane, ident: int, msg: Any) -> None:
+        if self.lane is not expected or self.running != ident:
+            raise IllegalTransition(f"gateway in lane state {self.lane.value} (running {self.running}) "
+                                    f"got {type(msg).__name__} for {ident}")
+        self.lane, self.running = Lane.IDLE, None
+
+    def _dispatch(self) -> list[Any]:
+        effects: list[Any] = []
+        if self.lane is Lane.IDLE and self.waiting:
+            self.lane, self.running = Lane.GENERATING, self.waiting.popleft()
+            effects.append(StartGeneration(request_id=self.running))
+        elif self.lane is Lane.IDLE and self.steps:
+            self.lane, self.running = Lane.BACKGROUND, self.steps.popleft()
+            effects.append(RunStep(step_id=self.running))
+        if not self.busy and self.drain_waiters:
+            effects.extend(Drained(waiter_id=w) for w in self.drain_waiters)
+            self.drain_waiters.clear()
+        return effects
+
+
+# -- shell ----------------------------------------------------------------------
+
+
+class AdmissionClosed(KvCellarError):
+    """Raised to a request that arrives after shutdown began. Nobody's fault;
+    the client should retry elsewhere or later (HTTP 503)."""
+
+
+class Gateway:
+    """The Trio shell around `GatewayCore`, owning the engine thread."""
+
+    def __init__(self, engine: EngineThread, *, journal: Any = None) -> None:
+        self.engine = engine
+        self.core = GatewayCore()
+        self.shell = ActorShell("gateway", self.core, self._perform, journal=journal)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Any] = {}
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.core.busy
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.shell.run)
+            task_status.started()
+
+    def close(self) -> None:
+        self.shell.close()
+
+    async def _perform(self, effect: Any) -> None:
+        if isinstance(effect, (StartGeneration, Rejected)):
+            self._pending.pop(effect.request_id).send_nowait(effect)
+        elif isinstance(effect, RunStep):
+            step, done = self._pending.pop(effect.step_id)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._run_step, effect.step_id, step, done)
+        elif isinstance(effect, Drained):
+            self._pending.pop(effect.waiter_id).set()
+
+    async def _run_step(self, step_id: int, step: Callable[[Any], Any], done: Any) -> None:
+        try:
+            done["value"] = await self.engine.call(step, label="step")
+        except BaseException as e:  # carried to the awaiting caller
+            done["error"] = e
+        finally:
+            await self.shell.send(StepFinished(step_id=step_id))
+            done["event"].set()
+
+    async def run_when_idle(self, step: Callable[[Any], Any]) -> Any:
+        """Run `step(loaded_model)` on the engine thread as one turn taken
+        only when no request is active or waiting; returns its result."""
+        step_id = next(self._ids)
+        done: dict[str, Any] = {"event": trio.Event()}
+        self._pending[step_id] = (step, done)
+        await self.shell.send(RunWhenIdle(step_id=step_id))
+        await done["event"].wait()
+        if "error" in done:
+            raise done["error"]
+        return done["value"]
+
+    async def generate(self, job: Callable[[Any], Any], *, prompt_tokens: int,
+                       cancelled: threading.Event) -> AsyncIterator[Any]:
+        """Admit a generation (FIFO), then stream what `job(loaded_model)`
+        yields on the engine thread. Raises `AdmissionClosed` after shutdown began."""
+        request_id = next(self._ids)
+        send, receive = trio.open_memory_channel[Any](1)
+        self._pending[request_id] = send
+        await self.shell.send(Generate(request_id=request_id, prompt_tokens=prompt_tokens))
+        decision = await receive.receive()
+        if isinstance(decision, Rejected):
+            raise AdmissionClosed(decision.reason)
+        produced, outcome = 0, "cancelled"
+        try:
+            async for item in self.engine.stream(job, cancelled, label="generate"):
+                produced += 1
+                yield item
+            outcome = "completed"
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.shell.send(GenerationFinished(request_id=request_id, completion_tokens=produced,
+                                                         outcome=outcome))
+
+    async def stop_admission(self) -> None:
+        await self.shell.send(StopAdmission())
+
+    async def drain(self) -> None:
+        """Wait until no request is active or waiting."""
+        waiter_id = next(self._ids)
+        event = trio.Event()
+        self._pending[waiter_id] = event
+        await self.shell.send(AwaitDrained(waiter_id=waiter_id))
+        await event.wait()
+
+    def stats(self) -> dict[str, Any]:
+        return {"busy": self.core.busy, "lane": self.core.lane.value, "waiting": len(self.core.waiting),
+                "background_waiting": len(self.core.steps), "admitting": self.core.admitting}
