@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,11 @@ class EngineThread:
     runs `job(loaded_model)` there; `stream(job, cancelled)` runs a generator
     job there and yields its items to Trio as they come."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *, turn_log: list[tuple[str, float, float]] | None = None) -> None:
         self.model_dir = Path(model_dir)
+        # (label, start, end) of every job, in perf_counter seconds, when given: lets
+        # tests prove what ran between what.
+        self.turn_log = turn_log
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvcellar-engine", daemon=True)
         self._loaded: LoadedModel | None = None
@@ -103,7 +107,21 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    async def call(self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True) -> Any:
+    def _logged(self, label: str, run: Callable[[], None]) -> Callable[[], None]:
+        if self.turn_log is None:
+            return run
+
+        def logged() -> None:
+            started = time.perf_counter()
+            try:
+                run()
+            finally:
+                self.turn_log.append((label, started, time.perf_counter()))
+
+        return logged
+
+    async def call(self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True,
+                   label: str = "call") -> Any:
         if not self._thread.is_alive():
             raise EngineStopped("the engine thread is not running")
         token = trio.lowlevel.current_trio_token()
@@ -117,30 +135,39 @@ class EngineThread:
                 outcome["error"] = e
             token.run_sync_soon(done.set)
 
-        self._jobs.put(run)
+        self._jobs.put(self._logged(label, run))
         with trio.CancelScope(shield=True):
             await done.wait()
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
 
-    async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event):
+    async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *,
+                     label: str = "stream"):
         """Yield each item `job` produces on the engine thread; setting
         `cancelled` stops the job between two steps."""
         token = trio.lowlevel.current_trio_token()
         send, receive = trio.open_memory_channel[tuple[str, Any]](float("inf"))
 
         def run() -> None:
+            items = None
             try:
-                for item in job(self._loaded):
+                items = job(self._loaded)
+                for item in items:
                     token.run_sync_soon(send.send_nowait, ("item", item))
                     if cancelled.is_set():
                         break
                 token.run_sync_soon(send.send_nowait, ("end", None))
             except BaseException as e:
                 token.run_sync_soon(send.send_nowait, ("error", e))
+            finally:
+                # Close here, on the engine thread: a generator's cleanup does MLX
+                # work and must not run wherever garbage collection happens.
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()
 
-        self._jobs.put(run)
+        self._jobs.put(self._logged(label, run))
         try:
             async for kind, value in receive:
                 if kind == "item":

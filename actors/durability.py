@@ -1,0 +1,657 @@
+"""DurabilityCoordinator (spec §5.6): turns RAM puts into an explicit,
+answerable durability boundary.
+
+Every `PromptCache.put` becomes a *dirty record* keyed by the namespace and
+the exact token sequence (two same-namespace, same-length conversations never
+cancel each other). A record is attempted once its debounce (1 s) runs out; a
+busy gateway re-arms it (5 s). An attempt checks SSD coverage under
+`run_when_idle`, otherwise snapshots the RAM entry in that same engine turn and
+submits it to the spill queue. Outcomes:
+
+- stored / covered, for the record's current version: the record is clean;
+  for an older version the record stays dirty (a replacement put during the
+  write receives its own attempt);
+- dropped / failed: the record stays dirty and is retried after a backoff; a
+  failed write is never counted as stored, and the retry takes a fresh
+  snapshot and writes a fresh file (nothing "retries the fsync");
+- missing (gone from RAM and not covered by the committed index): the record
+  stays, as missing, until a later put or a flush's re-check covers it.
+
+`flush()` cancels the timers, waits for the attempts in flight and for the
+spill queue to drain, forces each dirty version once, one at a time (so the
+queue's byte cap cannot drop a boundary snapshot behind a large final one),
+then re-checks the missing records against the committed index: a later
+trimmable descendant may now cover a superseded RAM prefix. The verdict is
+durable only when nothing in the flush's scope is pending, nothing was dropped
+or failed during the flush, and no missing prefix is uncovered.
+
+Decisions where the spec is open:
+
+- Scope: a flush answers for every put made before it began. The keys dirty at
+  its begin are its scope; a later put of a scope key (a replacement) is
+  forced as well, each version once. A put of a *new* key during a flush is
+  recorded but left to its debounce after the flush: it does not make the
+  flush wait or fail, so a flush under load still terminates. (At shutdown
+  admission has stopped, so nothing arrives.)
+- A dropped or failed attempt settling while a flush runs counts against that
+  flush even when it began before the flush, as the spec words it ("nothing
+  dropped or failed during this flush").
+- Missing records are not forced again (the entry is gone; a write cannot
+  happen): the flush re-checks them against the committed index instead.
+- A `Flush` arriving while one runs is queued; all queued flushes share the
+  next run (its scope is taken after every one of them was asked), and each
+  gets its own verdict.
+- The debounce does not extend: repeated puts of one key within the window
+  coalesce into the attempt due 1 s after the first, so a key put over and
+  over is still written.
+- Dropped/failed retries back off exponentially from `retry_s` to
+  `retry_max_s`: a full disk must not be hammered with multi-GB snapshots.
+
+`DurabilityCore` (here, with the messages, effects and journal events) is the
+sans-IO core (design §3); `DurabilityCoordinator` (`durability_shell`, also
+importable from here) is its Trio shell, which owns the ports
+(`DurabilityPorts`) and the flush waiters.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+
+from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
+from kvcellar.store.events import register_event
+
+DEBOUNCE_S_DEFAULT = 1.0
+BUSY_REARM_S_DEFAULT = 5.0
+RETRY_S_DEFAULT = 5.0
+RETRY_MAX_S_DEFAULT = 300.0
+
+OUTCOMES = ("stored", "covered", "dropped", "failed", "missing")
+SUBMIT_OUTCOMES = ("stored", "dropped", "failed")
+_TOKENS_HASH_HEX_CHARS = 16
+
+
+def tokens_hash(tokens: Iterable[int]) -> str:
+    """A short hash of a token sequence: the first 16 hex digits of the
+    sha256 the SSD tier records (`entries.tokens_sha256`), so journal lines
+    can be matched to entries by prefix."""
+    raw = np.asarray(tuple(tokens), dtype="<u4").tobytes()
+    return hashlib.sha256(raw).hexdigest()[:_TOKENS_HASH_HEX_CHARS]
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class RecordKey:
+    """A dirty record's identity: the namespace and the exact tokens. The hash
+    is cached because token tuples can be 100k long and the key is looked up
+    on every message."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+# -- messages (received by the core) ------------------------------------------
+
+@attrs.frozen(kw_only=True)
+class Dirty:
+    """`PromptCache.on_put(ns, tokens)`: an entry holding exactly `tokens` was put."""
+
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen(kw_only=True)
+class AttemptResult:
+    """How the attempt for `key` at `version` settled."""
+
+    key: RecordKey
+    version: int
+    outcome: str = attrs.field(validator=attrs.validators.in_(OUTCOMES))
+
+
+@attrs.frozen(kw_only=True)
+class AttemptDeferred:
+    """The shell found the gateway busy and did not start a timed attempt."""
+
+    key: RecordKey
+    version: int
+
+
+@attrs.frozen(kw_only=True)
+class Flush:
+    flush_id: int
+
+
+@attrs.frozen(kw_only=True)
+class QueueDrained:
+    """The spill queue was idle once after `DrainQueue(flush_id)`."""
+
+    flush_id: int
+
+
+@attrs.frozen(kw_only=True)
+class CoverageChecked:
+    """The answer to `CheckCoverage`: which of its keys the committed index covers."""
+
+    flush_id: int
+    covered: frozenset[RecordKey]
+
+
+DurabilityMessage = Dirty | TimerFired | AttemptResult | AttemptDeferred | Flush | QueueDrained | CoverageChecked
+
+
+# -- effects (besides the runtime's ArmTimer, CancelTimer, JournalEvent) ------
+
+@attrs.frozen(kw_only=True)
+class StartAttempt:
+    """Attempt `key` at `version`. Unless `forced`, the shell first asks the
+    gateway and answers `AttemptDeferred` when it is busy; a forced attempt
+    (a flush's) waits for its engine turn instead."""
+
+    key: RecordKey
+    version: int
+    forced: bool
+
+
+@attrs.frozen(kw_only=True)
+class DrainQueue:
+    """Answer `QueueDrained(flush_id)` once the spill queue is idle."""
+
+    flush_id: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckCoverage:
+    """Answer `CoverageChecked(flush_id, covered)` from the committed SSD index."""
+
+    flush_id: int
+    keys: tuple[RecordKey, ...]
+
+
+@attrs.frozen(kw_only=True)
+class FlushVerdict:
+    """The answer to one `Flush`. `pending`: scope records still dirty;
+    `dropped`/`failed`: attempts that settled so during the flush;
+    `missing_uncovered`: scope records gone from RAM and not covered;
+    `dirty_keys_count`: every record not yet durable, in scope or not.
+    `timed_out` is set only by the shell, for a flush it stopped waiting for."""
+
+    flush_id: int
+    durable: bool
+    pending: int
+    dropped: int
+    failed: int
+    missing_uncovered: int
+    dirty_keys_count: int
+    forced: int
+    rechecked_covered: int
+    elapsed_s: float
+    timed_out: bool = False
+
+    @property
+    def missing(self) -> int:
+        return self.missing_uncovered
+
+
+# -- journal events -----------------------------------------------------------
+
+@attrs.frozen(kw_only=True)
+class _RecordEvent:
+    namespace: str
+    token_count: int
+    tokens_hash: str
+    version: int
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class DurabilityDirty(_RecordEvent):
+    """A put made a record dirty; `replaced`: an older version was still pending."""
+
+    kind: ClassVar[str] = "durability.dirty"
+    replaced: bool
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class DurabilityAttempt(_RecordEvent):
+    kind: ClassVar[str] = "durability.attempt"
+    forced: bool
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class DurabilitySettled(_RecordEvent):
+    """`outcome`: one of OUTCOMES, "deferred" (busy gateway) or "recheck_covered"
+    (a flush's re-check); `current`: it was for the record's latest version;
+    `clean`: the record is durable now."""
+
+    kind: ClassVar[str] = "durability.settled"
+    outcome: str
+    current: bool
+    clean: bool
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class FlushBegun:
+    """A flush run began; `flush_ids` share it (queued flushes coalesce)."""
+
+    kind: ClassVar[str] = "flush.begin"
+    flush_ids: tuple[int, ...]
+    scope_records: int
+    in_flight: int
+
+
+@register_event
+@attrs.frozen(kw_only=True)
+class FlushVerdictRecorded:
+    kind: ClassVar[str] = "flush.verdict"
+    flush_id: int
+    durable: bool
+    pending: int
+    dropped: int
+    failed: int
+    missing_uncovered: int
+    dirty_keys_count: int
+    forced: int
+    rechecked_covered: int
+    elapsed_s: float
+
+
+# -- the core -----------------------------------------------------------------
+
+class DurabilityState(enum.Enum):
+    RUNNING = "running"
+    FLUSH_SETTLING = "flush_settling"  # awaiting the attempts in flight when the flush began
+    FLUSH_DRAINING = "flush_draining"  # awaiting the spill queue's drain
+    FLUSH_FORCING = "flush_forcing"    # one forced attempt in flight
+    FLUSH_RECHECK = "flush_recheck"    # awaiting the committed index's answer for missing records
+
+
+class RecordStatus(enum.Enum):
+    DIRTY = "dirty"            # needs an attempt
+    ATTEMPTING = "attempting"  # exactly one attempt in flight
+    MISSING = "missing"        # gone from RAM and not covered by the committed index
+
+
+_S = DurabilityState
+_FLUSHING = frozenset({_S.FLUSH_SETTLING, _S.FLUSH_DRAINING, _S.FLUSH_FORCING, _S.FLUSH_RECHECK})
+_ENDS = frozenset({_S.RUNNING, _S.FLUSH_SETTLING})  # after a verdict: normal operation, or the next queued run
+
+# The transitions, all in one place.
+TRANSITIONS: dict[DurabilityState, frozenset[DurabilityState]] = {
+    _S.RUNNING: frozenset({_S.FLUSH_SETTLING}),
+    _S.FLUSH_SETTLING: frozenset({_S.FLUSH_DRAINING}),
+    _S.FLUSH_DRAINING: frozenset({_S.FLUSH_FORCING, _S.FLUSH_RECHECK}) | _ENDS,
+    _S.FLUSH_FORCING: frozenset({_S.FLUSH_FORCING, _S.FLUSH_RECHECK}) | _ENDS,
+    _S.FLUSH_RECHECK: frozenset({_S.FLUSH_FORCING}) | _ENDS,
+}
+
+_ALWAYS = frozenset({Dirty, TimerFired, Flush})
+# Which messages each state accepts; anything else is a protocol bug. No attempt
+# is in flight while draining or re-checking, and forced attempts are never deferred.
+ACCEPTS: dict[DurabilityState, frozenset[type]] = {
+    _S.RUNNING: _ALWAYS | {AttemptResult, AttemptDeferred},
+    _S.FLUSH_SETTLING: _ALWAYS | {AttemptResult, AttemptDeferred},
+    _S.FLUSH_DRAINING: _ALWAYS | {QueueDrained},
+    _S.FLUSH_FORCING: _ALWAYS | {AttemptResult},
+    _S.FLUSH_RECHECK: _ALWAYS | {CoverageChecked},
+}
+
+
+@attrs.define(kw_only=True)
+class _Record:
+    key: RecordKey
+    tokens_hash: str
+    version: int
+    status: RecordStatus = RecordStatus.DIRTY
+    attempt_version: int | None = None
+    attempt_forced: bool = False
+    timer_armed: bool = False
+    failures: int = 0  # consecutive dropped/failed attempts, for the retry backoff
+
+
+@attrs.frozen(kw_only=True)
+class RecordView:
+    """A read-only view of one record (stats, tests)."""
+
+    key: RecordKey
+    version: int
+    status: RecordStatus
+    attempt_version: int | None
+    timer_armed: bool
+
+
+@attrs.define(kw_only=True)
+class _FlushRun:
+    flush_ids: tuple[int, ...]
+    began_s: float
+    scope: frozenset[RecordKey]
+    forced_versions: set[int] = attrs.Factory(set)
+    rechecked_versions: set[int] = attrs.Factory(set)
+    awaiting_recheck: dict[RecordKey, int] = attrs.Factory(dict)
+    forced: int = 0
+    dropped: int = 0
+    failed: int = 0
+    rechecked_covered: int = 0
+
+    @property
+    def flush_id(self) -> int:
+        return self.flush_ids[0]
+
+
+@attrs.define(kw_only=True)
+class DurabilityCounters:
+    puts: int = 0
+    attempts: int = 0
+    forced_attempts: int = 0
+    deferred: int = 0
+    stored: int = 0
+    covered: int = 0
+    dropped: int = 0
+    failed: int = 0
+    missing: int = 0
+    rechecked_covered: int = 0
+    flushes: int = 0
+    durable_flushes: int = 0
+
+
+class DurabilityCore:
+    """The sans-IO DurabilityCoordinator: `handle(msg, now) -> effects`."""
+
+    def __init__(self, debounce_s: float = DEBOUNCE_S_DEFAULT, busy_rearm_s: float = BUSY_REARM_S_DEFAULT, *,
+                 retry_s: float = RETRY_S_DEFAULT, retry_max_s: float = RETRY_MAX_S_DEFAULT) -> None:
+        self.debounce_s = debounce_s
+        self.busy_rearm_s = busy_rearm_s
+        self.retry_s = retry_s
+        self.retry_max_s = retry_max_s
+        self.state = DurabilityState.RUNNING
+        self.counters = DurabilityCounters()
+        self._records: dict[RecordKey, _Record] = {}
+        # Versions are global, so a key made clean and put again never reuses one.
+        self._versions = itertools.count(1)
+        self._in_flight = 0
+        self._run: _FlushRun | None = None
+        self._queued_flushes: list[int] = []
+        self._known_flushes: set[int] = set()
+
+    # -- dispatch and transitions ----------------------------------------------
+
+    def handle(self, msg: Any, now: float) -> list[Any]:
+        if type(msg) not in ACCEPTS[self.state]:
+            raise IllegalTransition(f"durability: {type(msg).__name__} is not accepted in state {self.state.name}")
+        if isinstance(msg, Dirty):
+            return self._on_dirty(msg)
+        if isinstance(msg, TimerFired):
+            return self._on_timer(msg)
+        if isinstance(msg, AttemptResult):
+            return self._on_result(msg, now)
+        if isinstance(msg, AttemptDeferred):
+            return self._on_deferred(msg, now)
+        if isinstance(msg, Flush):
+            return self._on_flush(msg, now)
+        if isinstance(msg, QueueDrained):
+            self._check_run(msg.flush_id)
+            return self._force_next(now)
+        return self._on_coverage(msg, now)
+
+    def _goto(self, state: DurabilityState) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"durability: no transition from {self.state.name} to {state.name}")
+        self.state = state
+
+    def _check_run(self, flush_id: int) -> _FlushRun:
+        run = self._run
+        if run is None or run.flush_id != flush_id:
+            raise IllegalTransition(f"durability: answer for flush {flush_id} in state {self.state.name}")
+        return run
+
+    # -- normal operation ------------------------------------------------------
+
+    def _on_dirty(self, msg: Dirty) -> list[Any]:
+        key = RecordKey(namespace=msg.namespace, tokens=msg.tokens)
+        version = next(self._versions)
+        self.counters.puts += 1
+        record = self._records.get(key)
+        replaced = record is not None
+        retrying = False
+        if record is None:
+            record = self._records[key] = _Record(key=key, tokens_hash=tokens_hash(key.tokens), version=version)
+        else:
+            record.version = version
+            # A fresh put is not held back by the backoff of an earlier version's faults.
+            retrying, record.failures = record.failures > 0, 0
+            if record.status is RecordStatus.MISSING:
+                record.status = RecordStatus.DIRTY
+        effects: list[Any] = [JournalEvent(event=DurabilityDirty(**self._fields(record), replaced=replaced))]
+        # An attempting record is re-armed when its attempt settles; a flush
+        # arms nothing (it forces scope records, and re-arms the rest after).
+        if self.state is _S.RUNNING and record.status is RecordStatus.DIRTY and (retrying or not record.timer_armed):
+            effects.append(self._arm(record, self.debounce_s))
+        return effects
+
+    def _on_timer(self, msg: TimerFired) -> list[Any]:
+        record = self._records.get(msg.key)  # type: ignore[arg-type]
+        if record is None or not record.timer_armed:
+            return []  # stale: the timer was cancelled after its message was queued
+        record.timer_armed = False
+        if self.state is not _S.RUNNING or record.status is not RecordStatus.DIRTY:
+            return []
+        # Cancelling kills a replacement timer should this fire have been a stale one.
+        return [CancelTimer(key=record.key), *self._start(record, forced=False)]
+
+    def _start(self, record: _Record, *, forced: bool) -> list[Any]:
+        record.status = RecordStatus.ATTEMPTING
+        record.attempt_version = record.version
+        record.attempt_forced = forced
+        self._in_flight += 1
+        self.counters.attempts += 1
+        self.counters.forced_attempts += forced
+        event = DurabilityAttempt(**self._fields(record), forced=forced)
+        return [StartAttempt(key=record.key, version=record.version, forced=forced), JournalEvent(event=event)]
+
+    def _settle(self, key: RecordKey, version: int) -> _Record:
+        """The record whose attempt at `version` settles now; anything else is a protocol bug."""
+        record = self._records.get(key)
+        if record is None or record.status is not RecordStatus.ATTEMPTING or record.attempt_version != version:
+            raise IllegalTransition(f"durability: no attempt at version {version} in flight for this key "
+                                    f"(state {self.state.name})")
+        record.attempt_version = None
+        self._in_flight -= 1
+        return record
+
+    def _on_deferred(self, msg: AttemptDeferred, now: float) -> list[Any]:
+        record = self._settle(msg.key, msg.version)
+        if record.attempt_forced:
+            raise IllegalTransition(f"durability: a forced attempt cannot be deferred (state {self.state.name})")
+        record.status = RecordStatus.DIRTY
+        self.counters.deferred += 1
+        effects: list[Any] = [self._settled_event(record, msg.version, "deferred", clean=False)]
+        if self.state is _S.RUNNING:
+            return [*effects, self._arm(record, self.busy_rearm_s)]
+        return [*effects, *self._progress(now)]
+
+    def _on_result(self, msg: AttemptResult, now: float) -> list[Any]:
+        record = self._settle(msg.key, msg.version)
+        outcome = msg.outcome
+        setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
+        fault = outcome in ("dropped", "failed")
+        if self._run is not None and fault:
+            setattr(self._run, outcome, getattr(self._run, outcome) + 1)
+        current = msg.version == record.version
+        clean = current and outcome in ("stored", "covered")
+        if clean:
+            del self._records[record.key]
+        elif current and outcome == "missing":
+            record.status = RecordStatus.MISSING
+        else:
+            # Faults and replacements stay dirty; a fault is never counted as stored.
+            record.status = RecordStatus.DIRTY
+        record.failures = record.failures + 1 if fault else 0
+        effects: list[Any] = [self._settled_event(record, msg.version, outcome, clean=clean)]
+        if self.state is not _S.RUNNING:
+            return [*effects, *self._progress(now)]
+        if record.status is RecordStatus.DIRTY:
+            effects.append(self._arm(record, self._rearm_delay(record)))
+        return effects
+
+    def _rearm_delay(self, record: _Record) -> float:
+        if record.failures == 0:
+            return self.debounce_s
+        return min(self.retry_s * 2.0 ** (record.failures - 1), self.retry_max_s)
+
+    def _arm(self, record: _Record, delay_s: float) -> ArmTimer:
+        record.timer_armed = True
+        return ArmTimer(key=record.key, delay_s=delay_s)
+
+    # -- flush -----------------------------------------------------------------
+
+    def _on_flush(self, msg: Flush, now: float) -> list[Any]:
+        if msg.flush_id in self._known_flushes:
+            raise IllegalTransition(f"durability: flush {msg.flush_id} asked twice (state {self.state.name})")
+        self._known_flushes.add(msg.flush_id)
+        if self._run is not None:
+            self._queued_flushes.append(msg.flush_id)
+            return []
+        return self._begin((msg.flush_id,), now)
+
+    def _begin(self, flush_ids: tuple[int, ...], now: float) -> list[Any]:
+        self._goto(_S.FLUSH_SETTLING)
+        effects: list[Any] = []
+        for record in self._records.values():
+            if record.timer_armed:
+                record.timer_armed = False
+                effects.append(CancelTimer(key=record.key))
+        self._run = _FlushRun(flush_ids=flush_ids, began_s=now, scope=frozenset(self._records))
+        self.counters.flushes += len(flush_ids)
+        begun = FlushBegun(flush_ids=flush_ids, scope_records=len(self._records), in_flight=self._in_flight)
+        return [*effects, JournalEvent(event=begun), *self._progress(now)]
+
+    def _progress(self, now: float) -> list[Any]:
+        """Move a flush on after something settled."""
+        if self.state is _S.FLUSH_SETTLING:
+            if self._in_flight:
+                return []
+            self._goto(_S.FLUSH_DRAINING)
+            assert self._run is not None
+            return [DrainQueue(flush_id=self._run.flush_id)]
+        if self.state is _S.FLUSH_FORCING:
+            return self._force_next(now)
+        return []
+
+    def _force_next(self, now: float) -> list[Any]:
+        """Force the next unforced dirty version in scope, one at a time; when
+        none is left, re-check the missing ones; then answer."""
+        run = self._run
+        assert run is not None
+        if self._in_flight:
+            return []
+        in_scope = [r for r in self._records.values() if r.key in run.scope]
+        for record in in_scope:
+            if record.status is RecordStatus.DIRTY and record.version not in run.forced_versions:
+                self._goto(_S.FLUSH_FORCING)
+                run.forced_versions.add(record.version)
+                run.forced += 1
+                return self._start(record, forced=True)
+        recheck = {r.key: r.version for r in in_scope
+                   if r.status is RecordStatus.MISSING and r.version not in run.rechecked_versions}
+        if recheck:
+            self._goto(_S.FLUSH_RECHECK)
+            run.rechecked_versions.update(recheck.values())
+            run.awaiting_recheck = recheck
+            return [CheckCoverage(flush_id=run.flush_id, keys=tuple(recheck))]
+        return self._finish(now)
+
+    def _on_coverage(self, msg: CoverageChecked, now: float) -> list[Any]:
+        run = self._check_run(msg.flush_id)
+        effects: list[Any] = []
+        for key, version in run.awaiting_recheck.items():
+            record = self._records.get(key)
+            # A put since the question was asked has its own version and attempt.
+            if key in msg.covered and record is not None and record.status is RecordStatus.MISSING \
+                    and record.version == version:
+                del self._records[key]
+                run.rechecked_covered += 1
+                self.counters.rechecked_covered += 1
+                effects.append(self._settled_event(record, version, "recheck_covered", clean=True))
+        run.awaiting_recheck = {}
+        return [*effects, *self._force_next(now)]
+
+    def _finish(self, now: float) -> list[Any]:
+        run = self._run
+        assert run is not None
+        effects: list[Any] = []
+        for flush_id in run.flush_ids:
+            verdict = self._verdict(run, flush_id, now)
+            self.counters.durable_flushes += verdict.durable
+            self._known_flushes.discard(flush_id)
+            fields = attrs.asdict(verdict)
+            del fields["timed_out"]
+            effects += [verdict, JournalEvent(event=FlushVerdictRecorded(**fields))]
+        self._run = None
+        if self._queued_flushes:
+            queued, self._queued_flushes = tuple(self._queued_flushes), []
+            return [*effects, *self._begin(queued, now)]
+        self._goto(_S.RUNNING)
+        for record in self._records.values():
+            if record.status is RecordStatus.DIRTY:
+                effects.append(self._arm(record, self._rearm_delay(record)))
+        return effects
+
+    def _verdict(self, run: _FlushRun, flush_id: int, now: float, *, timed_out: bool = False) -> FlushVerdict:
+        in_scope = [r for r in self._records.values() if r.key in run.scope]
+        missing = sum(r.status is RecordStatus.MISSING for r in in_scope)
+        pending = len(in_scope) - missing
+        durable = not timed_out and pending == 0 and missing == 0 and run.dropped == 0 and run.failed == 0
+        return FlushVerdict(flush_id=flush_id, durable=durable, pending=pending, dropped=run.dropped,
+                            failed=run.failed, missing_uncovered=missing, dirty_keys_count=len(self._records),
+                            forced=run.forced, rechecked_covered=run.rechecked_covered,
+                            elapsed_s=now - run.began_s, timed_out=timed_out)
+
+    def provisional_verdict(self, flush_id: int, now: float) -> FlushVerdict:
+        """A not-durable verdict for a flush the caller stopped waiting for,
+        with the evidence so far (the flush itself goes on and is journaled)."""
+        run = self._run if self._run is not None and flush_id in self._run.flush_ids else None
+        if run is None:
+            run = _FlushRun(flush_ids=(flush_id,), began_s=now, scope=frozenset(self._records))
+        return self._verdict(run, flush_id, now, timed_out=True)
+
+    # -- views -----------------------------------------------------------------
+
+    def _fields(self, record: _Record) -> dict[str, Any]:
+        return {"namespace": record.key.namespace, "token_count": len(record.key.tokens),
+                "tokens_hash": record.tokens_hash, "version": record.version}
+
+    def _settled_event(self, record: _Record, version: int, outcome: str, *, clean: bool) -> JournalEvent:
+        fields = {**self._fields(record), "version": version}
+        return JournalEvent(event=DurabilitySettled(**fields, outcome=outcome, current=version == record.version,
+                                                    clean=clean))
+
+    def records(self) -> list[RecordView]:
+        return [RecordView(key=r.key, version=r.version, status=r.status, attempt_version=r.attempt_version,
+                           timer_armed=r.timer_armed) for r in self._records.values()]
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def stats(self) -> dict[str, Any]:
+        """`pending_snapshots`: every record not yet durable (armed debounce and
+        re-arm timers, attempts in flight, missing), as `/stats` reports it."""
+        statuses = [r.status for r in self._records.values()]
+        return {
+            "state": self.state.value,
+            "pending_snapshots": len(statuses),
+            "dirty": statuses.count(RecordStatus.DIRTY),
+            "attempting": self._in_flight,
+            "missing": statuses.count(RecordStatus.MISSING),
+            "armed_timers": sum(r.timer_armed for r in self._records.values()),
+            "queued_flushes": len(self._queued_flushes),
+            **attrs.asdict(self.counters),
+        }

@@ -1,0 +1,207 @@
+"""The Trio shell of the DurabilityCoordinator (spec §5.6; the core, its
+messages and events are in `kvcellar.actors.durability`).
+
+The shell owns the ports and the flush waiters and carries out the core's
+effects: a `StartAttempt` becomes a task that checks coverage and snapshots
+the RAM entry in one `run_when_idle` engine turn, then submits the snapshot to
+the spill queue outside that turn; `DrainQueue` waits for the queue to go
+idle; `CheckCoverage` asks the committed SSD index; a `FlushVerdict` wakes the
+`flush()` caller it answers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import trio
+
+from kvcellar.actors.durability import (
+    BUSY_REARM_S_DEFAULT, DEBOUNCE_S_DEFAULT, RETRY_MAX_S_DEFAULT, RETRY_S_DEFAULT, SUBMIT_OUTCOMES, AttemptDeferred,
+    AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore, Flush, FlushVerdict,
+    QueueDrained, RecordKey, StartAttempt,
+)
+from kvcellar.actors.runtime import ActorShell, Journal
+from kvcellar.store.prompt_cache import SpillSnapshot
+
+log = logging.getLogger("kvcellar.actors.durability")
+
+T = TypeVar("T")
+
+
+class DurabilityPorts(Protocol):
+    """What the coordinator needs of the rest of the system."""
+
+    def gateway_busy(self) -> bool: ...
+
+    async def run_when_idle(self, step: Callable[[], T]) -> T:
+        """Run `step` on the engine thread as one turn taken only when idle."""
+        ...
+
+    def snapshot_exact(self, tokens: tuple[int, ...], ns: str) -> SpillSnapshot | None:
+        """The RAM entry holding exactly `tokens`; MLX work, only inside `run_when_idle`."""
+        ...
+
+    def covers(self, tokens: tuple[int, ...], ns: str) -> bool:
+        """Whether a committed SSD entry serves all of `tokens` (cheap, no I/O)."""
+        ...
+
+    async def submit(self, snapshot: SpillSnapshot) -> str:
+        """Hand a snapshot to the spill queue; "stored", "dropped" or "failed" once settled."""
+        ...
+
+    async def wait_queue_idle(self) -> None: ...
+
+
+@attrs.define
+class _FlushWaiter:
+    done: trio.Event = attrs.Factory(trio.Event)
+    verdict: FlushVerdict | None = None
+
+
+class DurabilityCoordinator:
+    """The Trio shell of `DurabilityCore`. Start with `nursery.start(run)`.
+
+    `dirty` must be called on the Trio thread: the RAM cache's `on_put` runs on
+    the engine thread, so the wiring forwards it with
+    `trio_token.run_sync_soon(coordinator.dirty, ns, tokens)` (FIFO, so a put
+    is recorded before the reply of the request that made it)."""
+
+    def __init__(self, ports: DurabilityPorts, *, debounce_s: float = DEBOUNCE_S_DEFAULT,
+                 busy_rearm_s: float = BUSY_REARM_S_DEFAULT, retry_s: float = RETRY_S_DEFAULT,
+                 retry_max_s: float = RETRY_MAX_S_DEFAULT, journal: Journal | None = None) -> None:
+        self.core = DurabilityCore(debounce_s, busy_rearm_s, retry_s=retry_s, retry_max_s=retry_max_s)
+        self._ports = ports
+        self._actor = ActorShell("durability", self.core, self._perform, journal=journal)
+        self._nursery: trio.Nursery | None = None
+        self._flush_ids = itertools.count(1)
+        self._waiters: dict[int, _FlushWaiter] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self._run_actor, nursery.cancel_scope)
+            task_status.started()
+
+    async def _run_actor(self, attempts: trio.CancelScope, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._actor.run(task_status=task_status)
+        attempts.cancel()  # closed: attempts still in flight have nobody to report to
+
+    def close(self) -> None:
+        """Stop: `run` returns, cancelling the attempts in flight."""
+        self._actor.close()
+
+    def dirty(self, ns: str, tokens: Iterable[int]) -> None:
+        """Record a put (Trio thread only; never blocks)."""
+        # `on_put` hands a tuple of ints already: no second pass over a long prompt.
+        tokens = tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
+        self._send(Dirty(namespace=ns, tokens=tokens))
+
+    async def flush(self, timeout_s: float | None = None) -> FlushVerdict:
+        """Force every put made before this call to the SSD tier and say whether
+        it is durable (spec §5.6). A flush asked while one runs is answered
+        after it, by the next run. Past `timeout_s` the answer is a not-durable
+        verdict with `timed_out` and the evidence so far; the flush itself goes
+        on and its verdict is journaled."""
+        flush_id = next(self._flush_ids)
+        waiter = self._waiters[flush_id] = _FlushWaiter()
+        try:
+            await self._actor.send(Flush(flush_id=flush_id))
+            with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
+                await waiter.done.wait()
+        finally:
+            self._waiters.pop(flush_id, None)
+        if waiter.verdict is not None:
+            return waiter.verdict
+        log.warning("flush %d not answered within %s s", flush_id, timeout_s)
+        return self.core.provisional_verdict(flush_id, trio.current_time())
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self._actor.send_nowait(msg)
+        except trio.ClosedResourceError:
+            log.debug("durability coordinator closed; %s ignored", type(msg).__name__)
+
+    def _perform(self, effect: Any) -> None:
+        assert self._nursery is not None, "the coordinator is not running"
+        if isinstance(effect, StartAttempt):
+            # A timed attempt never waits behind requests: a busy gateway re-arms (spec §5.5).
+            if not effect.forced and self._ports.gateway_busy():
+                self._send(AttemptDeferred(key=effect.key, version=effect.version))
+            else:
+                self._nursery.start_soon(self._attempt, effect)
+        elif isinstance(effect, DrainQueue):
+            self._nursery.start_soon(self._drain, effect.flush_id)
+        elif isinstance(effect, CheckCoverage):
+            covered = frozenset(key for key in effect.keys if self._covers(key))
+            self._send(CoverageChecked(flush_id=effect.flush_id, covered=covered))
+        elif isinstance(effect, FlushVerdict):
+            self._answer(effect)
+        else:
+            raise TypeError(f"durability: unknown effect {effect!r}")
+
+    def _answer(self, verdict: FlushVerdict) -> None:
+        log.info("flush %d: durable=%s pending=%d dropped=%d failed=%d missing=%d (%.3f s)", verdict.flush_id,
+                 verdict.durable, verdict.pending, verdict.dropped, verdict.failed, verdict.missing_uncovered,
+                 verdict.elapsed_s)
+        waiter = self._waiters.get(verdict.flush_id)
+        if waiter is not None:
+            waiter.verdict = verdict
+            waiter.done.set()
+
+    def _covers(self, key: RecordKey) -> bool:
+        try:
+            return self._ports.covers(key.tokens, key.namespace)
+        except Exception:
+            log.exception("coverage check failed; counted as not covered")
+            return False
+
+    async def _drain(self, flush_id: int) -> None:
+        try:
+            await self._ports.wait_queue_idle()
+        except Exception:
+            # The forced attempts still report their own outcomes; a broken drain only loses the wait.
+            log.exception("waiting for the spill queue to drain failed")
+        self._send(QueueDrained(flush_id=flush_id))
+
+    async def _attempt(self, start: StartAttempt) -> None:
+        outcome = await self._attempt_outcome(start.key)
+        self._send(AttemptResult(key=start.key, version=start.version, outcome=outcome))
+
+    async def _attempt_outcome(self, key: RecordKey) -> str:
+        ports, tokens, ns = self._ports, key.tokens, key.namespace
+
+        def engine_turn() -> str | SpillSnapshot:
+            # Coverage first: an entry already durable costs no clone.
+            if ports.covers(tokens, ns):
+                return "covered"
+            snapshot = ports.snapshot_exact(tokens, ns)
+            if snapshot is not None:
+                return snapshot
+            # Gone from RAM: "stored" only if the committed index already covers it.
+            return "covered" if ports.covers(tokens, ns) else "missing"
+
+        try:
+            found = await ports.run_when_idle(engine_turn)
+        except Exception:
+            log.exception("durability snapshot of %d tokens failed", len(tokens))
+            return "failed"
+        if isinstance(found, str):
+            return found
+        try:
+            outcome = await ports.submit(found)
+        except Exception:
+            log.exception("submitting a snapshot of %d tokens failed", len(tokens))
+            return "failed"
+        if outcome not in SUBMIT_OUTCOMES:
+            log.error("spill queue answered %r; counted as failed", outcome)
+            return "failed"
+        return outcome

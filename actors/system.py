@@ -1,0 +1,252 @@
+"""The whole system in one nursery: engine thread, gateway, RAM and SSD tiers,
+spill queue, durability coordinator and SSD writer.
+
+    async with open_system(SystemConfig(model_dir=...)) as system:
+        async for event in system.generate(request): ...
+        verdict = await system.flush()
+
+The RAM tier lives on the engine thread (every take and put is MLX work);
+its spill sink and `on_put` hook hand their work to the Trio thread with
+`run_sync_soon`, so the engine never waits on the queue or the coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from kvcellar.actors.durability_shell import DurabilityCoordinator
+from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
+from kvcellar.actors.ssd_writer import SsdWriter
+from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
+from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
+from kvcellar.errors import UsageError
+from kvcellar.store.fingerprint import compute_fingerprint
+from kvcellar.store.prompt_cache import MAX_BYTES_DEFAULT, PromptCache, SpillSnapshot
+from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
+from kvcellar.store.ssd import SsdStore
+
+log = logging.getLogger("kvcellar.system")
+
+WRITE_BEHIND_ENV = "KVCELLAR_SSD_WRITEBEHIND"
+
+
+def write_behind_from_env(environ: Any = os.environ) -> bool:
+    return environ.get(WRITE_BEHIND_ENV, "1").strip() != "0"
+
+
+@attrs.frozen(kw_only=True)
+class SystemConfig:
+    model_dir: Path
+    ssd_dir: Path | None = None
+    ssd_max_bytes: int | None = None
+    ssd_verify: bool = True
+    prompt_cache_bytes: int = MAX_BYTES_DEFAULT
+    spill_queue_bytes: int | None = None
+    write_behind: bool | None = None
+    demote_idle_s: float = 300.0
+    kv_quant: str = "bf16"
+    debounce_s: float = 1.0
+    busy_rearm_s: float = 5.0
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS
+    shutdown_timeout_s: float = 120.0
+    turn_log: list[tuple[str, float, float]] | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class FlushResult:
+    """The flush verdict with its evidence (spec §5.6)."""
+
+    durable: bool
+    pending: int
+    dropped: int
+    failed: int
+    missing: int
+    entries: int
+    longest_durable_prefix_tokens: int
+
+
+class System:
+    """Handles for a running system; made by `open_system`."""
+
+    def __init__(self, config: SystemConfig, engine: EngineThread, loaded: LoadedModel, scheme: KvScheme,
+                 prompt_cache: PromptCache, store: SsdStore | None) -> None:
+        self.config = config
+        self.engine = engine
+        self.loaded = loaded
+        self.scheme = scheme
+        self.prompt_cache = prompt_cache
+        self.store = store
+        self.gateway: Gateway
+        self.queue: SpillQueue | None = None
+        self.durability: DurabilityCoordinator | None = None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
+        """Run one request through the serial lane, streaming its tokens."""
+        cancelled = threading.Event()
+
+        def job(loaded: LoadedModel):
+            return run_generation(loaded, self.prompt_cache, request, cancelled, scheme=self.scheme,
+                                  prefill_step_tokens=self.config.prefill_step_tokens)
+
+        async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
+            yield item
+
+    async def flush(self) -> FlushResult:
+        """Persist everything dirty; `durable` says whether all of it is on disk."""
+        if self.durability is None or self.store is None:
+            return FlushResult(durable=self.store is None, pending=0, dropped=0, failed=0, missing=0,
+                               entries=0, longest_durable_prefix_tokens=0)
+        verdict = await self.durability.flush()
+        return FlushResult(durable=verdict.durable, pending=verdict.pending, dropped=verdict.dropped,
+                           failed=verdict.failed, missing=verdict.missing, entries=len(self.store.entry_ids()),
+                           longest_durable_prefix_tokens=self.store.longest_entry_tokens())
+
+    async def shutdown(self) -> FlushResult | None:
+        """Stop admission, drain active requests, then flush, bounded by the timeout."""
+        await self.gateway.stop_admission()
+        with trio.move_on_after(self.config.shutdown_timeout_s):
+            await self.gateway.drain()
+            return await self.flush()
+        log.warning("shutdown flush did not finish within %.0f s", self.config.shutdown_timeout_s)
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        ssd: dict[str, Any] = {}
+        if self.store is not None:
+            store_stats = self.store.stats()
+            queue_stats = self.queue.stats() if self.queue else {}
+            durability_stats = self.durability.stats() if self.durability else {}
+            ssd = {
+                "entries": store_stats["entries"], "bytes": store_stats["bytes"],
+                "max_bytes": store_stats["max_bytes"], "restores": store_stats["restores"],
+                "spills": store_stats["spills"], "restore_ms_last": store_stats["restore_ms_last"],
+                "demotions": self.prompt_cache.counters.demotions,
+                "pending_snapshots": durability_stats.get("pending_snapshots", 0),
+                "pending_spills": queue_stats.get("pending", 0),
+                "pending_spill_bytes": queue_stats.get("pending_bytes", 0),
+                "dropped_spills": queue_stats.get("dropped", 0), "failed_spills": queue_stats.get("failed", 0),
+                "longest_durable_prefix_tokens": self.store.longest_entry_tokens(),
+                "quarantined": store_stats["quarantined"], "journal": store_stats["journal"],
+            }
+        return {"prompt_cache": self.prompt_cache.stats(), "gateway": self.gateway.stats(), "ssd_cache": ssd,
+                "kv_scheme": self.scheme.cache_key}
+
+
+def _open_store(config: SystemConfig, scheme: KvScheme) -> SsdStore | None:
+    if config.ssd_dir is None:
+        return None
+    if config.prompt_cache_bytes <= 0:
+        raise UsageError("the SSD tier needs the RAM tier: a prompt-cache size of 0 cannot be combined with it")
+    fingerprint = compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key)
+    return SsdStore.open(config.ssd_dir, fingerprint.digest, config.ssd_max_bytes,
+                         fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify)
+
+
+@asynccontextmanager
+async def open_system(config: SystemConfig) -> AsyncIterator[System]:
+    """Start everything in one nursery; on exit shut down gracefully (stop
+    admission, drain, flush bounded by `shutdown_timeout_s`) and close."""
+    engine = EngineThread(config.model_dir, turn_log=config.turn_log)
+    try:
+        loaded = await engine.start()
+        scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
+        store = _open_store(config, scheme)
+        try:
+            async with trio.open_nursery() as nursery:
+                system = await _start_actors(nursery, config, engine, loaded, scheme, store)
+                try:
+                    yield system
+                    await system.shutdown()
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if store is not None:
+                store.close()
+    finally:
+        engine.stop()
+
+
+async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: EngineThread, loaded: LoadedModel,
+                        scheme: KvScheme, store: SsdStore | None) -> System:
+    journal = store.journal if store is not None else None
+    token = trio.lowlevel.current_trio_token()
+    gateway = Gateway(engine, journal=journal)
+    await nursery.start(gateway.run)
+    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store)
+    system = System(config, engine, loaded, scheme, prompt_cache, store)
+    system.gateway = gateway
+    if store is None:
+        return system
+    writer = SsdWriter(store, gateway.run_when_idle, journal=journal)
+    queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
+    queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
+    await nursery.start(queue.run)
+    system.queue = queue
+
+    def submit(snapshot: SpillSnapshot) -> None:
+        # Runs inside run_sync_soon, where an exception would end the whole Trio run.
+        try:
+            queue.submit_nowait(snapshot)
+        except Exception as e:
+            log.warning("spill of %d tokens refused: %s", len(snapshot.tokens), e)
+
+    def spill_sink(snapshot: SpillSnapshot) -> None:
+        token.run_sync_soon(submit, snapshot)
+
+    prompt_cache.spill_sink = spill_sink
+    write_behind = config.write_behind if config.write_behind is not None else write_behind_from_env()
+    if write_behind:
+        durability = DurabilityCoordinator(
+            _DurabilityPorts(gateway, prompt_cache, store, queue), debounce_s=config.debounce_s,
+            busy_rearm_s=config.busy_rearm_s, journal=journal)
+        await nursery.start(durability.run)
+        system.durability = durability
+        prompt_cache.on_put = lambda ns, tokens: token.run_sync_soon(durability.dirty, ns, tokens)
+    if config.demote_idle_s > 0:
+        nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
+    return system
+
+
+async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:
+    """Idle demotion (spec §4): entries unused past the threshold spill to SSD."""
+    while True:
+        await trio.sleep(max(threshold_s / 4, 1.0))
+        await gateway.run_when_idle(lambda _: prompt_cache.demote_idle(threshold_s))
+
+
+class _DurabilityPorts:
+    """What the durability coordinator needs of the rest of the system."""
+
+    def __init__(self, gateway: Gateway, prompt_cache: PromptCache, store: SsdStore, queue: SpillQueue) -> None:
+        self._gateway = gateway
+        self._prompt_cache = prompt_cache
+        self._store = store
+        self._queue = queue
+
+    def gateway_busy(self) -> bool:
+        return self._gateway.busy
+
+    async def run_when_idle(self, step: Any) -> Any:
+        return await self._gateway.run_when_idle(lambda _: step())
+
+    def snapshot_exact(self, tokens: Any, ns: str) -> SpillSnapshot | None:
+        return self._prompt_cache.snapshot_exact(tokens, ns)
+
+    def covers(self, tokens: Any, ns: str) -> bool:
+        return self._store.covers(tokens, ns)
+
+    async def submit(self, snapshot: SpillSnapshot) -> str:
+        return await self._queue.submit(snapshot)
+
+    async def wait_queue_idle(self) -> None:
+        await self._queue.wait_idle()

@@ -1,0 +1,111 @@
+"""One generation on the engine thread, with prompt-cache reuse.
+
+`run_generation` is a generator run as a single engine job: take the longest
+usable prefix from the RAM tier (which consults the SSD tier), prefill only
+the remainder in chunks, put a prompt-only snapshot after a substantial cold
+prefill (spec §4, "prompt-boundary snapshot"), decode with mlx-lm's samplers,
+and put the finished caches back, also when the client went away.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from kvcellar.engine.detokenize import TextAssembler
+from kvcellar.engine.engine import PREFILL_STEP_TOKENS, LoadedModel, SamplingParams
+from kvcellar.store.lending import lend_caches
+from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.scheme import KvScheme
+
+SNAPSHOT_MIN_PREFILL_TOKENS = 512
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+    namespace: str = ""
+    use_prompt_cache: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class TokenDelta:
+    token_id: int
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class GenerationDone:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cache_tier: str
+
+
+def _prefill(model: Any, tokens: list[int], cache: list[Any], step_tokens: int) -> mx.array:
+    """Run `tokens` through the model in chunks; logits of the last one."""
+    position = 0
+    while len(tokens) - position > 1:
+        chunk = tokens[position: position + min(step_tokens, len(tokens) - position - 1)]
+        model(mx.array([chunk]), cache=cache)
+        mx.eval([c.state for c in cache])
+        position += len(chunk)
+    return model(mx.array([tokens[position:]]), cache=cache)[:, -1, :]
+
+
+def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, request: GenerationRequest,
+                   cancelled: threading.Event, *, scheme: KvScheme | None = None,
+                   prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                   snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS,
+                   ) -> Iterator[TokenDelta | GenerationDone]:
+    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`."""
+    params = request.params
+    prompt = list(request.prompt_ids)
+    use_cache = request.use_prompt_cache and prompt_cache is not None and prompt_cache.enabled
+    taken = prompt_cache.take(prompt, request.namespace) if use_cache else None
+    cached_tokens = taken.reused_tokens if taken else 0
+    cache = taken.caches if taken and taken.caches is not None else make_prompt_cache(loaded.model)
+    logits = _prefill(loaded.model, prompt[cached_tokens:], cache, prefill_step_tokens)
+    if scheme is not None:
+        # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
+        cache = scheme.convert(cache)
+    if use_cache and len(prompt) - cached_tokens >= snapshot_min_prefill_tokens:
+        mx.eval(logits)
+        prompt_cache.put(prompt, lend_caches(cache), request.namespace)
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    sampler = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
+    fed: list[int] = []
+    produced = 0
+    try:
+        while produced < params.max_tokens and not cancelled.is_set():
+            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            mx.eval(token)
+            token_id = int(token.item())
+            produced += 1
+            text = assembler.add(token_id)
+            yield TokenDelta(token_id=token_id, text=text)
+            if assembler.finished_by_stop or produced >= params.max_tokens:
+                break
+            logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]
+            fed.append(token_id)
+        tail = "" if assembler.finished_by_stop else assembler.flush()
+        if tail:
+            yield TokenDelta(token_id=-1, text=tail)
+    finally:
+        if use_cache:
+            # The caches hold the prompt and every token fed back; the last sampled one was never fed.
+            prompt_cache.put(prompt + fed, cache, request.namespace)
+    yield GenerationDone(finish_reason="stop" if assembler.finished_by_stop else "length",
+                         prompt_tokens=len(prompt), completion_tokens=produced, cached_tokens=cached_tokens,
+                         cache_tier=taken.tier if taken else "none")
