@@ -17,9 +17,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcellar.actors.durability import (
     OUTCOMES, AttemptDeferred, AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore,
-    DurabilityCoordinator, DurabilitySettled, DurabilityState, Flush, FlushBegun, FlushVerdict, QueueDrained,
+    DurabilitySettled, DurabilityState, Flush, FlushBegun, FlushVerdict, QueueDrained,
     RecordKey, RecordStatus, StartAttempt, tokens_hash,
 )
+from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store.events import EVENT_TYPES
