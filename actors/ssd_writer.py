@@ -148,8 +148,9 @@ class SsdWriter:
         self._write_ids = 0
 
     async def write(self, snapshot: SpillSnapshot) -> str:
-        pending = self.store.prepare_store(snapshot.tokens, snapshot.caches, snapshot.namespace,
-                                           tokenizer_hash=self.tokenizer_hash)
+        # Planning slices the snapshot's arrays: MLX work, so it takes an engine turn too.
+        pending = await self.run_when_idle(lambda _: self.store.prepare_store(
+            snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=self.tokenizer_hash))
         if pending is None:
             return "failed"
         self._write_ids += 1

@@ -30,6 +30,7 @@ from kvcellar.actors.ssd_writer import SsdWriter
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.errors import UsageError
+from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import compute_fingerprint
 from kvcellar.store.prompt_cache import MAX_BYTES_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
@@ -60,6 +61,7 @@ class SystemConfig:
     prefill_step_tokens: int = PREFILL_STEP_TOKENS
     shutdown_timeout_s: float = 120.0
     turn_log: list[tuple[str, float, float]] | None = attrs.field(default=None, eq=False)
+    disk: Disk | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -148,7 +150,7 @@ def _open_store(config: SystemConfig, scheme: KvScheme) -> SsdStore | None:
     if config.prompt_cache_bytes <= 0:
         raise UsageError("the SSD tier needs the RAM tier: a prompt-cache size of 0 cannot be combined with it")
     fingerprint = compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key)
-    return SsdStore.open(config.ssd_dir, fingerprint.digest, config.ssd_max_bytes,
+    return SsdStore.open(config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, config.disk,
                          fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify)
 
 

@@ -1,0 +1,135 @@
+"""The whole actor system with a real tiny model, real files and SQLite."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import trio
+
+from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.engine.engine import SamplingParams
+from kvcellar.engine.generation import GenerationDone, GenerationRequest
+from kvcellar.errors import DiskError
+from kvcellar.store.disk import RealDisk
+
+PROMPT = tuple((17 * i + 11) % 1000 + 3 for i in range(120))
+
+
+def _request(prompt, max_tokens=8):
+    return GenerationRequest(prompt_ids=tuple(prompt), params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+async def _run(system, request):
+    tokens, done = [], None
+    async for item in system.generate(request):
+        if isinstance(item, GenerationDone):
+            done = item
+        elif item.token_id >= 0:
+            tokens.append(item.token_id)
+    return tokens, done
+
+
+def _config(model_dir, tmp_path, **overrides):
+    values = dict(model_dir=model_dir, ssd_dir=tmp_path / "ssd", debounce_s=0.05, busy_rearm_s=0.05,
+                  demote_idle_s=0, shutdown_timeout_s=60)
+    values.update(overrides)
+    return SystemConfig(**values)
+
+
+def test_flushed_prefix_survives_a_restart_and_continues_identically(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("llama")
+
+    async def main():
+        async with open_system(_config(model_dir, tmp_path)) as system:
+            first, done = await _run(system, _request(PROMPT))
+            assert done.cached_tokens == 0
+            verdict = await system.flush()
+            assert verdict.durable and verdict.entries >= 1
+            assert verdict.longest_durable_prefix_tokens >= len(PROMPT)
+        follow_up = PROMPT + tuple(first[:-1]) + (5, 6, 7)
+        async with open_system(_config(model_dir, tmp_path)) as restarted:
+            warm, warm_done = await _run(restarted, _request(follow_up, 16))
+            assert warm_done.cache_tier == "ssd" and warm_done.cached_tokens >= len(PROMPT)
+            assert restarted.stats()["ssd_cache"]["restores"] == 1
+        async with open_system(_config(model_dir, tmp_path / "cold", ssd_dir=None, prompt_cache_bytes=0)) as cold:
+            fresh, fresh_done = await _run(cold, _request(follow_up, 16))
+            assert fresh_done.cached_tokens == 0
+        assert warm == fresh
+
+    trio.run(main)
+
+
+def test_second_turn_reuses_the_ram_entry(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("llama")
+
+    async def main():
+        async with open_system(_config(model_dir, tmp_path, ssd_dir=None)) as system:
+            first, _ = await _run(system, _request(PROMPT))
+            _, done = await _run(system, _request(PROMPT + tuple(first[:-1]) + (9,)))
+            assert done.cache_tier == "ram" and done.cached_tokens == len(PROMPT) + len(first) - 1
+            assert system.stats()["prompt_cache"]["hits"] == 1
+
+    trio.run(main)
+
+
+def test_background_work_never_runs_while_a_request_is_active_or_waiting(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("llama")
+    turn_log: list[tuple[str, float, float]] = []
+
+    async def main():
+        async with open_system(_config(model_dir, tmp_path, turn_log=turn_log, debounce_s=0.0)) as system:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_run, system, _request(PROMPT, 30))
+                await trio.sleep(0.05)
+                for i in range(3):
+                    nursery.start_soon(system.gateway.run_when_idle, lambda _: None)
+                nursery.start_soon(_run, system, _request((1,) + PROMPT[:60], 20))
+                await trio.sleep(0.05)
+                nursery.start_soon(_run, system, _request((2,) + PROMPT[:60], 20))
+            await system.flush()
+
+    trio.run(main)
+    kinds = [label for label, _, _ in turn_log]
+    generations = [i for i, kind in enumerate(kinds) if kind == "generate"]
+    assert len(generations) == 3
+    assert all(kinds[i] == "generate" for i in range(generations[0], generations[-1] + 1)), (
+        f"background work ran while requests were waiting: {kinds}")
+    assert "step" in kinds[generations[-1]:]
+
+
+class ToggleFaultDisk(RealDisk):
+    fail = False
+
+    def write_at(self, handle, offset, data):
+        if self.fail:
+            raise DiskError("injected: no space left on device", errno=errno.ENOSPC)
+        super().write_at(handle, offset, data)
+
+
+def test_a_write_failure_is_not_durable_and_the_next_flush_after_the_fault_is(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("llama")
+    disk = ToggleFaultDisk()
+
+    async def main():
+        async with open_system(_config(model_dir, tmp_path, disk=disk, debounce_s=30.0)) as system:
+            disk.fail = True
+            await _run(system, _request(PROMPT))
+            failed = await system.flush()
+            assert not failed.durable and failed.failed >= 1
+            disk.fail = False
+            healed = await system.flush()
+            assert healed.durable and healed.entries >= 1
+
+    trio.run(main)
+
+
+def test_prompt_cache_zero_with_an_ssd_tier_is_a_usage_error(model_dir_factory, tmp_path):
+    from kvcellar.errors import UsageError
+
+    async def main():
+        async with open_system(_config(model_dir_factory("llama"), tmp_path, prompt_cache_bytes=0)):
+            pass
+
+    with pytest.raises(UsageError, match="RAM tier"):
+        trio.run(main)
