@@ -77,6 +77,9 @@ class FlushResult:
     longest_durable_prefix_tokens: int
 
 
+_NOT_SHUT_DOWN = object()
+
+
 class System:
     """Handles for a running system; made by `open_system`."""
 
@@ -91,6 +94,7 @@ class System:
         self.gateway: Gateway
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
+        self._shutdown_verdict: Any = _NOT_SHUT_DOWN
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
         """Run one request through the serial lane, streaming its tokens."""
@@ -114,13 +118,19 @@ class System:
                            longest_durable_prefix_tokens=self.store.longest_entry_tokens())
 
     async def shutdown(self) -> FlushResult | None:
-        """Stop admission, drain active requests, then flush, bounded by the timeout."""
+        """Stop admission, drain active requests, then flush, bounded by the
+        timeout (None when it ran out). Once is enough: later calls return
+        the first verdict."""
+        if self._shutdown_verdict is not _NOT_SHUT_DOWN:
+            return self._shutdown_verdict
         await self.gateway.stop_admission()
+        self._shutdown_verdict = None
         with trio.move_on_after(self.config.shutdown_timeout_s):
             await self.gateway.drain()
-            return await self.flush()
-        log.warning("shutdown flush did not finish within %.0f s", self.config.shutdown_timeout_s)
-        return None
+            self._shutdown_verdict = await self.flush()
+        if self._shutdown_verdict is None:
+            log.warning("shutdown flush did not finish within %.0f s", self.config.shutdown_timeout_s)
+        return self._shutdown_verdict
 
     def stats(self) -> dict[str, Any]:
         ssd: dict[str, Any] = {}

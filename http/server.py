@@ -1,60 +1,73 @@
-"""`kvcellar serve`: the engine thread and hypercorn in one `trio.run` and one nursery."""
+"""`kvcellar serve`: the actor system and hypercorn in one `trio.run` and one nursery.
+
+Shutdown on SIGINT/SIGTERM: stop admission (new requests get 503), drain
+active requests, run the same flush as `POST /admin/cache/flush` bounded by
+`KVCELLAR_SHUTDOWN_TIMEOUT_S` (default 120), log the verdict, stop serving.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 from functools import partial
-from pathlib import Path
 
+import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from kvcellar.engine.engine import EngineThread
+from kvcellar.actors.system import System, SystemConfig, open_system
+from kvcellar.http.app import HttpSettings, build_app
 
 log = logging.getLogger("kvcellar.serve")
 
 
-async def serve_forever(model_dir: Path, host: str, port: int, *, ready: trio.Event | None = None,
-                        stop: trio.Event | None = None) -> None:
-    """Load the model on the engine thread, then serve until SIGINT/SIGTERM
-    (or until `stop` is set, for tests)."""
-    from kvcellar.http.app import build_app
+def banner(system: System, host: str, port: int) -> str:
+    """One block naming the model, the URL, the tiers and what was restored."""
+    stats = system.stats()
+    ram_gb = system.prompt_cache.max_bytes / 1e9
+    lines = [f"kvcellar serving {system.loaded.model_dir} on http://{host}:{port}",
+             f"  RAM prompt cache: {'off' if ram_gb <= 0 else f'{ram_gb:g} GB'}; KV scheme {system.scheme.cache_key}"]
+    if system.store is not None:
+        ssd = stats["ssd_cache"]
+        cap = "unlimited" if not ssd["max_bytes"] else f"{ssd['max_bytes'] / 1e9:g} GB"
+        lines.append(f"  SSD cache: {system.store.directory} ({cap}); restored index: {ssd['entries']} entries, "
+                     f"{ssd['bytes'] / 1e6:.1f} MB, longest prefix {ssd['longest_durable_prefix_tokens']} tokens")
+    else:
+        lines.append("  SSD cache: off (use --ssd-cache DIR to keep prefixes across restarts)")
+    return "\n".join(lines)
 
-    engine = EngineThread(model_dir)
-    loaded = await engine.start()
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    stop = stop or trio.Event()
-    try:
+
+async def serve_forever(config: SystemConfig, host: str, port: int, settings: HttpSettings, *,
+                        ready: trio.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+    async with open_system(config) as system:
+        hypercorn_config = Config()
+        hypercorn_config.bind = [f"{host}:{port}"]
+        hypercorn_config.accesslog = None
+        stop_serving = trio.Event()
+
+        async def shutdown_trigger() -> None:
+            await stop_serving.wait()
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signals, stop)
-            await nursery.start(partial(serve, build_app(engine, loaded), config, shutdown_trigger=_shutdown_trigger(stop)))
-            log.info("serving %s on http://%s:%d", loaded.model_dir, host, port)
+            await nursery.start(partial(serve, build_app(system, settings), hypercorn_config,
+                                        shutdown_trigger=shutdown_trigger))
+            log.info("%s", banner(system, host, port))
             if ready is not None:
                 ready.set()
-            await stop.wait()
-            nursery.cancel_scope.deadline = trio.current_time() + 10
-    finally:
-        engine.stop()
+            await _wait_for_signal()
+            log.info("shutting down: admission stopped, draining and flushing")
+            verdict = await system.shutdown()
+            if verdict is None:
+                log.warning("shutdown flush timed out after %.0f s: not everything is on disk",
+                            config.shutdown_timeout_s)
+            else:
+                log.info("shutdown flush: %s", attrs.asdict(verdict))
+            stop_serving.set()
 
 
-def _shutdown_trigger(stop: trio.Event):
-    async def trigger() -> None:
-        await stop.wait()
-
-    return trigger
-
-
-async def _stop_on_signals(stop: trio.Event) -> None:
-    try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                log.info("shutting down")
-                stop.set()
-                return
-    except RuntimeError:
-        # Signal handlers can only be installed from the main thread (tests run elsewhere).
-        await trio.sleep_forever()
+async def _wait_for_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return

@@ -1,0 +1,114 @@
+"""The `kvcellar serve` command: flags, their checks, and the start-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from kvcellar.errors import UsageError
+
+log = logging.getLogger("kvcellar.serve")
+
+SHUTDOWN_TIMEOUT_ENV = "KVCELLAR_SHUTDOWN_TIMEOUT_S"
+GB = 10**9
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local model directory for `--model`: the demo model when absent, a
+    directory with config.json, or a hub repo id already in the local hub cache."""
+    from kvcellar.engine.demo_models import ensure_demo_model
+
+    if model is None:
+        return ensure_demo_model(progress=lambda message: click.echo(message, err=True))
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{path} is not a model directory (no config.json)")
+        return path
+    if model.count("/") == 1 and not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception as e:
+            raise UsageError(f"{model!r} is not a local directory and is not in the local Hugging Face cache "
+                             f"(kvcellar never downloads at start-up): {e}") from e
+    raise UsageError(f"--model {model!r}: no such directory")
+
+
+def shutdown_timeout_s(environ=os.environ) -> float:
+    raw = environ.get(SHUTDOWN_TIMEOUT_ENV, "120")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise UsageError(f"{SHUTDOWN_TIMEOUT_ENV} must be positive")
+    return value
+
+
+@click.command("serve")
+@click.option("--model", default=None, help="Model: a local mlx-lm directory or a cached hub repo id. "
+              "Default: the built-in demo model, created on first use.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback by default.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
+@click.option("--prompt-cache", "prompt_cache_gb", default=8.0, show_default=True, type=click.FloatRange(min=0),
+              help="RAM prompt cache size in GB; 0 disables it.")
+@click.option("--ssd-cache", "ssd_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory of the SSD cold tier (off unless set).")
+@click.option("--ssd-cache-max", "ssd_max_gb", default=None, type=click.FloatRange(min=0),
+              help="Byte cap of the SSD tier in GB; 0 or unset = unlimited. Needs --ssd-cache.")
+@click.option("--ssd-demote-idle", "demote_idle_s", default=None, type=click.FloatRange(min=0),
+              help="Seconds after which unused RAM entries move to SSD (default 300 with the tier on; 0 disables). "
+                   "Needs --ssd-cache.")
+@click.option("--kv-quant", default="off", show_default=True, type=click.Choice(["off", "4", "8", "config"]),
+              help="KV cache quantization: off (model dtype), 4 or 8 bits, or per-layer from kv_config.json.")
+@click.option("--prefill-step-size", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per prefill chunk.")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Default max_tokens for requests that do not set it.")
+@click.option("--admin-token", envvar="KVCELLAR_ADMIN_TOKEN", default=None,
+              help="Bearer token required by /stats, /metrics and /admin/* (or KVCELLAR_ADMIN_TOKEN).")
+@click.option("--api-key", envvar="KVCELLAR_API_KEY", default=None,
+              help="Bearer token required by the /v1 API (or KVCELLAR_API_KEY).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Logging verbosity.")
+def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: float, ssd_dir: Path | None,
+                  ssd_max_gb: float | None, demote_idle_s: float | None, kv_quant: str, prefill_step_size: int,
+                  max_tokens: int, admin_token: str | None, api_key: str | None, log_level: str) -> None:
+    """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
+    import trio
+
+    from kvcellar.actors.system import SystemConfig
+    from kvcellar.http.app import HttpSettings
+    from kvcellar.http.server import serve_forever
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ssd_dir is not None and prompt_cache_gb == 0:
+        raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
+    if ssd_dir is None and (ssd_max_gb is not None or demote_idle_s is not None):
+        log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
+    config = SystemConfig(
+        model_dir=resolve_model_dir(model),
+        ssd_dir=ssd_dir,
+        ssd_max_bytes=int(ssd_max_gb * GB) if ssd_dir is not None and ssd_max_gb else None,
+        prompt_cache_bytes=int(prompt_cache_gb * GB),
+        demote_idle_s=300.0 if demote_idle_s is None else demote_idle_s,
+        kv_quant=kv_quant,
+        prefill_step_tokens=prefill_step_size,
+        shutdown_timeout_s=shutdown_timeout_s(),
+    )
+    settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
+    trio.run(serve_forever, config, host, port, settings)
+    # Everything is flushed and the engine thread joined by now. MLX's C++
+    # runtime can abort in its static destructors at interpreter exit
+    # ("terminate called without an active exception", SIGABRT, seen in about
+    # one clean shutdown in three), so end the process without running them.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
