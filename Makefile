@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The SSD tier lives in ./.kvcellar-cache, so prefixes survive a restart.
 serve: $(STAMP)
-	$(BIN)/kvcellar serve $(ARGS)
+	$(BIN)/kvcellar serve --ssd-cache .kvcellar-cache $(ARGS)
 
 # pytest exits 5 when it collects no test; that is a failure here, never a pass.
 test: $(STAMP)
