@@ -133,3 +133,17 @@ def test_prompt_cache_zero_with_an_ssd_tier_is_a_usage_error(model_dir_factory, 
 
     with pytest.raises(UsageError, match="RAM tier"):
         trio.run(main)
+
+
+def test_prompt_boundary_snapshot_serves_a_diverging_next_turn_of_an_untrimmable_model(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("gemma3_text")
+    long_prompt = tuple((7 * i + 3) % 1000 + 3 for i in range(600))
+
+    async def main():
+        async with open_system(_config(model_dir, tmp_path, ssd_dir=None)) as system:
+            await _run(system, _request(long_prompt, 6))
+            assert system.stats()["prompt_cache"]["entries"] == 2, "prompt-only snapshot + final entry"
+            _, done = await _run(system, _request(long_prompt + (999, 998), 2))
+            assert done.cache_tier == "ram" and done.cached_tokens == len(long_prompt)
+
+    trio.run(main)
