@@ -148,8 +148,10 @@ def _coerce_meta(meta: EntryMeta | Mapping[str, Any] | None) -> EntryMeta:
 
 class KvFileWriter:
     """Writes one entry step by step, so a caller can give each tensor its own
-    engine turn: `open()`, `write_tensor(i)` for i in range(`tensor_count`),
-    `commit()`; `abort()` on any failure. `save()` runs the whole sequence.
+    engine turn: `open()`, `write_tensor(i)` (or `materialise_tensor(i)` on the
+    engine thread and `write_segments(i, …)` elsewhere) for i in
+    range(`tensor_count`), `commit()`; `abort()` on any failure. `save()` runs
+    the whole sequence.
 
     Planning (constructor) does no I/O and materialises nothing.
     """
@@ -192,14 +194,20 @@ class KvFileWriter:
         """Create the temp file exclusively beside the target."""
         self._handle = self.disk.create_exclusive(self.temp_path)
 
-    def write_tensor(self, index: int) -> None:
-        """Materialise tensor `index` (an MLX eval: run it on the engine
-        thread), checksum it and write it at its aligned offset."""
+    def materialise_tensor(self, index: int) -> list[memoryview]:
+        """Evaluate tensor `index` into byte segments. MLX work: run it on the
+        engine thread. The segments are views of evaluated arrays, safe to
+        write from another thread while decoding goes on."""
         record = self._tensors[index]
         segments = codecs.materialise(self._producers[index]())
         produced_bytes = sum(segment.nbytes for segment in segments)
         if produced_bytes != record.length:
             raise UsageError(f"tensor {record.name}: planned {record.length} bytes, got {produced_bytes}")
+        return segments
+
+    def write_segments(self, index: int, segments: list[memoryview]) -> None:
+        """Checksum and write one materialised tensor at its aligned offset (no MLX)."""
+        record = self._tensors[index]
         hasher = xxhash.xxh3_64()
         offset = record.file_offset
         for segment in segments:
@@ -207,6 +215,10 @@ class KvFileWriter:
             self.disk.write_at(self._handle, offset, segment)
             offset += segment.nbytes
         self._checksums[record.name] = hasher.digest()
+
+    def write_tensor(self, index: int) -> None:
+        """`materialise_tensor` then `write_segments`, on the calling thread."""
+        self.write_segments(index, self.materialise_tensor(index))
 
     def commit(self) -> Header:
         """Patch the header with the checksums, write it, fsync, rename over

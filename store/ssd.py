@@ -78,6 +78,16 @@ class SsdMatch:
     entry_tokens: int
 
 
+@attrs.frozen(kw_only=True)
+class PendingStore:
+    """A planned write: run `writer`, then `SsdStore.finish_store` or `fail_store`."""
+
+    entry_id: str
+    namespace: str
+    tokens: np.ndarray
+    writer: kvfile.KvFileWriter
+
+
 @attrs.define(kw_only=True)
 class SsdCounters:
     restores: int = 0
@@ -306,6 +316,28 @@ class SsdStore:
             return SsdMatch(entry_id=match.entry_id, namespace=ns, usable_tokens=match.usable_tokens,
                             entry_tokens=match.entry_tokens)
 
+    def covers(self, tokens: Sequence[int] | np.ndarray, ns: str = "") -> bool:
+        """Whether a committed entry can serve all of `tokens`: an exact entry,
+        or a trimmable descendant whose minimum reusable offset reaches it."""
+        token_array = np.asarray(tokens, dtype=np.uint32)
+        if token_array.size == 0:
+            return True
+        with self._lock:
+            index = self._indexes.get(ns)
+            if index is None:
+                return False
+            if index.exact(token_array):
+                return True
+            # A sentinel no tokenizer emits: the match cannot extend past `tokens`.
+            probe = np.append(token_array, np.uint32(0xFFFFFFFF))
+            match = index.best(probe)
+            return match is not None and match.usable_tokens == token_array.size
+
+    def longest_entry_tokens(self) -> int:
+        """The longest prefix any committed entry holds (the durability surface)."""
+        with self._lock:
+            return max((int(entry.tokens.size) for entry in self._entries.values()), default=0)
+
     def restore(self, match: SsdMatch) -> list[Any] | None:
         """Load the matched entry into fresh caches trimmed to `usable_tokens`.
 
@@ -372,23 +404,50 @@ class SsdStore:
         Raises `UnknownCacheKind`, `RefusedCacheKind` or `UsageError` for
         caches that cannot be persisted at all (the caller's bug).
         """
+        pending = self.prepare_store(tokens, caches, ns, tokenizer_hash=tokenizer_hash)
+        if pending is None:
+            return None
+        try:
+            kvfile.write_entry(pending.writer)
+        except DiskError as e:
+            self.fail_store(pending, e)
+            return None
+        return self.finish_store(pending)
+
+    def prepare_store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], ns: str = "",
+                      *, tokenizer_hash: str = "") -> PendingStore | None:
+        """Plan a write (no I/O, no MLX work): None when the entry can never
+        fit under the cap. The caller runs `pending.writer` (its tensors may
+        each take their own engine turn), then `finish_store` or `fail_store`."""
         token_array = np.asarray(tokens, dtype=np.uint32)
-        with self._lock:
-            entry_id = uuid.uuid4().hex
-            path = self.directory / namespace_dir_name(ns) / f"{entry_id}{kvfile.FILE_SUFFIX}"
-            meta = kvfile.EntryMeta(namespace=ns, fingerprint=self._fingerprint_fields,
-                                    tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
-            writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk)
-            planned = writer.planned_header.file_bytes
-            if self.max_bytes is not None and planned > self.max_bytes:
+        entry_id = uuid.uuid4().hex
+        path = self.directory / namespace_dir_name(ns) / f"{entry_id}{kvfile.FILE_SUFFIX}"
+        meta = kvfile.EntryMeta(namespace=ns, fingerprint=self._fingerprint_fields,
+                                tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
+        writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk)
+        planned = writer.planned_header.file_bytes
+        if self.max_bytes is not None and planned > self.max_bytes:
+            with self._lock:
                 self._write_failed(ns, token_array.size, f"entry of {planned} bytes exceeds the cap", None)
-                return None
-            try:
-                self.disk.makedirs(path.parent)
-                header = kvfile.write_entry(writer)
-            except DiskError as e:
+            return None
+        try:
+            self.disk.makedirs(path.parent)
+        except DiskError as e:
+            with self._lock:
                 self._write_failed(ns, token_array.size, str(e), e.errno)
-                return None
+            return None
+        return PendingStore(entry_id=entry_id, namespace=ns, tokens=token_array, writer=writer)
+
+    def fail_store(self, pending: PendingStore, error: DiskError) -> None:
+        """Record that a prepared write failed (its temp file already removed)."""
+        with self._lock:
+            self._write_failed(pending.namespace, pending.tokens.size, str(error), error.errno)
+
+    def finish_store(self, pending: PendingStore) -> str:
+        """Index a committed write, then supersede and evict; returns the entry id."""
+        header = pending.writer.planned_header
+        path = pending.writer.path
+        with self._lock:
             # LRU order comes from the store's clock, not the file system's, so
             # it is the same in simulations and under coarse timestamps.
             mtime_ns = self._newest_mtime_ns()
@@ -396,15 +455,15 @@ class SsdStore:
                 self.disk.utime(path, mtime_ns)
             except DiskError as e:
                 log.debug("cannot set the mtime of %s: %s", path, e)
-            entry = IndexedEntry(entry_id=entry_id, namespace=ns, path=path, tokens=token_array,
-                                 bytes=header.file_bytes, mtime_ns=mtime_ns, trimmable=header.trimmable,
-                                 minimum_reusable_offset=header.minimum_reusable_offset)
+            entry = IndexedEntry(entry_id=pending.entry_id, namespace=pending.namespace, path=path,
+                                 tokens=pending.tokens, bytes=header.file_bytes, mtime_ns=mtime_ns,
+                                 trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset)
             self._index(entry)
             self.counters.spills += 1
             self._event(ev.EntryStored(entry=self._fields(entry)))
             self._supersede(entry)
             self._evict_over_cap()
-            return entry_id
+            return entry.entry_id
 
     def _write_failed(self, ns: str, token_count: int, reason: str, errno: int | None) -> None:
         self.counters.write_failures += 1

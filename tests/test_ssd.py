@@ -347,3 +347,17 @@ def test_a_different_fingerprint_selects_another_directory(llama, tmp_path):
     again = SsdStore.open(tmp_path, FINGERPRINT)
     assert again.find(BASE + [1]) is not None
     again.close()
+
+
+def test_covers_means_an_entry_can_serve_every_token(llama, tmp_path, loaded_model_factory):
+    store = SsdStore.open(tmp_path, FINGERPRINT)
+    assert not store.covers(BASE[:40])
+    store.store(BASE, _prefill(llama, BASE)[0])
+    assert store.covers(BASE) and store.covers(BASE[:40]) and store.covers([])
+    assert not store.covers(BASE + [1]) and not store.covers([1] + BASE[:10])
+    assert not store.covers(BASE[:40], ns="other")
+    assert store.longest_entry_tokens() == len(BASE)
+    qwen = loaded_model_factory("qwen3_next")[0]
+    store.store([5] + BASE[:30], _prefill(qwen, [5] + BASE[:30])[0])
+    assert store.covers([5] + BASE[:30]) and not store.covers([5] + BASE[:20]), "untrimmable: exact only"
+    store.close()
