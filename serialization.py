@@ -19,7 +19,14 @@ from kvcellar.errors import KvCellarError
 
 T = TypeVar("T")
 
-converter = make_converter()
+# Detailed validation makes structuring several times slower (startup scans
+# decode thousands of headers); a malformed record still fails, with a shorter message.
+converter = make_converter(detailed_validation=False)
+
+# CBOR already yields ints and strings: a homogeneous tuple of them only needs
+# `tuple(...)`, not cattrs' per-element dispatch (hot in header scans).
+_PLAIN_TUPLES = frozenset({tuple[int, ...], tuple[str, ...]})
+converter.register_structure_hook_func(lambda type_: type_ in _PLAIN_TUPLES, lambda value, _: tuple(value))
 
 
 class DecodeError(KvCellarError):
@@ -37,5 +44,5 @@ def from_cbor(data: bytes, cls: type[T]) -> T:
     """Decode CBOR bytes into `cls`; raises `DecodeError` on any malformation."""
     try:
         return converter.structure(cbor2.loads(data), cls)
-    except (cbor2.CBORDecodeError, cattrs.BaseValidationError, ValueError, TypeError, KeyError) as e:
+    except (cbor2.CBORDecodeError, cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise DecodeError(f"cannot decode {cls.__name__}: {e}") from e

@@ -56,16 +56,15 @@ importable from here) is its Trio shell, which owns the ports
 from __future__ import annotations
 
 import enum
-import hashlib
 import itertools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import attrs
-import numpy as np
 
 from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
 from kvcellar.store.events import register_event
+from kvcellar.store.events import tokens_digest as events_tokens_digest
 
 DEBOUNCE_S_DEFAULT = 1.0
 BUSY_REARM_S_DEFAULT = 5.0
@@ -79,10 +78,9 @@ _TOKENS_HASH_HEX_CHARS = 16
 
 def tokens_hash(tokens: Iterable[int]) -> str:
     """A short hash of a token sequence: the first 16 hex digits of the
-    sha256 the SSD tier records (`entries.tokens_sha256`), so journal lines
+    digest the SSD tier records (`entries.tokens_digest`), so journal lines
     can be matched to entries by prefix."""
-    raw = np.asarray(tuple(tokens), dtype="<u4").tobytes()
-    return hashlib.sha256(raw).hexdigest()[:_TOKENS_HASH_HEX_CHARS]
+    return events_tokens_digest(tuple(tokens))[:_TOKENS_HASH_HEX_CHARS]
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)

@@ -9,9 +9,21 @@ class in the journal's `kind` column; `EVENT_TYPES` maps it back.
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
+import numpy as np
+import xxhash
+
+
+def tokens_digest(tokens: Iterable[int] | np.ndarray) -> str:
+    """xxh3-128 (hex) of the token ids as little-endian uint32: the identity of
+    a token sequence in the journal (fast enough to recompute for every entry
+    at startup)."""
+    array = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64)
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(array, dtype="<u4").tobytes())
 
 
 @attrs.frozen(kw_only=True)
@@ -22,7 +34,9 @@ class EntryFields:
     namespace: str
     path: str
     token_count: int
-    tokens_sha256: str
+    tokens_digest: str
+    # `builtins.bytes`: the field named `bytes` below shadows the type inside this class.
+    token_ids: builtins.bytes
     bytes: int
     mtime_ns: int
     trimmable: bool

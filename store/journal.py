@@ -15,7 +15,7 @@ no more appends, serving continues.
 
 Schema (version 1, `PRAGMA user_version`):
     events(seq INTEGER PRIMARY KEY AUTOINCREMENT, time_ns, actor, kind, entry_id, payload BLOB)
-    entries(entry_id PRIMARY KEY, namespace, path, token_count, tokens_sha256, bytes,
+    entries(entry_id PRIMARY KEY, namespace, path, token_count, tokens_digest, token_ids, bytes,
             mtime_ns, trimmable, minimum_reusable_offset, hits, restores)
 """
 
@@ -41,7 +41,7 @@ SCHEMA_VERSION = 1
 JOURNAL_FILE_NAME = "journal.sqlite"
 
 ENTRY_COLUMNS = (
-    "entry_id", "namespace", "path", "token_count", "tokens_sha256", "bytes", "mtime_ns",
+    "entry_id", "namespace", "path", "token_count", "tokens_digest", "token_ids", "bytes", "mtime_ns",
     "trimmable", "minimum_reusable_offset", "hits", "restores",
 )
 
@@ -65,7 +65,7 @@ def _migrate_to_1(db: sqlite_utils.Database) -> None:
 def _create_projections(db: sqlite_utils.Database) -> None:
     db.execute(
         "CREATE TABLE entries (entry_id TEXT PRIMARY KEY, namespace TEXT NOT NULL, path TEXT NOT NULL, "
-        "token_count INTEGER NOT NULL, tokens_sha256 TEXT NOT NULL, bytes INTEGER NOT NULL, "
+        "token_count INTEGER NOT NULL, tokens_digest TEXT NOT NULL, token_ids BLOB NOT NULL, bytes INTEGER NOT NULL, "
         "mtime_ns INTEGER NOT NULL, trimmable INTEGER NOT NULL, minimum_reusable_offset INTEGER NOT NULL, "
         "hits INTEGER NOT NULL DEFAULT 0, restores INTEGER NOT NULL DEFAULT 0)"
     )
@@ -173,22 +173,31 @@ class Journal:
     def append(self, event: ev.Event, *, actor: str = "ssd") -> int | None:
         """Append one event and apply it to the projections in one transaction.
         Returns its sequence number, or None when the journal is degraded."""
-        if self._db is None:
-            return None
+        seqs = self.append_many([event], actor=actor)
+        return seqs[0] if seqs else None
+
+    def append_many(self, events: list[ev.Event], *, actor: str = "ssd") -> list[int]:
+        """Append events and apply them in ONE transaction (all or none): a
+        startup reconciliation of thousands of corrections commits once."""
+        if self._db is None or not events:
+            return []
         try:
             with self._db.conn:
                 self._db.execute("BEGIN IMMEDIATE")
-                cursor = self._db.execute(
-                    "INSERT INTO events (time_ns, actor, kind, entry_id, payload) VALUES (?, ?, ?, ?, ?)",
-                    [self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event)],
-                )
-                apply_event(self._db, event)
-                return int(cursor.lastrowid)
+                seqs = []
+                for event in events:
+                    cursor = self._db.execute(
+                        "INSERT INTO events (time_ns, actor, kind, entry_id, payload) VALUES (?, ?, ?, ?, ?)",
+                        [self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event)],
+                    )
+                    apply_event(self._db, event)
+                    seqs.append(int(cursor.lastrowid))
+                return seqs
         except sqlite3.Error as e:
             log.warning("journal %s cannot be written, continuing without a journal: %s", self.path, e)
             self._db = None
             self.degraded = True
-            return None
+            return []
 
     def events(self, *, after_seq: int = 0, until_seq: int | None = None, kind: str | None = None,
                entry_id: str | None = None) -> Iterator[JournalEvent]:

@@ -31,6 +31,8 @@ def header_as_json(header: kvfile.Header) -> dict[str, Any]:
             hexify(record["children"])
 
     hexify(data["caches"])
+    del data["token_ids"]
+    data["tokens"] = list(header.tokens)
     data["payload_bytes"] = header.payload_bytes
     return data
 

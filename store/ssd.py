@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import os
 import socket
 import threading
@@ -35,7 +36,7 @@ import numpy as np
 from kvcellar.errors import CorruptEntry, DiskError, StoreError, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
-from kvcellar.store.disk import Disk, RealDisk
+from kvcellar.store.disk import DirEntry, Disk, RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal
 from kvcellar.store.prefix_index import PrefixIndex
 
@@ -50,10 +51,6 @@ _NS_HASH_HEX_CHARS = 16
 def namespace_dir_name(namespace: str) -> str:
     """The directory of a namespace: a hash, so any adapter spec is a safe name."""
     return hashlib.sha256(namespace.encode()).hexdigest()[:_NS_HASH_HEX_CHARS]
-
-
-def tokens_sha256(tokens: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<u4").tobytes()).hexdigest()
 
 
 @attrs.define(kw_only=True)
@@ -145,8 +142,9 @@ class SsdStore:
         try:
             if journal:
                 store.journal = Journal.open(store.directory / JOURNAL_FILE_NAME, clock_ns=clock_ns)
-            store._scan()
-            store._reconcile_journal()
+            journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
+            trusted = store._scan(journaled)
+            store._reconcile_journal(journaled, trusted)
             store._evict_over_cap()
         except BaseException:
             store.close()
@@ -169,7 +167,14 @@ class SsdStore:
 
     # -- startup -----------------------------------------------------------
 
-    def _scan(self) -> None:
+    def _scan(self, journaled: dict[str, dict[str, Any]]) -> set[str]:
+        """Index every entry file; returns the ids indexed from the journal.
+        A file whose path, size and mtime match the journal's projection is
+        indexed from the projection (its header was read and checked when it
+        was journaled, and `restore` checks it again); any other file gets a
+        full header read."""
+        known = {row["path"]: row for row in journaled.values()}
+        trusted: set[str] = set()
         for entry in self.disk.scandir(self.directory):
             if not entry.is_dir or entry.name == QUARANTINE_DIR_NAME:
                 continue
@@ -179,7 +184,13 @@ class SsdStore:
                 if item.name.endswith(kvfile.TEMP_SUFFIX):
                     self._reap(path)
                 elif item.name.endswith(kvfile.FILE_SUFFIX) and not item.is_dir:
-                    self._scan_file(path, entry.name)
+                    row = known.get(f"{entry.name}/{item.name}")
+                    if row is not None and row["bytes"] == item.size_bytes and row["mtime_ns"] == item.mtime_ns:
+                        self._index(_entry_from_row(row, path))
+                        trusted.add(row["entry_id"])
+                    else:
+                        self._scan_file(path, entry.name, item)
+        return trusted
 
     def _reap(self, path: Path) -> None:
         try:
@@ -189,9 +200,9 @@ class SsdStore:
             return
         self._event(ev.TempReaped(path=self._relative(path)))
 
-    def _scan_file(self, path: Path, ns_dir_name: str) -> None:
+    def _scan_file(self, path: Path, ns_dir_name: str, item: DirEntry) -> None:
         try:
-            header = kvfile.read_header(path, disk=self.disk)
+            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes)
         except (UnsupportedFormat, CorruptEntry) as e:
             self._quarantine(path, "", str(e))
             return
@@ -202,10 +213,9 @@ class SsdStore:
         if problem:
             self._quarantine(path, "", problem)
             return
-        stat = self.disk.stat(path)
         self._index(IndexedEntry(
             entry_id=path.stem, namespace=header.namespace, path=path,
-            tokens=np.asarray(header.tokens, dtype=np.uint32), bytes=stat.size_bytes, mtime_ns=stat.mtime_ns,
+            tokens=header.token_array, bytes=item.size_bytes, mtime_ns=item.mtime_ns,
             trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset,
         ))
 
@@ -218,21 +228,25 @@ class SsdStore:
             return "file name is not an entry id"
         return ""
 
-    def _reconcile_journal(self) -> None:
+    def _reconcile_journal(self, journaled: dict[str, dict[str, Any]], trusted: set[str]) -> None:
         """The files are the truth: bring the journal's projection in line with
-        the scan, one event per correction."""
+        the scan, one event per correction, all in one transaction. Entries
+        indexed from the projection agree with it by construction."""
         if self.journal is None:
             return
-        journaled = {row["entry_id"]: row for row in self.journal.entries()}
+        corrections: list[ev.Event] = []
         for entry_id, entry in sorted(self._entries.items()):
+            row = journaled.get(entry_id)
+            if entry_id in trusted:
+                continue
             fields = self._fields(entry)
-            row = journaled.pop(entry_id, None)
             if row is None:
-                self._event(ev.ReconcileAdded(entry=fields))
+                corrections.append(ev.ReconcileAdded(entry=fields))
             elif _row_fields(row) != fields:
-                self._event(ev.ReconcileUpdated(entry=fields))
-        for entry_id in sorted(journaled):
-            self._event(ev.ReconcileRemoved(entry_id=entry_id))
+                corrections.append(ev.ReconcileUpdated(entry=fields))
+        gone = sorted(set(journaled) - set(self._entries))
+        corrections.extend(ev.ReconcileRemoved(entry_id=entry_id) for entry_id in gone)
+        self.journal.append_many(corrections)
 
     # -- index -------------------------------------------------------------
 
@@ -254,7 +268,8 @@ class SsdStore:
     def _fields(self, entry: IndexedEntry) -> ev.EntryFields:
         return ev.EntryFields(
             entry_id=entry.entry_id, namespace=entry.namespace, path=self._relative(entry.path),
-            token_count=int(entry.tokens.size), tokens_sha256=tokens_sha256(entry.tokens), bytes=entry.bytes,
+            token_count=int(entry.tokens.size), tokens_digest=ev.tokens_digest(entry.tokens),
+            token_ids=np.ascontiguousarray(entry.tokens, dtype="<u4").tobytes(), bytes=entry.bytes,
             mtime_ns=entry.mtime_ns, trimmable=entry.trimmable, minimum_reusable_offset=entry.minimum_reusable_offset,
         )
 
@@ -532,8 +547,18 @@ def _trimmed(caches: list[Any], tokens_to_drop: int) -> list[Any]:
     return caches
 
 
+_ENTRY_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def _is_entry_id(name: str) -> bool:
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+    return _ENTRY_ID.fullmatch(name) is not None
+
+
+def _entry_from_row(row: dict[str, Any], path: Path) -> IndexedEntry:
+    return IndexedEntry(entry_id=row["entry_id"], namespace=row["namespace"], path=path,
+                        tokens=np.frombuffer(row["token_ids"], dtype="<u4"), bytes=row["bytes"],
+                        mtime_ns=row["mtime_ns"], trimmable=bool(row["trimmable"]),
+                        minimum_reusable_offset=row["minimum_reusable_offset"])
 
 
 def _row_fields(row: dict[str, Any]) -> ev.EntryFields:

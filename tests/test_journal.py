@@ -12,7 +12,7 @@ from kvcellar.store.journal import SCHEMA_VERSION, Journal, JournalError
 
 def _fields(entry_id: str, tokens: int = 10) -> ev.EntryFields:
     return ev.EntryFields(entry_id=entry_id, namespace="", path=f"ns/{entry_id}.kvc", token_count=tokens,
-                          tokens_sha256="ab" * 32, bytes=100 * tokens, mtime_ns=tokens, trimmable=True,
+                          tokens_digest="ab" * 16, token_ids=bytes(4 * tokens), bytes=100 * tokens, mtime_ns=tokens, trimmable=True,
                           minimum_reusable_offset=0)
 
 
