@@ -5,9 +5,10 @@ because cache updates are slice assignments on those objects. A slice
 (`keys[..., :n, :]`) is a new array object over the same buffer: a write to
 either side replaces only that side's object and copies the shared buffer
 (MLX never donates a buffer something else still references). So a borrower
-gets fresh cache objects holding sliced views of the donor's arrays: zero
-copies up front, copy-on-write on the first decode step, and the donor stays
-byte-identical however the borrower decodes.
+gets fresh cache objects holding views of exactly the rows it reuses: zero
+copies up front; its first decode step grows the view into a fresh buffer
+(copying only those rows), and the donor stays byte-identical however the
+borrower decodes.
 
 A snapshot is the same views, evaluated, and safe to hand to another thread
 while the engine keeps decoding (mlx-notes, "Threads").
@@ -25,31 +26,38 @@ from kvcellar.errors import UsageError
 from kvcellar.store.signature import cache_signature
 
 
-def _view(array: mx.array | None) -> mx.array | None:
+def _rows_view(array: mx.array | None, rows: int) -> mx.array | None:
+    """A new array object over the first `rows` rows (axis -2). Lending only
+    the rows in use keeps the borrower's first write from copying the donor's
+    slack: it grows from exactly what it needs."""
     if array is None:
         return None
-    return array[..., : array.shape[-2], :] if array.ndim >= 2 else array[:]
+    return array[..., :rows, :]
 
 
 def _lend_attention(cache: Any, drop_tokens: int) -> Any:
     kind = type(cache)
+    offset = cache.offset - drop_tokens
     if kind is mlx_cache.QuantizedKVCache:
         lent = mlx_cache.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
         if cache.keys is not None:
-            lent.keys = tuple(_view(a) for a in cache.keys)
-            lent.values = tuple(_view(a) for a in cache.values)
+            lent.keys = tuple(_rows_view(a, offset) for a in cache.keys)
+            lent.values = tuple(_rows_view(a, offset) for a in cache.values)
     elif kind is mlx_cache.RotatingKVCache:
         lent = mlx_cache.RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
-        lent.keys, lent.values = _view(cache.keys), _view(cache.values)
+        # A wrapped ring is lent whole (never trimmed); before the wrap its rows are in time order.
+        rows = cache.keys.shape[-2] if cache.keys is not None and cache.offset >= cache.max_size else offset
+        lent.keys, lent.values = _rows_view(cache.keys, rows), _rows_view(cache.values, rows)
         lent._idx = cache._idx - drop_tokens
     elif kind is mlx_cache.ChunkedKVCache:
         lent = mlx_cache.ChunkedKVCache(cache.chunk_size)
         lent.start_position = cache.start_position
-        lent.keys, lent.values = _view(cache.keys), _view(cache.values)
+        rows = offset - cache.start_position
+        lent.keys, lent.values = _rows_view(cache.keys, rows), _rows_view(cache.values, rows)
     else:
         lent = mlx_cache.KVCache()
-        lent.keys, lent.values = _view(cache.keys), _view(cache.values)
-    lent.offset = cache.offset - drop_tokens
+        lent.keys, lent.values = _rows_view(cache.keys, offset), _rows_view(cache.values, offset)
+    lent.offset = offset
     return lent
 
 

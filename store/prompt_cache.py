@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import attrs
 import numpy as np
+from mlx_lm.models import cache as mlx_cache
 
-from kvcellar.store import codecs
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
@@ -101,15 +101,33 @@ class PromptCacheCounters:
     oversize: int = 0
 
 
-def logical_bytes(caches: Sequence[Any], token_count: int) -> int:
+def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:
     """Bytes the caches really hold: rows up to `offset` per layer (the raw
-    ring once a window wraps, recurrent state as is), never the slack."""
-    records, _ = codecs.plan_caches(caches, token_count)
-    return sum(record_bytes(record) for record in records)
+    ring once a window wraps, recurrent state as is), never the slack. Equal
+    to what the `.kvc` codecs persist, from shapes alone (no planning, no MLX work)."""
+    total = 0
+    for cache in caches:
+        kind = type(cache)
+        if kind is mlx_cache.CacheList:
+            total += logical_bytes(cache.caches)
+        elif kind is mlx_cache.ArraysCache:
+            arrays = [*cache.cache, getattr(cache, "left_padding", None), getattr(cache, "lengths", None)]
+            total += sum(a.nbytes for a in arrays if a is not None)
+        elif cache.keys is not None:
+            rows = _persisted_rows(cache)
+            for part in (cache.keys, cache.values):
+                for array in part if isinstance(part, tuple) else (part,):
+                    total += array.nbytes // array.shape[-2] * rows if array.shape[-2] else 0
+    return total
 
 
-def record_bytes(record: Any) -> int:
-    return sum(t.length for t in record.tensors) + sum(record_bytes(c) for c in record.children)
+def _persisted_rows(cache: Any) -> int:
+    kind = type(cache)
+    if kind is mlx_cache.RotatingKVCache and cache.offset >= cache.max_size:
+        return cache.keys.shape[-2]
+    if kind is mlx_cache.ChunkedKVCache:
+        return cache.offset - cache.start_position
+    return cache.offset
 
 
 class PromptCache:
@@ -192,6 +210,8 @@ class PromptCache:
     def _touch(self, entry: _RamEntry) -> None:
         entry.last_used_tick = next(self._ticks)
         entry.last_used_s = self._clock_s()
+        # `_entries` is kept in least-recently-used-first order: eviction takes the head.
+        self._entries[entry.entry_id] = self._entries.pop(entry.entry_id)
 
     # -- put -------------------------------------------------------------------
 
@@ -249,8 +269,7 @@ class PromptCache:
 
     def _evict_until_under_cap(self, *, keep: str) -> None:
         while self.bytes_total > self.max_bytes:
-            victim = min((e for e in self._entries.values() if e.entry_id != keep),
-                         key=lambda e: e.last_used_tick, default=None)
+            victim = next((e for e in self._entries.values() if e.entry_id != keep), None)
             if victim is None:
                 return
             self._spill(victim, "evict")

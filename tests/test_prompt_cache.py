@@ -163,6 +163,7 @@ def test_partial_ram_hit_lends_a_trimmed_prefix(llama):
     cache.put(PROMPT, _prefill(llama, PROMPT)[0])
     result = cache.take(PROMPT[:40] + [1, 2])
     assert result.reused_tokens == 40 and all(c.offset == 40 for c in result.caches)
+    assert all(c.keys.shape[2] == 40 for c in result.caches), "only the reused rows are lent"
     assert cache.stats()["hits"] == 1
 
 
