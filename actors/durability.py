@@ -648,8 +648,9 @@ class DurabilityCore:
             "pending_snapshots": len(statuses),
             "dirty": statuses.count(RecordStatus.DIRTY),
             "attempting": self._in_flight,
-            "missing": statuses.count(RecordStatus.MISSING),
+            "missing_records": statuses.count(RecordStatus.MISSING),
             "armed_timers": sum(r.timer_armed for r in self._records.values()),
             "queued_flushes": len(self._queued_flushes),
-            **attrs.asdict(self.counters),
+            # Running totals; `missing_records` above is the current count.
+            **{f"{name}_total": value for name, value in attrs.asdict(self.counters).items()},
         }

@@ -75,6 +75,7 @@ class FlushResult:
     missing: int
     entries: int
     longest_durable_prefix_tokens: int
+    note: str = ""
 
 
 _NOT_SHUT_DOWN = object()
@@ -109,9 +110,15 @@ class System:
 
     async def flush(self) -> FlushResult:
         """Persist everything dirty; `durable` says whether all of it is on disk."""
-        if self.durability is None or self.store is None:
-            return FlushResult(durable=self.store is None, pending=0, dropped=0, failed=0, missing=0,
-                               entries=0, longest_durable_prefix_tokens=0)
+        if self.store is None:
+            return FlushResult(durable=True, pending=0, dropped=0, failed=0, missing=0, entries=0,
+                               longest_durable_prefix_tokens=0, note="no SSD tier: nothing to persist")
+        if self.durability is None:
+            return FlushResult(durable=False, pending=0, dropped=0, failed=0, missing=0,
+                               entries=len(self.store.entry_ids()),
+                               longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
+                               note=f"write-behind is off ({WRITE_BEHIND_ENV}=0): RAM entries reach the SSD "
+                                    "tier only when evicted, so nothing is tracked as dirty")
         verdict = await self.durability.flush()
         return FlushResult(durable=verdict.durable, pending=verdict.pending, dropped=verdict.dropped,
                            failed=verdict.failed, missing=verdict.missing, entries=len(self.store.entry_ids()),

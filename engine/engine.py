@@ -45,26 +45,44 @@ class LoadedModel:
     context_tokens_max: int
 
 
+def prefill(model: Any, tokens: Sequence[int], cache: list[Any], step_tokens: int = PREFILL_STEP_TOKENS) -> mx.array:
+    """Run `tokens` through the model in chunks of `step_tokens` (all but the
+    last), evaluating the caches after each; returns the last token's logits."""
+    tokens = list(tokens)
+    position = 0
+    while len(tokens) - position > 1:
+        chunk = tokens[position: position + min(step_tokens, len(tokens) - position - 1)]
+        model(mx.array([chunk]), cache=cache)
+        mx.eval([c.state for c in cache])
+        position += len(chunk)
+    return model(mx.array([tokens[position:]]), cache=cache)[:, -1, :]
+
+
+def sample_next(sampler: Any, logits: mx.array) -> mx.array:
+    """One sampled token from logits, through an mlx-lm sampler (on log-probabilities)."""
+    token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    mx.eval(token)
+    return token
+
+
+def make_params_sampler(params: SamplingParams) -> Any:
+    """mlx-lm's sampler for `params`, seeding MLX's generator first when asked."""
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+
+
 def generate_tokens(model: Any, prompt_ids: Sequence[int], params: SamplingParams,
                     cache: list[Any] | None = None) -> Iterator[int]:
     """Prefill `prompt_ids` in chunks, then yield sampled token ids until
-    `max_tokens` or a stop token (the stop token is yielded, then generation ends).
-    Runs on the engine thread."""
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sampler = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    `max_tokens` or a stop token (the stop token is yielded, then generation
+    ends). No prompt cache: the plain loop benchmarks compare against. Runs on
+    the engine thread."""
+    sampler = make_params_sampler(params)
     cache = cache if cache is not None else make_prompt_cache(model)
-    remaining = mx.array(list(prompt_ids))
-    while remaining.size > 1:
-        chunk = remaining[: min(PREFILL_STEP_TOKENS, remaining.size - 1)]
-        model(chunk[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        remaining = remaining[chunk.size:]
-    logits = model(remaining[None], cache=cache)[:, -1, :]
+    logits = prefill(model, prompt_ids, cache)
     for _ in range(params.max_tokens):
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
-        mx.eval(token)
+        token = sample_next(sampler, logits)
         token_id = int(token.item())
         yield token_id
         if token_id in params.stop_token_ids:

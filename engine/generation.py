@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from kvcellar.engine.detokenize import TextAssembler
-from kvcellar.engine.engine import PREFILL_STEP_TOKENS, LoadedModel, SamplingParams
+from kvcellar.engine.engine import (
+    PREFILL_STEP_TOKENS,
+    LoadedModel,
+    SamplingParams,
+    make_params_sampler,
+    prefill,
+    sample_next,
+)
 from kvcellar.store.lending import lend_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
@@ -51,17 +56,6 @@ class GenerationDone:
     cache_tier: str
 
 
-def _prefill(model: Any, tokens: list[int], cache: list[Any], step_tokens: int) -> mx.array:
-    """Run `tokens` through the model in chunks; logits of the last one."""
-    position = 0
-    while len(tokens) - position > 1:
-        chunk = tokens[position: position + min(step_tokens, len(tokens) - position - 1)]
-        model(mx.array([chunk]), cache=cache)
-        mx.eval([c.state for c in cache])
-        position += len(chunk)
-    return model(mx.array([tokens[position:]]), cache=cache)[:, -1, :]
-
-
 def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, request: GenerationRequest,
                    cancelled: threading.Event, *, scheme: KvScheme | None = None,
                    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
@@ -74,23 +68,20 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     taken = prompt_cache.take(prompt, request.namespace) if use_cache else None
     cached_tokens = taken.reused_tokens if taken else 0
     cache = taken.caches if taken and taken.caches is not None else make_prompt_cache(loaded.model)
-    logits = _prefill(loaded.model, prompt[cached_tokens:], cache, prefill_step_tokens)
+    logits = prefill(loaded.model, prompt[cached_tokens:], cache, prefill_step_tokens)
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
     if use_cache and len(prompt) - cached_tokens >= snapshot_min_prefill_tokens:
         mx.eval(logits)
         prompt_cache.put(prompt, lend_caches(cache), request.namespace)
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sampler = make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    sampler = make_params_sampler(params)
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
     produced = 0
     try:
         while produced < params.max_tokens and not cancelled.is_set():
-            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            mx.eval(token)
+            token = sample_next(sampler, logits)
             token_id = int(token.item())
             produced += 1
             text = assembler.add(token_id)

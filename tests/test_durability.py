@@ -386,7 +386,7 @@ def test_busy_gateway_rearms_after_five_seconds() -> None:
         ports.busy = True
         coordinator.dirty(*A)
         await sleep_until(3.0)
-        assert ports.turns == [] and coordinator.stats()["deferred"] == 1
+        assert ports.turns == [] and coordinator.stats()["deferred_total"] == 1
         ports.busy = False
         await sleep_until(5.99)
         assert ports.turns == []
@@ -505,7 +505,7 @@ def test_gone_from_ram_and_uncovered_is_missing_and_stays_so() -> None:
         assert not first.durable and first.missing_uncovered == 1 and first.pending == 0
         second = await coordinator.flush()
         assert not second.durable and second.missing == 1
-        assert coordinator.stats()["missing"] == 1
+        assert coordinator.stats()["missing_records"] == 1
 
     run_shell(body)
 
