@@ -8,7 +8,9 @@ time in submission order, which is the serial lane's FIFO admission.
 
 from __future__ import annotations
 
+import ctypes
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -90,6 +92,30 @@ def generate_tokens(model: Any, prompt_ids: Sequence[int], params: SamplingParam
         logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
 
 
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def configure_host_allocator() -> bool:
+    """On glibc, pin the mmap threshold so large freed buffers (KV caches, MLX
+    arrays) go back to the OS at once. Otherwise glibc raises the threshold
+    after the first large free and keeps later ones in its heap, so resident
+    memory stays far above what the RAM tier bills. Returns whether it applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
+def release_cached_buffers() -> None:
+    """Hand MLX's buffer cache back to the allocator (after each generation:
+    what a finished request freed should not stay resident)."""
+    mx.clear_cache()
+
+
 class EngineStopped(KvCellarError):
     """Raised when a job is submitted to an engine that has shut down. The
     server's fault (a request raced shutdown); the request fails cleanly."""
@@ -110,6 +136,7 @@ class EngineThread:
         self._loaded: LoadedModel | None = None
 
     def _run(self) -> None:
+        configure_host_allocator()
         while (job := self._jobs.get()) is not None:
             job()
 

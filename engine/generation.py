@@ -23,6 +23,7 @@ from kvcellar.engine.engine import (
     SamplingParams,
     make_params_sampler,
     prefill,
+    release_cached_buffers,
     sample_next,
 )
 from kvcellar.store.lending import lend_caches
@@ -97,6 +98,7 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
         if use_cache:
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
             prompt_cache.put(prompt + fed, cache, request.namespace)
+        release_cached_buffers()
     yield GenerationDone(finish_reason="stop" if assembler.finished_by_stop else "length",
                          prompt_tokens=len(prompt), completion_tokens=produced, cached_tokens=cached_tokens,
                          cache_tier=taken.tier if taken else "none")
