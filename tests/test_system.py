@@ -147,3 +147,18 @@ def test_prompt_boundary_snapshot_serves_a_diverging_next_turn_of_an_untrimmable
             assert done.cache_tier == "ram" and done.cached_tokens == len(long_prompt)
 
     trio.run(main)
+
+
+def test_write_behind_off_by_environment_keeps_spill_on_evict_and_says_so(model_dir_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCELLAR_SSD_WRITEBEHIND", "0")
+    model_dir = model_dir_factory("llama")
+
+    async def main():
+        async with open_system(_config(model_dir, tmp_path)) as system:
+            assert system.durability is None and system.queue is not None
+            await _run(system, _request(PROMPT))
+            verdict = await system.flush()
+            assert not verdict.durable and "write-behind is off" in verdict.note
+            assert system.stats()["ssd_cache"]["entries"] == 0
+
+    trio.run(main)
