@@ -411,8 +411,8 @@ def interpretation(result: dict[str, Any]) -> str:
     return (
         f"A RAM hit reaches the first token sooner than a cold prefill by {speedups}. Of a hit, take() takes "
         f"{take_ms} tokens (it converts the whole prompt to a token array and compares it along the index; lending "
-        f"makes views), the rest is the prefill of the last {result['previous_turn_tail_tokens']} tokens, whose first "
-        f"write into each lent layer copies that layer's whole buffer (copy-on-write). With "
+        f"makes views of the reused rows), the rest is the prefill of the last {result['previous_turn_tail_tokens']} "
+        f"tokens, whose first write into each lent layer grows it into a fresh buffer, copying the reused rows. With "
         f"{latency['entries']:,} tiny entries take() stays near {latency['take']['median_us']:,.0f} us; put() at the "
         f"cap, where each put also evicts the least recently used entry, costs "
         f"{latency['put_evicting']['median_us'] - latency['put_filling']['median_us']:,.0f} us more than while the "
@@ -421,12 +421,13 @@ def interpretation(result: dict[str, Any]) -> str:
         f"could not fill {_mib(memory['cap_bytes'])} within the model's {result['context_tokens']:,}-token context, so "
         f"conversations run one after another. After {memory['turns']} turns the process had grown "
         f"{_mib(memory['rss_growth_bytes'])}, {'within' if met else 'above'} the {_mib(memory['target_bytes'])} "
-        f"target. The cap holds for what the cache bills ({_mib(billed)}), but the entries' buffers held "
-        f"{_mib(held)}: {_mib(held - billed)} of capacity past the entries' rows that the bill leaves out (buffers "
-        f"grow in 256-row steps, and a borrower that writes into a lent view copies the donor's whole capacity, "
-        f"however short the prefix it reuses), so the live arrays alone come to {held / memory['cap_bytes']:.2f}x "
-        f"the cap. Beyond them, MLX kept {_mib(memory['mlx_buffer_cache_bytes'])} of freed buffers for reuse and "
-        f"{_mib(rest_bytes)} went to the allocator and runtime. {_release_sentence(memory)}"
+        f"target. The cap holds for what the cache bills ({_mib(billed)}); the entries' buffers held "
+        f"{_mib(held)} ({_mib(held - billed)} of capacity past the entries' rows, which the bill leaves out), so "
+        f"the cached arrays alone come to {held / memory['cap_bytes']:.2f}x the cap. MLX's active memory grew "
+        f"{_mib(memory['mlx_active_growth_bytes'])}, {_mib(memory['mlx_active_growth_bytes'] - held)} more than "
+        f"the cached arrays (the model's working buffers between turns); MLX kept "
+        f"{_mib(memory['mlx_buffer_cache_bytes'])} of freed buffers for reuse and {_mib(rest_bytes)} went to the "
+        f"allocator and runtime. {_release_sentence(memory)}"
     )
 
 
