@@ -19,7 +19,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -41,6 +40,7 @@ from mlx_lm.models.cache import KVCache
 from rich.console import Console
 from rich.table import Table
 
+from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
 from kvcellar.store import codecs, kvfile
 
 MIB_BYTES = 1 << 20
@@ -56,9 +56,7 @@ RSS_SAMPLE_SECONDS = 0.002
 # In-memory component costs are the fastest of a few tries per repeat: in a VM the first
 # touch of memory freed a moment ago can cost several times the copy itself, at random.
 IN_MEMORY_TRIES = 3
-DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-DOCS_BEGIN = "<!-- kvfile_io:begin -->"
-DOCS_END = "<!-- kvfile_io:end -->"
+DOCS_BEGIN, DOCS_END = docs_markers("kvfile_io")
 
 # (key, label) in display order; every key is a median over repeats, in seconds.
 MEASUREMENTS: tuple[tuple[str, str], ...] = (
@@ -456,41 +454,6 @@ def print_table(result: dict[str, Any], console: Console) -> None:
         console.print(line, highlight=False)
 
 
-def _first_line_with(path: str, prefix: str) -> str | None:
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(prefix):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
-
-
-def filesystem_of(directory: Path) -> str:
-    try:
-        completed = subprocess.run(["df", "-PT", str(directory)], capture_output=True, text=True, check=True)
-        device, kind, *_, mount = completed.stdout.splitlines()[1].split()
-    except (OSError, subprocess.CalledProcessError, IndexError, ValueError):
-        return "unknown (df -T unavailable)"
-    return f"{kind} on {device}, mounted at {mount}"
-
-
-def describe_machine(directory: Path) -> dict[str, str]:
-    cpu_model = _first_line_with("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
-    memory_total = _first_line_with("/proc/meminfo", "MemTotal")
-    if memory_total is not None and memory_total.endswith(" kB"):
-        memory_total = f"{int(memory_total.removesuffix(' kB')) / (1 << 20):.1f} GiB"
-    return {
-        "cpus": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
-        "cpu_model": cpu_model,
-        "memory_total": memory_total or "unknown",
-        "filesystem": filesystem_of(directory),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-    }
-
-
 def interpretation(result: dict[str, Any]) -> str:
     """One paragraph, built from the figures: which targets hold, and where the time goes."""
     medians = result["median_seconds"]
@@ -564,26 +527,6 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
     return "\n".join(lines)
 
 
-def rewrite_docs_section(section: str, machine: dict[str, str], docs_path: Path = DOCS_PATH) -> None:
-    """Replace the text between the markers, creating the file or the markers if missing."""
-    block = f"{DOCS_BEGIN}\n{section}\n{DOCS_END}"
-    if docs_path.exists():
-        text = docs_path.read_text()
-    else:
-        text = (
-            "# Benchmarks\n\nBenchmarks measure ratios against a baseline in the same run; figures are reported "
-            f"as measured, including misses. Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), "
-            f"{machine['memory_total']} RAM; each section names the machine and file system it ran on.\n"
-        )
-    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
-    if begin != -1 and end > begin:
-        text = text[:begin] + block + text[end + len(DOCS_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    docs_path.parent.mkdir(parents=True, exist_ok=True)
-    docs_path.write_text(text)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--size-mib", type=click.IntRange(min=1), default=256, show_default=True,
               help="Persisted payload of the entry, in MiB (2^20 bytes): rounded up to whole token rows, "
@@ -616,7 +559,7 @@ def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, wri
     if write_docs:
         command = shlex.join(["python", "-m", "kvcellar.bench.kvfile_io", *sys.argv[1:]])
         run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section(markdown_section(result, machine, command, run_date), machine)
+        rewrite_docs_section("kvfile_io", markdown_section(result, machine, command, run_date))
         progress.print(f"wrote {DOCS_PATH}")
     if as_json:
         console.file.flush()

@@ -35,7 +35,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from rich.console import Console
 from rich.table import Table
 
-from kvcellar.bench.kvfile_io import describe_machine
+from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
 from kvcellar.engine.demo_models import DEMO_ARCH, SIZES, VOCAB_SIZE, create_model
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, SamplingParams, configure_host_allocator, generate_tokens
 from kvcellar.store.lending import cache_arrays
@@ -57,9 +57,7 @@ INDEX_SYSTEM_TOKENS, INDEX_BODY_TOKENS, INDEX_TAIL_TOKENS, INDEX_NEW_TOKENS = 64
 TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM = 2, 2, 16
 WARMUP_TAKES, EVICTING_PUTS = 100, 200
 SEED = 0
-DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-DOCS_BEGIN = "<!-- prompt_cache:begin -->"
-DOCS_END = "<!-- prompt_cache:end -->"
+DOCS_BEGIN, DOCS_END = docs_markers("prompt_cache")
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -463,19 +461,6 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
     ])
 
 
-def rewrite_docs_section(section: str, docs_path: Path = DOCS_PATH) -> None:
-    """Replace the text between this benchmark's markers, appending them when missing."""
-    block = f"{DOCS_BEGIN}\n{section}\n{DOCS_END}"
-    text = docs_path.read_text() if docs_path.exists() else "# Benchmarks\n"
-    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
-    if begin != -1 and end > begin:
-        text = text[:begin] + block + text[end + len(DOCS_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    docs_path.parent.mkdir(parents=True, exist_ok=True)
-    docs_path.write_text(text)
-
-
 def print_table(result: dict[str, Any], console: Console) -> None:
     table = Table(title="RAM prompt cache")
     for column in FIGURE_COLUMNS:
@@ -546,7 +531,7 @@ def main(model_dir: Path | None, model_size: str, as_json: bool, write_docs: boo
     if write_docs:
         command = shlex.join(["python", "-m", "kvcellar.bench.prompt_cache", *sys.argv[1:]])
         run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section(markdown_section(result, machine, command, run_date))
+        rewrite_docs_section("prompt_cache", markdown_section(result, machine, command, run_date))
         progress.print(f"wrote {DOCS_PATH}")
     if as_json:
         console.file.flush()

@@ -41,7 +41,7 @@ from mlx_lm.models.cache import KVCache
 from rich.console import Console
 from rich.table import Table
 
-from kvcellar.bench.kvfile_io import describe_machine
+from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
 from kvcellar.serialization import converter
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk
@@ -65,9 +65,7 @@ JOURNAL_SHARE_TARGET_PCT = 5.0
 # The preamble's u32 header length follows the 8-byte magic and the u32 format version.
 _HEADER_LENGTH = struct.Struct("<I")
 _HEADER_LENGTH_OFFSET = 12
-DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-DOCS_BEGIN = "<!-- ssd_index:begin -->"
-DOCS_END = "<!-- ssd_index:end -->"
+DOCS_BEGIN, DOCS_END = docs_markers("ssd_index")
 
 
 class BuildOnlyDisk(RealDisk):
@@ -547,18 +545,6 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
     ])
 
 
-def rewrite_docs_section(section: str, docs_path: Path = DOCS_PATH) -> None:
-    """Replace the text between this benchmark's markers, appending them when missing."""
-    block = f"{DOCS_BEGIN}\n{section}\n{DOCS_END}"
-    text = docs_path.read_text() if docs_path.exists() else "# Benchmarks\n"
-    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
-    if begin != -1 and end > begin:
-        text = text[:begin] + block + text[end + len(DOCS_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    docs_path.write_text(text)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--entries", type=click.IntRange(min=2), default=10_000, show_default=True,
               help="Entries in the tree that the startup scan and find() run against.")
@@ -608,7 +594,7 @@ def main(entries: int, tokens: int, queries: int, store_mib: int, stores: int, o
     if write_docs:
         command = shlex.join(["python", "-m", "kvcellar.bench.ssd_index", *sys.argv[1:]])
         run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section(markdown_section(result, machine, command, run_date))
+        rewrite_docs_section("ssd_index", markdown_section(result, machine, command, run_date))
         progress.print(f"wrote {DOCS_PATH}")
     if as_json:
         console.file.flush()

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcellar.actors.system import SystemConfig, open_system
-from kvcellar.bench.kvfile_io import describe_machine
+from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
 from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE, create_model
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
@@ -47,9 +47,7 @@ MODEL_SIZE = "small"
 OTHERS_CPUS_DISTURBING = 0.1
 # Left at SystemConfig's defaults in every run; reported so the figures say what they ran under.
 SETTINGS_REPORTED = ("debounce_s", "busy_rearm_s", "demote_idle_s", "prefill_step_tokens")
-DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-DOCS_BEGIN = "<!-- writebehind:begin -->"
-DOCS_END = "<!-- writebehind:end -->"
+DOCS_BEGIN, DOCS_END = docs_markers("writebehind")
 
 
 def prompt_token_ids(count: int, seed: int, vocab_size: int = VOCAB_SIZE) -> tuple[int, ...]:
@@ -331,18 +329,6 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     return "\n".join(lines)
 
 
-def rewrite_docs_section(section: str, docs_path: Path = DOCS_PATH) -> None:
-    """Replace the text between this benchmark's markers, appending them when missing."""
-    block = f"{DOCS_BEGIN}\n{section}\n{DOCS_END}"
-    text = docs_path.read_text() if docs_path.exists() else "# Benchmarks\n"
-    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
-    if begin != -1 and end > begin:
-        text = text[:begin] + block + text[end + len(DOCS_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    docs_path.write_text(text)
-
-
 def print_table(result: dict[str, Any], console: Console) -> None:
     table = Table(title=f"Write-behind, median of {result['repeats']} per mode")
     for column in FIGURE_COLUMNS:
@@ -395,7 +381,7 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     if write_docs:
         command = shlex.join(["python", "-m", "kvcellar.bench.writebehind", *sys.argv[1:]])
         run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section(markdown_section(result, command, run_date))
+        rewrite_docs_section("writebehind", markdown_section(result, command, run_date))
         progress.print(f"wrote {DOCS_PATH}")
     if as_json:
         console.file.flush()
