@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+from rich.console import Console
+from rich.table import Table
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 DOCS_INTRO = (
@@ -71,3 +79,32 @@ def describe_machine(directory: Path) -> dict[str, str]:
         "python": platform.python_version(),
         "mlx": mx.__version__,
     }
+
+
+def publish(name: str, result: dict[str, Any], section: Callable[[str, str], str], *, write_docs: bool,
+            as_json: bool, console: Console, progress: Console) -> None:
+    """The end of every benchmark: with `write_docs`, rewrite its docs section
+    (`section(command, run_date)` renders it); with `as_json`, print the
+    figures as one JSON object on the last line of standard output."""
+    if write_docs:
+        command = shlex.join(["python", "-m", f"kvcellar.bench.{name}", *sys.argv[1:]])
+        run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        rewrite_docs_section(name, section(command, run_date))
+        progress.print(f"wrote {DOCS_PATH}")
+    if as_json:
+        console.file.flush()
+        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+        sys.stdout.flush()
+
+
+def print_figures(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], summary: list[str],
+                  console: Console, *, text_columns: tuple[str, ...] = ("measurement", "note")) -> None:
+    """The readable report: one table of figures, then the summary lines."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column in text_columns else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for line in summary:
+        console.print(line, highlight=False)

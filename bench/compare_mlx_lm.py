@@ -20,11 +20,9 @@ mlx_lm.server <= 0.02; (b) ratio of summed per-turn TTFT <= 1.0; (d) decode >= 0
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -45,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
+from kvcellar.bench.common import describe_machine, docs_markers, publish
 from kvcellar.engine.demo_models import DEMO_ARCH, create_model
 
 KVCELLAR, MLX_LM = "kvcellar", "mlx_lm"
@@ -561,15 +559,8 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     result.update(model=described, machine=describe_machine(base), mlx_lm_version=mlx_lm.__version__,
                   wall_s=time.perf_counter() - started)
     print_tables(result, console)
-    if write_docs:
-        command = shlex.join(["python", "-m", "kvcellar.bench.compare_mlx_lm", *sys.argv[1:]])
-        run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section(DOCS_NAME, markdown_section(result, command, run_date))
-        progress.print(f"wrote {DOCS_PATH}")
-    if as_json:
-        console.file.flush()
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
-        sys.stdout.flush()
+    publish(DOCS_NAME, result, lambda command, run_date: markdown_section(result, command, run_date),
+            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,11 @@ carries slack past its offset as a live cache does. Throughput is MiB/s
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,9 +34,8 @@ import platformdirs
 import xxhash
 from mlx_lm.models.cache import KVCache
 from rich.console import Console
-from rich.table import Table
 
-from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
+from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
 from kvcellar.store import codecs, kvfile
 
 MIB_BYTES = 1 << 20
@@ -444,14 +439,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"kvfile I/O, median of {result['repeats']} (MiB/s = 2^20 bytes of payload per second)")
-    for column in FIGURE_COLUMNS:
-        table.add_column(column, justify="left" if column == "measurement" else "right")
-    for row in figure_rows(result):
-        table.add_row(*row)
-    console.print(table)
-    for line in summary_lines(result):
-        console.print(line, highlight=False)
+    title = f"kvfile I/O, median of {result['repeats']} (MiB/s = 2^20 bytes of payload per second)"
+    print_figures(title, FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console,
+                  text_columns=("measurement",))
 
 
 def interpretation(result: dict[str, Any]) -> str:
@@ -556,15 +546,8 @@ def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, wri
     machine = describe_machine(base)
     result["machine"] = machine
     print_table(result, console)
-    if write_docs:
-        command = shlex.join(["python", "-m", "kvcellar.bench.kvfile_io", *sys.argv[1:]])
-        run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section("kvfile_io", markdown_section(result, machine, command, run_date))
-        progress.print(f"wrote {DOCS_PATH}")
-    if as_json:
-        console.file.flush()
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
-        sys.stdout.flush()
+    publish("kvfile_io", result, lambda command, run_date: markdown_section(result, machine, command, run_date),
+            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
 
 
 if __name__ == "__main__":

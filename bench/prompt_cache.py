@@ -14,11 +14,8 @@
 from __future__ import annotations
 
 import ctypes
-import datetime
 import gc
-import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -33,9 +30,8 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from rich.console import Console
-from rich.table import Table
 
-from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
+from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
 from kvcellar.engine.demo_models import DEMO_ARCH, SIZES, VOCAB_SIZE, create_model
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, SamplingParams, configure_host_allocator, generate_tokens
 from kvcellar.store.lending import cache_arrays
@@ -462,14 +458,8 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    table = Table(title="RAM prompt cache")
-    for column in FIGURE_COLUMNS:
-        table.add_column(column, justify="left" if column == "measurement" else "right")
-    for row in figure_rows(result):
-        table.add_row(*row)
-    console.print(table)
-    for line in summary_lines(result):
-        console.print(line, highlight=False)
+    print_figures("RAM prompt cache", FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console,
+                  text_columns=("measurement",))
 
 
 def _lengths(_: Any, __: Any, value: str) -> list[int]:
@@ -528,15 +518,8 @@ def main(model_dir: Path | None, model_size: str, as_json: bool, write_docs: boo
                   allocator_configured=allocator_configured,
                   load_average=[load_before, os.getloadavg()[0]], machine=machine)
     print_table(result, console)
-    if write_docs:
-        command = shlex.join(["python", "-m", "kvcellar.bench.prompt_cache", *sys.argv[1:]])
-        run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section("prompt_cache", markdown_section(result, machine, command, run_date))
-        progress.print(f"wrote {DOCS_PATH}")
-    if as_json:
-        console.file.flush()
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
-        sys.stdout.flush()
+    publish("prompt_cache", result, lambda command, run_date: markdown_section(result, machine, command, run_date),
+            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,8 @@ the real `RealDisk`.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
-import json
 import os
-import shlex
 import shutil
 import sqlite3
 import statistics
@@ -41,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 from rich.console import Console
 from rich.table import Table
 
-from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
+from kvcellar.bench.common import describe_machine, docs_markers, publish
 from kvcellar.serialization import converter
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk
@@ -591,15 +588,8 @@ def main(entries: int, tokens: int, queries: int, store_mib: int, stores: int, o
     console.print(table)
     for line in summary_lines(result):
         console.print(line, highlight=False)
-    if write_docs:
-        command = shlex.join(["python", "-m", "kvcellar.bench.ssd_index", *sys.argv[1:]])
-        run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section("ssd_index", markdown_section(result, machine, command, run_date))
-        progress.print(f"wrote {DOCS_PATH}")
-    if as_json:
-        console.file.flush()
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
-        sys.stdout.flush()
+    publish("ssd_index", result, lambda command, run_date: markdown_section(result, machine, command, run_date),
+            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
 
 
 if __name__ == "__main__":

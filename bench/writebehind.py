@@ -11,10 +11,7 @@ Run `python -m kvcellar.bench.writebehind --help` for the options.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -28,10 +25,9 @@ import numpy as np
 import platformdirs
 import trio
 from rich.console import Console
-from rich.table import Table
 
 from kvcellar.actors.system import SystemConfig, open_system
-from kvcellar.bench.common import DOCS_PATH, describe_machine, docs_markers, rewrite_docs_section
+from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
 from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE, create_model
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
@@ -330,14 +326,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"Write-behind, median of {result['repeats']} per mode")
-    for column in FIGURE_COLUMNS:
-        table.add_column(column, justify="left" if column in ("measurement", "note") else "right")
-    for row in figure_rows(result):
-        table.add_row(*row)
-    console.print(table)
-    for line in summary_lines(result):
-        console.print(line, highlight=False)
+    print_figures(f"Write-behind, median of {result['repeats']} per mode", FIGURE_COLUMNS, figure_rows(result),
+                  summary_lines(result), console, text_columns=("measurement", "note"))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -378,15 +368,8 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
         shutil.rmtree(workdir, ignore_errors=True)
     result.update(model=described, machine=describe_machine(base), wall_s=time.perf_counter() - started)
     print_table(result, console)
-    if write_docs:
-        command = shlex.join(["python", "-m", "kvcellar.bench.writebehind", *sys.argv[1:]])
-        run_date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        rewrite_docs_section("writebehind", markdown_section(result, command, run_date))
-        progress.print(f"wrote {DOCS_PATH}")
-    if as_json:
-        console.file.flush()
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
-        sys.stdout.flush()
+    publish("writebehind", result, lambda command, run_date: markdown_section(result, command, run_date),
+            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
 
 
 if __name__ == "__main__":

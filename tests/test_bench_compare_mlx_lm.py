@@ -6,12 +6,13 @@ import json
 
 from click.testing import CliRunner
 
+from kvcellar.bench import common
 from kvcellar.bench import compare_mlx_lm
 from kvcellar.engine.demo_models import create_model
 
 
 def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
-    docs_before = compare_mlx_lm.DOCS_PATH.read_text() if compare_mlx_lm.DOCS_PATH.exists() else None
+    docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     model_dir = create_model("llama", tmp_path / "m")
     work = tmp_path / "work"
 
@@ -35,5 +36,5 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     assert figures["flush"]["status"] == 200 and figures["flush"]["durable"] is True
     assert kvcellar["restart_cached_tokens"] >= kvcellar["prompt_tokens"] - 1
     assert list(work.iterdir()) == []
-    docs_after = compare_mlx_lm.DOCS_PATH.read_text() if compare_mlx_lm.DOCS_PATH.exists() else None
+    docs_after = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     assert docs_after == docs_before

@@ -6,11 +6,12 @@ import json
 
 from click.testing import CliRunner
 
+from kvcellar.bench import common
 from kvcellar.bench import kvfile_io
 
 
 def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
-    docs_before = kvfile_io.DOCS_PATH.read_text() if kvfile_io.DOCS_PATH.exists() else None
+    docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
 
     outcome = CliRunner().invoke(
         kvfile_io.main, ["--size-mib", "4", "--repeats", "1", "--json", "--dir", str(tmp_path)])
@@ -22,5 +23,5 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     assert "save_ratio" in figures and "load_ratio" in figures
     assert figures["payload_bytes"] >= 4 * kvfile_io.MIB_BYTES
     assert list(tmp_path.iterdir()) == []
-    docs_after = kvfile_io.DOCS_PATH.read_text() if kvfile_io.DOCS_PATH.exists() else None
+    docs_after = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     assert docs_after == docs_before

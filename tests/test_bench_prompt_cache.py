@@ -6,6 +6,7 @@ import json
 
 from click.testing import CliRunner
 
+from kvcellar.bench import common
 from kvcellar.bench import prompt_cache
 
 TINY_SETTINGS = [
@@ -15,7 +16,7 @@ TINY_SETTINGS = [
 
 
 def _docs_text() -> str | None:
-    return prompt_cache.DOCS_PATH.read_text() if prompt_cache.DOCS_PATH.exists() else None
+    return common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
 
 
 def test_benchmark_prints_its_figures_as_json_on_the_last_line(model_dir_factory):

@@ -6,11 +6,12 @@ import json
 
 from click.testing import CliRunner
 
+from kvcellar.bench import common
 from kvcellar.bench import ssd_index
 
 
 def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
-    docs_before = ssd_index.DOCS_PATH.read_text() if ssd_index.DOCS_PATH.exists() else None
+    docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
 
     outcome = CliRunner().invoke(ssd_index.main, [
         "--entries", "50", "--tokens", "64", "--queries", "50", "--store-mib", "1", "--stores", "2",
@@ -32,5 +33,5 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     assert figures["reconcile_events_in_timed_opens"] == 0
     assert figures["first_journal_open_events"] == 50
     assert [path.name[: len("ssd_index-")] for path in tmp_path.iterdir()] == ["ssd_index-"]
-    docs_after = ssd_index.DOCS_PATH.read_text() if ssd_index.DOCS_PATH.exists() else None
+    docs_after = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     assert docs_after == docs_before

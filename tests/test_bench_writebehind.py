@@ -6,6 +6,7 @@ import json
 
 from click.testing import CliRunner
 
+from kvcellar.bench import common
 from kvcellar.bench import writebehind
 from kvcellar.engine.demo_models import create_model
 
@@ -17,7 +18,7 @@ EXPECTED_KEYS = {
 
 
 def _docs_text() -> str | None:
-    return writebehind.DOCS_PATH.read_text() if writebehind.DOCS_PATH.exists() else None
+    return common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
 
 
 def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
