@@ -45,6 +45,8 @@ async def serve_forever(config: SystemConfig, host: str, port: int, settings: Ht
         hypercorn_config = Config()
         hypercorn_config.bind = [f"{host}:{port}"]
         hypercorn_config.accesslog = None
+        # A logger (not a stream) makes hypercorn log through the root logger, once, in our format.
+        hypercorn_config.errorlog = logging.getLogger("hypercorn.error")
         stop_serving = trio.Event()
 
         async def shutdown_trigger() -> None:
