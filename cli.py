@@ -24,11 +24,13 @@ def cli() -> None:
 def _register_commands() -> None:
     from kvcellar.engine.model_cli import model_group
     from kvcellar.http.serve_cli import serve_command
+    from kvcellar.store.journal_cli import journal_group
     from kvcellar.store.kv_cli import kv_group
 
     cli.add_command(serve_command)
     cli.add_command(model_group)
     cli.add_command(kv_group)
+    cli.add_command(journal_group)
 
 
 _register_commands()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import cbor2
 import sqlite_utils
 
 from kvcellar.errors import StoreError
@@ -115,11 +116,26 @@ class JournalEvent:
     event: Any
 
 
+@attrs.frozen(kw_only=True)
+class OpaqueEvent:
+    """An event of a kind this process has not registered (an actor module
+    not imported, or a newer kvcellar): kept as its decoded CBOR data. It
+    changes no projection."""
+
+    kind: str
+    data: Any
+
+
 def decode_event(kind: str, payload: bytes) -> Any:
-    """The event object of a stored row; raises `JournalError` for an unknown kind or bad payload."""
+    """The event object of a stored row (an `OpaqueEvent` for an unregistered
+    kind); raises `JournalError` when the payload is not valid CBOR or does not
+    fit its registered type."""
     event_type = ev.EVENT_TYPES.get(kind)
     if event_type is None:
-        raise JournalError(f"unknown event kind {kind!r}")
+        try:
+            return OpaqueEvent(kind=kind, data=cbor2.loads(payload))
+        except (cbor2.CBORDecodeError, ValueError) as e:
+            raise JournalError(f"damaged {kind} event payload: {e}") from e
     try:
         return from_cbor(payload, event_type)
     except DecodeError as e:

@@ -105,3 +105,22 @@ def test_events_carry_canonical_payloads_so_identical_histories_are_identical_by
         return rows, payloads
 
     assert history(tmp_path / "one.sqlite") == history(tmp_path / "two.sqlite")
+
+
+def test_an_unregistered_event_kind_reads_back_as_opaque_data_and_changes_no_projection(tmp_path):
+    import attrs as attrs_module
+
+    from kvcellar.store.journal import OpaqueEvent
+
+    @attrs_module.frozen(kw_only=True)
+    class FutureEvent:
+        kind = "future.thing"
+        entry_id: str = "a"
+        detail: int = 7
+
+    journal = Journal.open(tmp_path / "j.sqlite")
+    journal.append(ev.EntryStored(entry=_fields("a")))
+    journal.append(FutureEvent())
+    records = list(journal.events())
+    assert records[1].event == OpaqueEvent(kind="future.thing", data={"entry_id": "a", "detail": 7})
+    assert journal.replay() == journal.entries() and len(journal.entries()) == 1

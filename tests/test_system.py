@@ -162,3 +162,24 @@ def test_write_behind_off_by_environment_keeps_spill_on_evict_and_says_so(model_
             assert system.stats()["ssd_cache"]["entries"] == 0
 
     trio.run(main)
+
+
+def test_the_journal_cli_reads_a_real_system_run(model_dir_factory, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kvcellar.cli import cli
+
+    async def main():
+        async with open_system(_config(model_dir_factory("llama"), tmp_path)) as system:
+            await _run(system, _request(PROMPT))
+            assert (await system.flush()).durable
+
+    trio.run(main)
+    runner = CliRunner()
+    verify = runner.invoke(cli, ["journal", "verify", str(tmp_path / "ssd")])
+    assert verify.exit_code == 0, verify.output
+    exported = runner.invoke(cli, ["journal", "export", "--format", "jsonl", str(tmp_path / "ssd")])
+    kinds = {json.loads(line)["kind"] for line in exported.output.splitlines() if line.strip()}
+    assert {"request.admitted", "durability.settled", "entry.write_started", "entry.stored", "flush.verdict"} <= kinds
