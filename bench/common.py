@@ -8,13 +8,18 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
+import platformdirs
 from rich.console import Console
 from rich.table import Table
 
@@ -108,3 +113,34 @@ def print_figures(title: str, columns: tuple[str, ...], rows: list[tuple[str, ..
     console.print(table)
     for line in summary:
         console.print(line, highlight=False)
+
+
+@attrs.frozen(kw_only=True)
+class Scratch:
+    base: Path
+    workdir: Path
+    model_dir: Path
+    model_described: str
+
+
+@contextmanager
+def scratch_with_model(prefix: str, directory: Path | None, model_dir: Path | None, progress: Console,
+                       *, size: str = "small") -> Iterator[Scratch]:
+    """A temporary work directory under `directory` (default: kvcellar's user
+    cache), removed afterwards, and the model to run: `model_dir`, or the demo
+    llama of `size` made inside the work directory."""
+    from kvcellar.engine.demo_models import DEMO_ARCH, create_model
+
+    base = directory if directory is not None else platformdirs.user_cache_path("kvcellar") / "bench"
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=base))
+    try:
+        if model_dir is None:
+            progress.print(f"creating the demo {DEMO_ARCH} {size} model")
+            model_dir = create_model(DEMO_ARCH, workdir / f"{DEMO_ARCH}-{size}", size=size)
+            described = f"demo {DEMO_ARCH} {size}, float32"
+        else:
+            described = str(model_dir)
+        yield Scratch(base=base, workdir=workdir, model_dir=model_dir, model_described=described)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

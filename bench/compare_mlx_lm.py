@@ -23,13 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,13 +36,12 @@ import click
 import httpx
 import mlx_lm
 import numpy as np
-import platformdirs
 from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from kvcellar.bench.common import describe_machine, docs_markers, publish
-from kvcellar.engine.demo_models import DEMO_ARCH, create_model
+from kvcellar.bench.common import describe_machine, docs_markers, publish, scratch_with_model
+from kvcellar.engine.demo_models import DEMO_ARCH
 
 KVCELLAR, MLX_LM = "kvcellar", "mlx_lm"
 LABELS = {KVCELLAR: "kvcellar", MLX_LM: "mlx_lm.server"}
@@ -543,19 +540,9 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=160)
     progress = Console(stderr=True)
-    base = directory if directory is not None else platformdirs.user_cache_path("kvcellar") / "bench"
-    base.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="compare_mlx_lm-", dir=base))
-    try:
-        if model_dir is None:
-            progress.print(f"creating the demo {DEMO_ARCH} {MODEL_SIZE} model")
-            model_dir = create_model(DEMO_ARCH, workdir / f"{DEMO_ARCH}-{MODEL_SIZE}", size=MODEL_SIZE)
-            described = f"demo {DEMO_ARCH} {MODEL_SIZE}, float32"
-        else:
-            described = str(model_dir)
-        result = run_benchmark(model_dir, options, workdir, progress)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with scratch_with_model("compare_mlx_lm", directory, model_dir, progress, size=MODEL_SIZE) as scratch:
+        result = run_benchmark(scratch.model_dir, options, scratch.workdir, progress)
+    base, described = scratch.base, scratch.model_described
     result.update(model=described, machine=describe_machine(base), mlx_lm_version=mlx_lm.__version__,
                   wall_s=time.perf_counter() - started)
     print_tables(result, console)

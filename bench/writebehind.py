@@ -15,20 +15,18 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
-import platformdirs
 import trio
 from rich.console import Console
 
 from kvcellar.actors.system import SystemConfig, open_system
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
-from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE, create_model
+from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
+from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
 
@@ -353,19 +351,9 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=140)
     progress = Console(stderr=True)
-    base = directory if directory is not None else platformdirs.user_cache_path("kvcellar") / "bench"
-    base.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="writebehind-", dir=base))
-    try:
-        if model_dir is None:
-            progress.print(f"creating the demo {DEMO_ARCH} {MODEL_SIZE} model")
-            model_dir = create_model(DEMO_ARCH, workdir / f"{DEMO_ARCH}-{MODEL_SIZE}", size=MODEL_SIZE)
-            described = f"demo {DEMO_ARCH} {MODEL_SIZE}, float32"
-        else:
-            described = str(model_dir)
-        result = run_benchmark(model_dir, options, workdir, progress)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with scratch_with_model("writebehind", directory, model_dir, progress, size=MODEL_SIZE) as scratch:
+        result = run_benchmark(scratch.model_dir, options, scratch.workdir, progress)
+    base, described = scratch.base, scratch.model_described
     result.update(model=described, machine=describe_machine(base), wall_s=time.perf_counter() - started)
     print_table(result, console)
     publish("writebehind", result, lambda command, run_date: markdown_section(result, command, run_date),
