@@ -25,10 +25,10 @@ from typing import Any, Protocol
 
 import attrs
 import numpy as np
-from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prefix_index import PrefixIndex
+from kvcellar.store.scheme import held_bytes
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
 log = logging.getLogger("kvcellar.prompt_cache")
@@ -102,32 +102,10 @@ class PromptCacheCounters:
 
 
 def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:
-    """Bytes the caches really hold: rows up to `offset` per layer (the raw
-    ring once a window wraps, recurrent state as is), never the slack. Equal
-    to what the `.kvc` codecs persist, from shapes alone (no planning, no MLX work)."""
-    total = 0
-    for cache in caches:
-        kind = type(cache)
-        if kind is mlx_cache.CacheList:
-            total += logical_bytes(cache.caches)
-        elif kind is mlx_cache.ArraysCache:
-            arrays = [*cache.cache, getattr(cache, "left_padding", None), getattr(cache, "lengths", None)]
-            total += sum(a.nbytes for a in arrays if a is not None)
-        elif cache.keys is not None:
-            rows = _persisted_rows(cache)
-            for part in (cache.keys, cache.values):
-                for array in part if isinstance(part, tuple) else (part,):
-                    total += array.nbytes // array.shape[-2] * rows if array.shape[-2] else 0
-    return total
-
-
-def _persisted_rows(cache: Any) -> int:
-    kind = type(cache)
-    if kind is mlx_cache.RotatingKVCache and cache.offset >= cache.max_size:
-        return cache.keys.shape[-2]
-    if kind is mlx_cache.ChunkedKVCache:
-        return cache.offset - cache.start_position
-    return cache.offset
+    """Bytes the caches really hold (rows up to `offset`, the ring a sliding
+    window holds, recurrent state as is), never the slack: the RAM tier's bill.
+    `token_count` is accepted for the `bill` hook's signature and not needed."""
+    return held_bytes(caches)
 
 
 class PromptCache:

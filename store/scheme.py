@@ -202,7 +202,7 @@ class KvScheme:
         next single-token step trims), the live rows of a chunked cache, and
         recurrent state as it is. Capacity slack is never counted.
         """
-        return sum(_held_bytes(cache, index) for index, cache in enumerate(caches))
+        return held_bytes(caches)
 
     def projected_bytes(self, prototypes_or_model: Any, tokens: int) -> int:
         """The bytes an entry of `tokens` tokens costs under this scheme.
@@ -301,6 +301,11 @@ def _quantized_row_bytes(array: mx.array, bits: int, group_size: int) -> int:
     words plus one scale and one bias per group, in the array's dtype."""
     dim = array.shape[-1]
     return math.prod(array.shape[:-2]) * (dim * bits // 8 + 2 * (dim // group_size) * array.dtype.size)
+
+
+def held_bytes(caches: Sequence[Any]) -> int:
+    """The logical bytes `caches` hold, whatever the scheme (see `KvScheme.bytes_for`)."""
+    return sum(_held_bytes(cache, index) for index, cache in enumerate(caches))
 
 
 def _held_bytes(cache: Any, index: int) -> int:
