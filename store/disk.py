@@ -231,7 +231,8 @@ class TracingDisk:
     simulations can check the order of a crash-safety sequence."""
 
     _PATH_OPERATIONS = frozenset(
-        {"create_exclusive", "open_read", "rename", "fsync_dir", "unlink", "makedirs", "scandir", "stat", "utime"}
+        {"create_exclusive", "open_read", "rename", "fsync_dir", "unlink", "makedirs", "scandir", "stat", "utime",
+         "lock_exclusive"}
     )
 
     def __init__(self, inner: Disk) -> None:
