@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,10 @@ class SystemConfig:
     shutdown_timeout_s: float = 120.0
     turn_log: list[tuple[str, float, float]] | None = attrs.field(default=None, eq=False)
     disk: Disk | None = attrs.field(default=None, eq=False)
+    # The simulator's seams: an engine with EngineThread's start/call/stream/stop
+    # that runs inline, and a store opener for its SimDisk and in-memory journal.
+    engine: Any = attrs.field(default=None, eq=False)
+    store_opener: Callable[[SystemConfig, KvScheme], SsdStore | None] | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -175,11 +179,11 @@ def _open_store(config: SystemConfig, scheme: KvScheme) -> SsdStore | None:
 async def open_system(config: SystemConfig) -> AsyncIterator[System]:
     """Start everything in one nursery; on exit shut down gracefully (stop
     admission, drain, flush bounded by `shutdown_timeout_s`) and close."""
-    engine = EngineThread(config.model_dir, turn_log=config.turn_log)
+    engine = config.engine or EngineThread(config.model_dir, turn_log=config.turn_log)
     try:
         loaded = await engine.start()
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
-        store = _open_store(config, scheme)
+        store = (config.store_opener or _open_store)(config, scheme)
         try:
             async with trio.open_nursery() as nursery:
                 system = await _start_actors(nursery, config, engine, loaded, scheme, store)

@@ -26,7 +26,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import cbor2
@@ -142,15 +142,30 @@ def decode_event(kind: str, payload: bytes) -> Any:
         raise JournalError(f"damaged {kind} event payload: {e}") from e
 
 
+class JournalDurability(Protocol):
+    """Where an in-memory journal keeps its durable image (the simulator)."""
+
+    def image(self) -> bytes | None:
+        """The last committed database image, or None for a new journal."""
+
+    def before_transaction(self) -> None:
+        """Called before each write transaction: a simulated crash point."""
+
+    def committed(self, connection: sqlite3.Connection) -> None:
+        """Called after each commit; keeps `connection.serialize()`."""
+
+
 class Journal:
     """The journal of one fingerprint directory. Open with `Journal.open`
     (read-write, migrating) or `Journal.open_readonly` (inspection)."""
 
-    def __init__(self, db: sqlite_utils.Database | None, path: Path, clock_ns: Callable[[], int]) -> None:
+    def __init__(self, db: sqlite_utils.Database | None, path: Path, clock_ns: Callable[[], int],
+                 durability: JournalDurability | None = None) -> None:
         self._db = db
         self.path = path
         self._clock_ns = clock_ns
         self.degraded = db is None
+        self._durability = durability
 
     @classmethod
     def open(cls, path: Path, *, clock_ns: Callable[[], int] = time.time_ns) -> Journal:
@@ -166,6 +181,23 @@ class Journal:
             log.warning("journal %s cannot be opened, continuing without a journal: %s", path, e)
             return cls(None, path, clock_ns)
         return cls(db, path, clock_ns)
+
+    @classmethod
+    def open_in_memory(cls, path: Path, durability: JournalDurability, *,
+                       clock_ns: Callable[[], int] = time.time_ns) -> Journal:
+        """A journal in an in-memory database whose durable image `durability`
+        keeps (the simulator's model of SQLite's atomic commit: a crash keeps
+        exactly the committed transactions). Starts from `durability.image()`."""
+        connection = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        image = durability.image()
+        if image:
+            connection.deserialize(image)
+        db = sqlite_utils.Database(connection)
+        journal = cls(db, path, clock_ns, durability)
+        durability.before_transaction()
+        _migrate(db)
+        durability.committed(connection)
+        return journal
 
     @classmethod
     def open_readonly(cls, path: Path) -> Journal:
@@ -197,6 +229,8 @@ class Journal:
         startup reconciliation of thousands of corrections commits once."""
         if self._db is None or not events:
             return []
+        if self._durability is not None:
+            self._durability.before_transaction()
         try:
             with self._db.conn:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -208,7 +242,9 @@ class Journal:
                     )
                     apply_event(self._db, event)
                     seqs.append(int(cursor.lastrowid))
-                return seqs
+            if self._durability is not None:
+                self._durability.committed(self._db.conn)
+            return seqs
         except sqlite3.Error as e:
             log.warning("journal %s cannot be written, continuing without a journal: %s", self.path, e)
             self._db = None

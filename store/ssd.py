@@ -127,11 +127,14 @@ class SsdStore:
     def open(cls, root_dir: Path | str, fingerprint: str, max_bytes: int | None = None, disk: Disk | None = None,
              *, fingerprint_fields: dict[str, str] | None = None,
              quarantine_max_bytes: int = QUARANTINE_MAX_BYTES_DEFAULT, verify: bool = True,
-             journal: bool = True, clock_ns: Callable[[], int] = time.time_ns) -> SsdStore:
+             journal: bool = True, clock_ns: Callable[[], int] = time.time_ns,
+             journal_opener: Callable[[Path], Journal] | None = None) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
         Raises `DirectoryLocked` when another process holds the directory and
         `DiskError` when the directory cannot be created or locked.
+        `journal_opener(path)` replaces `Journal.open` (the simulator's
+        in-memory journal).
         """
         store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
                     fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
@@ -141,7 +144,9 @@ class SsdStore:
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
         try:
             if journal:
-                store.journal = Journal.open(store.directory / JOURNAL_FILE_NAME, clock_ns=clock_ns)
+                journal_path = store.directory / JOURNAL_FILE_NAME
+                store.journal = (journal_opener(journal_path) if journal_opener is not None
+                                 else Journal.open(journal_path, clock_ns=clock_ns))
             journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
             trusted = store._scan(journaled)
             store._reconcile_journal(journaled, trusted)
