@@ -24,6 +24,7 @@ import trio
 
 from kvcellar.actors.runtime import IllegalTransition, JournalEvent
 from kvcellar.errors import DiskError
+from kvcellar.store import mutations
 from kvcellar.store.events import register_event
 from kvcellar.store.prompt_cache import SpillSnapshot
 from kvcellar.store.ssd import PendingStore, SsdStore
@@ -132,6 +133,7 @@ class SsdWriterCore:
 
 
 RunWhenIdle = Callable[[Callable[[Any], Any]], Awaitable[Any]]
+RunBlocking = Callable[..., Awaitable[Any]]
 
 
 class SsdWriter:
@@ -139,8 +141,11 @@ class SsdWriter:
     serial (the SpillQueue dispatches one at a time); calls must not overlap."""
 
     def __init__(self, store: SsdStore, run_when_idle: RunWhenIdle, *, journal: Any = None,
-                 tokenizer_hash: str = "") -> None:
+                 tokenizer_hash: str = "", run_blocking: RunBlocking | None = None) -> None:
         self.store = store
+        # Blocking file I/O goes to a worker thread; the simulator runs it inline.
+        self.run_blocking: RunBlocking = run_blocking or trio.to_thread.run_sync
+        self._unpublished: list[Any] = []  # only under the ack-before-rename mutation
         self.run_when_idle = run_when_idle
         self.core = SsdWriterCore()
         self.journal = journal
@@ -148,6 +153,8 @@ class SsdWriter:
         self._write_ids = 0
 
     async def write(self, snapshot: SpillSnapshot) -> str:
+        while self._unpublished:
+            await self.run_blocking(self._unpublished.pop(0).publish)
         # Planning slices the snapshot's arrays: MLX work, so it takes an engine turn too.
         pending = await self.run_when_idle(lambda _: self.store.prepare_store(
             snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=self.tokenizer_hash))
@@ -157,7 +164,7 @@ class SsdWriter:
         msg: Any = Write(write_id=self._write_ids, tensor_count=pending.writer.tensor_count,
                          token_count=len(snapshot.tokens), namespace=snapshot.namespace)
         try:
-            await trio.to_thread.run_sync(pending.writer.open)
+            await self.run_blocking(pending.writer.open)
         except DiskError as e:
             self.store.fail_store(pending, e)
             return "failed"
@@ -177,9 +184,14 @@ class SsdWriter:
         try:
             if isinstance(effect, WriteTensor):
                 segments = await self.run_when_idle(lambda _: writer.materialise_tensor(effect.index))
-                await trio.to_thread.run_sync(writer.write_segments, effect.index, segments)
+                await self.run_blocking(writer.write_segments, effect.index, segments)
                 return TensorWritten(write_id=effect.write_id, index=effect.index)
-            await trio.to_thread.run_sync(writer.commit)
+            if mutations.active("ack-before-rename"):
+                await self.run_blocking(writer.commit_data)
+                self._unpublished.append(writer)
+                self.store.finish_store(pending)
+                return Committed(write_id=effect.write_id)
+            await self.run_blocking(writer.commit)
         except trio.Cancelled:
             writer.abort()
             raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -65,6 +66,8 @@ class SystemConfig:
     # The simulator's seams: an engine with EngineThread's start/call/stream/stop
     # that runs inline, and a store opener for its SimDisk and in-memory journal.
     engine: Any = attrs.field(default=None, eq=False)
+    clock_s: Callable[[], float] | None = attrs.field(default=None, eq=False)
+    run_blocking: Callable[..., Any] | None = attrs.field(default=None, eq=False)
     store_opener: Callable[[SystemConfig, KvScheme], SsdStore | None] | None = attrs.field(default=None, eq=False)
 
 
@@ -205,12 +208,12 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: Eng
     token = trio.lowlevel.current_trio_token()
     gateway = Gateway(engine, journal=journal)
     await nursery.start(gateway.run)
-    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store)
+    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=config.clock_s or time.monotonic)
     system = System(config, engine, loaded, scheme, prompt_cache, store)
     system.gateway = gateway
     if store is None:
         return system
-    writer = SsdWriter(store, gateway.run_when_idle, journal=journal)
+    writer = SsdWriter(store, gateway.run_when_idle, journal=journal, run_blocking=config.run_blocking)
     queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
     queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)

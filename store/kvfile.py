@@ -39,7 +39,7 @@ import xxhash
 
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
-from kvcellar.store import codecs
+from kvcellar.store import codecs, mutations
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
@@ -166,10 +166,13 @@ class KvFileWriter:
     """
 
     def __init__(self, path: Path, caches: Sequence[Any], tokens: Sequence[int],
-                 meta: EntryMeta | Mapping[str, Any] | None = None, disk: Disk | None = None) -> None:
+                 meta: EntryMeta | Mapping[str, Any] | None = None, disk: Disk | None = None,
+                 *, temp_id: str | None = None) -> None:
         self.path = Path(path)
         self.disk = disk or RealDisk()
-        self.temp_path = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+        # A unique entry path needs no random part in its temp name (the simulator's determinism).
+        temp_id = temp_id if temp_id is not None else uuid.uuid4().hex
+        self.temp_path = self.path.with_name(f".{self.path.name}.{temp_id}{TEMP_SUFFIX}")
         token_ids = _packed_token_ids(tokens)
         token_count = len(token_ids) // 4
         records, self._producers = codecs.plan_caches(caches, token_count)
@@ -233,18 +236,37 @@ class KvFileWriter:
     def commit(self) -> Header:
         """Patch the header with the checksums, write it, fsync, rename over
         the target and fsync the directory (the commit point)."""
+        header = self.commit_data()
+        self.publish()
+        return header
+
+    def commit_data(self) -> Header:
+        """The first half of `commit`: header written, data fsynced, file closed."""
         header = _with_checksums(self._header, self._checksums)
         header_bytes = to_cbor(header)
         planned_bytes = to_cbor(self._header)
         if len(header_bytes) != len(planned_bytes):
             raise AssertionError("patched header changed length: checksum slots must be fixed-width")
         self.disk.write_at(self._handle, 0, _preamble(header_bytes, header.payload_offset) + header_bytes)
-        self.disk.fsync(self._handle)
+        self._fsync_data()
         self.disk.close(self._handle)
         self._handle = None
-        self.disk.rename(self.temp_path, self.path)
-        self.disk.fsync_dir(self.path.parent)
         return header
+
+    def _fsync_data(self) -> None:
+        if mutations.active("skip-file-fsync"):
+            return
+        try:
+            self.disk.fsync(self._handle)
+        except DiskError:
+            if not mutations.active("trust-failed-fsync"):
+                raise
+
+    def publish(self) -> None:
+        """The second half of `commit`: rename into place, fsync the directory."""
+        self.disk.rename(self.temp_path, self.path)
+        if not mutations.active("skip-dir-fsync"):
+            self.disk.fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         """Close and remove the temp file; never raises."""
@@ -370,7 +392,7 @@ def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | Non
         header_bytes = memoryview(_read_exact(disk, handle, PREAMBLE_BYTES, header_length, "header", path))
     hasher = xxhash.xxh3_64(_PREAMBLE.pack(MAGIC, version, header_length, 0, payload_offset))
     hasher.update(header_bytes)
-    if hasher.intdigest() != header_digest:
+    if hasher.intdigest() != header_digest and not mutations.active("skip-header-check"):
         raise CorruptEntry(f"{path}: header checksum mismatch", part="header")
     try:
         header = from_cbor(bytes(header_bytes), Header)
@@ -454,7 +476,7 @@ def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, pa
         if verify:
             hasher.update(view)
         offset += got
-    if verify and hasher.digest() != record.checksum:
+    if verify and hasher.digest() != record.checksum and not mutations.active("skip-header-check"):
         raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
     return codecs.host_to_mlx(host, record.dtype)
 

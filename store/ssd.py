@@ -122,23 +122,31 @@ class SsdStore:
         self._warned_write_failure = False
         self._lock_handle: Any = None
         self.journal: Journal | None = None
+        self._new_entry_id: Callable[[], str] = lambda: uuid.uuid4().hex
+        self._timer_ns: Callable[[], int] = time.perf_counter_ns
 
     @classmethod
     def open(cls, root_dir: Path | str, fingerprint: str, max_bytes: int | None = None, disk: Disk | None = None,
              *, fingerprint_fields: dict[str, str] | None = None,
              quarantine_max_bytes: int = QUARANTINE_MAX_BYTES_DEFAULT, verify: bool = True,
              journal: bool = True, clock_ns: Callable[[], int] = time.time_ns,
-             journal_opener: Callable[[Path], Journal] | None = None) -> SsdStore:
+             journal_opener: Callable[[Path], Journal] | None = None,
+             new_entry_id: Callable[[], str] | None = None,
+             timer_ns: Callable[[], int] = time.perf_counter_ns) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
         Raises `DirectoryLocked` when another process holds the directory and
         `DiskError` when the directory cannot be created or locked.
         `journal_opener(path)` replaces `Journal.open` (the simulator's
-        in-memory journal).
+        in-memory journal); `new_entry_id` and `timer_ns` replace uuid4 and
+        the restore timer (its determinism).
         """
         store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
                     fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
                     verify=verify, clock_ns=clock_ns)
+        if new_entry_id is not None:
+            store._new_entry_id = new_entry_id
+        store._timer_ns = timer_ns
         store.disk.makedirs(store.directory)
         owner = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
@@ -368,7 +376,7 @@ class SsdStore:
             entry = self._entries.get(match.entry_id)
             if entry is None or match.usable_tokens > entry.tokens.size:
                 return None
-            started_ns = time.perf_counter_ns()
+            started_ns = self._timer_ns()
             try:
                 loaded = kvfile.load(entry.path, verify=self.verify, disk=self.disk)
             except (CorruptEntry, UnsupportedFormat) as e:
@@ -383,7 +391,7 @@ class SsdStore:
                 return None
             caches = _trimmed(loaded.caches, entry.tokens.size - match.usable_tokens)
             self._touch(entry, match.usable_tokens)
-            restore_ms = (time.perf_counter_ns() - started_ns) / 1e6
+            restore_ms = (self._timer_ns() - started_ns) / 1e6
             self.counters.restores += 1
             self.counters.restore_ms_last = restore_ms
             self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
@@ -440,11 +448,11 @@ class SsdStore:
         fit under the cap. The caller runs `pending.writer` (its tensors may
         each take their own engine turn), then `finish_store` or `fail_store`."""
         token_array = np.asarray(tokens, dtype=np.uint32)
-        entry_id = uuid.uuid4().hex
+        entry_id = self._new_entry_id()
         path = self.directory / namespace_dir_name(ns) / f"{entry_id}{kvfile.FILE_SUFFIX}"
         meta = kvfile.EntryMeta(namespace=ns, fingerprint=self._fingerprint_fields,
                                 tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
-        writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk)
+        writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id)
         planned = writer.planned_header.file_bytes
         if self.max_bytes is not None and planned > self.max_bytes:
             with self._lock:
