@@ -21,7 +21,7 @@ import attrs
 import mlx.core as mx
 import trio
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from kvcellar.errors import KvCellarError, ModelError
 
@@ -68,10 +68,36 @@ def sample_next(sampler: Any, logits: mx.array) -> mx.array:
 
 
 def make_params_sampler(params: SamplingParams) -> Any:
-    """mlx-lm's sampler for `params`, seeding MLX's generator first when asked."""
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    """A sampler for `params` (on log-probabilities, one row or a batch of rows).
+
+    Without a seed it is mlx-lm's sampler, drawing from MLX's global generator.
+    With one, the draws come from the sampler's own key chain started at the
+    seed, so a seeded request samples the same tokens whether it runs alone on
+    the serial lane or as one row among others in the batch lane.
+    """
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    return _SeededSampler(params)
+
+
+class _SeededSampler:
+    """mlx-lm's filter chain (top-p, min-p, top-k, in its order), then a
+    categorical draw with the next key of a chain seeded by `params.seed`."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self._params = params
+        self._key = mx.random.key(params.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        params = self._params
+        if 0 < params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        if params.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, params.min_p)
+        if params.top_k > 0:
+            logprobs = apply_top_k(logprobs, params.top_k)
+        self._key, draw = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
 
 
 def generate_tokens(model: Any, prompt_ids: Sequence[int], params: SamplingParams,
