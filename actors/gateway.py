@@ -8,6 +8,14 @@ A request arriving during background work waits for that one step only,
 never for the rest of a flush; background work never lands between two
 decode steps, because a generation holds the lane from its first step to
 its last. `busy` is true while any request is active or waiting.
+
+The lane has two kinds of holder: a serial request (`LANE_SERIAL`), and the
+Scheduler's batch job (`LANE_BATCH`, `actors/scheduler.py`), one engine job
+that runs every batch row from the first admitted one until none remain. The
+batch job queues FIFO like a request and keeps the lane just as long, so
+background work never lands between two decode steps of any row either. It is
+not journaled here (the Scheduler journals each row), and it is accepted after
+`StopAdmission`: it only serves rows admitted before shutdown began.
 """
 
 from __future__ import annotations
@@ -30,10 +38,15 @@ from kvcellar.store.events import register_event
 # -- messages -------------------------------------------------------------------
 
 
+LANE_SERIAL = "serial"
+LANE_BATCH = "batch"
+
+
 @attrs.frozen(kw_only=True)
 class Generate:
     request_id: int
     prompt_tokens: int
+    lane: str = LANE_SERIAL
 
 
 @attrs.frozen(kw_only=True)
@@ -113,7 +126,11 @@ class RequestFinished:
 class Lane(enum.Enum):
     IDLE = "idle"
     GENERATING = "generating"
+    BATCHING = "batching"
     BACKGROUND = "background"
+
+
+_HOLDER_LANES = {LANE_SERIAL: Lane.GENERATING, LANE_BATCH: Lane.BATCHING}
 
 
 class GatewayCore:
@@ -124,25 +141,35 @@ class GatewayCore:
         self.admitting = True
         self.running: int | None = None
         self.waiting: deque[int] = deque()
+        # The lane each waiting or running holder asked for (LANE_SERIAL or LANE_BATCH).
+        self.holder_lanes: dict[int, str] = {}
         self.steps: deque[int] = deque()
         self.drain_waiters: list[int] = []
 
     @property
     def busy(self) -> bool:
-        return self.lane is Lane.GENERATING or bool(self.waiting)
+        return self.lane in (Lane.GENERATING, Lane.BATCHING) or bool(self.waiting)
 
     def handle(self, msg: Any, now: float) -> list[Any]:
         effects: list[Any] = []
         if isinstance(msg, Generate):
-            if not self.admitting:
+            if msg.lane not in _HOLDER_LANES:
+                raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for lane {msg.lane!r}")
+            serial = msg.lane == LANE_SERIAL
+            if serial and not self.admitting:
                 return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
             self.waiting.append(msg.request_id)
-            effects.append(JournalEvent(event=RequestAdmitted(request_id=msg.request_id,
-                                                              prompt_tokens=msg.prompt_tokens)))
+            self.holder_lanes[msg.request_id] = msg.lane
+            if serial:
+                effects.append(JournalEvent(event=RequestAdmitted(request_id=msg.request_id,
+                                                                  prompt_tokens=msg.prompt_tokens)))
         elif isinstance(msg, GenerationFinished):
-            self._release(Lane.GENERATING, msg.request_id, msg)
-            effects.append(JournalEvent(event=RequestFinished(
-                request_id=msg.request_id, completion_tokens=msg.completion_tokens, outcome=msg.outcome)))
+            holder_lane = self.holder_lanes.get(msg.request_id, LANE_SERIAL)
+            self._release(_HOLDER_LANES[holder_lane], msg.request_id, msg)
+            del self.holder_lanes[msg.request_id]
+            if holder_lane == LANE_SERIAL:
+                effects.append(JournalEvent(event=RequestFinished(
+                    request_id=msg.request_id, completion_tokens=msg.completion_tokens, outcome=msg.outcome)))
         elif isinstance(msg, RunWhenIdle):
             self.steps.append(msg.step_id)
         elif isinstance(msg, StepFinished):
@@ -164,7 +191,8 @@ class GatewayCore:
     def _dispatch(self) -> list[Any]:
         effects: list[Any] = []
         if self.lane is Lane.IDLE and self.waiting:
-            self.lane, self.running = Lane.GENERATING, self.waiting.popleft()
+            self.running = self.waiting.popleft()
+            self.lane = _HOLDER_LANES[self.holder_lanes[self.running]]
             effects.append(StartGeneration(request_id=self.running))
         elif self.lane is Lane.IDLE and self.steps:
             self.lane, self.running = Lane.BACKGROUND, self.steps.popleft()
@@ -193,10 +221,22 @@ class Gateway:
         self._ids = itertools.count(1)
         self._pending: dict[int, Any] = {}
         self._nursery: trio.Nursery | None = None
+        self._busy_probes: list[Callable[[], bool]] = []
 
     @property
     def busy(self) -> bool:
-        return self.core.busy
+        """Whether a request or batch row is active or waiting, on either lane."""
+        return self.core.busy or any(probe() for probe in self._busy_probes)
+
+    def add_busy_probe(self, probe: Callable[[], bool]) -> None:
+        """Count another lane's work as busy: the Scheduler's rows, also in the
+        moments between their admission and the batch job reaching this lane."""
+        self._busy_probes.append(probe)
+
+    def new_id(self) -> int:
+        """An id unique among this gateway's requests, steps and waiters (the
+        Scheduler takes its request ids here, so the journal never sees one twice)."""
+        return next(self._ids)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -239,19 +279,21 @@ class Gateway:
         return done["value"]
 
     async def generate(self, job: Callable[[Any], Any], *, prompt_tokens: int,
-                       cancelled: threading.Event) -> AsyncIterator[Any]:
+                       cancelled: threading.Event, lane: str = LANE_SERIAL) -> AsyncIterator[Any]:
         """Admit a generation (FIFO), then stream what `job(loaded_model)`
-        yields on the engine thread. Raises `AdmissionClosed` after shutdown began."""
+        yields on the engine thread. Raises `AdmissionClosed` after shutdown
+        began (serial lane only; see the module docstring)."""
         request_id = next(self._ids)
         send, receive = trio.open_memory_channel[Any](1)
         self._pending[request_id] = send
-        await self.shell.send(Generate(request_id=request_id, prompt_tokens=prompt_tokens))
+        await self.shell.send(Generate(request_id=request_id, prompt_tokens=prompt_tokens, lane=lane))
         decision = await receive.receive()
         if isinstance(decision, Rejected):
             raise AdmissionClosed(decision.reason)
         produced, outcome = 0, "cancelled"
+        label = "generate" if lane == LANE_SERIAL else lane
         try:
-            async for item in self.engine.stream(job, cancelled, label="generate"):
+            async for item in self.engine.stream(job, cancelled, label=label):
                 produced += 1
                 yield item
             outcome = "completed"
