@@ -24,6 +24,7 @@ def cli() -> None:
 def _register_commands() -> None:
     from kvcellar.engine.model_cli import model_group
     from kvcellar.http.serve_cli import serve_command
+    from kvcellar.simulations.cli import simulate_command
     from kvcellar.store.journal_cli import journal_group
     from kvcellar.store.kv_cli import kv_group
 
@@ -31,6 +32,7 @@ def _register_commands() -> None:
     cli.add_command(model_group)
     cli.add_command(kv_group)
     cli.add_command(journal_group)
+    cli.add_command(simulate_command)
 
 
 _register_commands()

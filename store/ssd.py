@@ -124,6 +124,7 @@ class SsdStore:
         self.journal: Journal | None = None
         self._new_entry_id: Callable[[], str] = lambda: uuid.uuid4().hex
         self._timer_ns: Callable[[], int] = time.perf_counter_ns
+        self._durable_dirs: set[Path] = set()
 
     @classmethod
     def open(cls, root_dir: Path | str, fingerprint: str, max_bytes: int | None = None, disk: Disk | None = None,
@@ -132,14 +133,14 @@ class SsdStore:
              journal: bool = True, clock_ns: Callable[[], int] = time.time_ns,
              journal_opener: Callable[[Path], Journal] | None = None,
              new_entry_id: Callable[[], str] | None = None,
-             timer_ns: Callable[[], int] = time.perf_counter_ns) -> SsdStore:
+             timer_ns: Callable[[], int] = time.perf_counter_ns, owner: str | None = None) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
         Raises `DirectoryLocked` when another process holds the directory and
         `DiskError` when the directory cannot be created or locked.
         `journal_opener(path)` replaces `Journal.open` (the simulator's
         in-memory journal); `new_entry_id` and `timer_ns` replace uuid4 and
-        the restore timer (its determinism).
+        the restore timer, `owner` the lock file's text (its determinism).
         """
         store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
                     fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
@@ -147,8 +148,8 @@ class SsdStore:
         if new_entry_id is not None:
             store._new_entry_id = new_entry_id
         store._timer_ns = timer_ns
-        store.disk.makedirs(store.directory)
-        owner = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
+        store._make_durable_dirs(store.directory, store.root_dir.parent)
+        owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
         try:
             if journal:
@@ -163,6 +164,23 @@ class SsdStore:
             store.close()
             raise
         return store
+
+    def _make_durable_dirs(self, path: Path, top: Path) -> None:
+        """Create `path` and make its name durable: fsync every directory from
+        its parent up to `top`, because a new directory's entry lives in its
+        parent and survives a power loss only once the parent is synced (the
+        simulator found namespace directories vanishing without this). Once
+        per directory per process."""
+        if path in self._durable_dirs:
+            return
+        self.disk.makedirs(path)
+        parent = path.parent
+        while True:
+            self.disk.fsync_dir(parent)
+            if parent == top or parent == parent.parent:
+                break
+            parent = parent.parent
+        self._durable_dirs.add(path)
 
     def close(self) -> None:
         """Close the journal and release the directory lock."""
@@ -459,7 +477,7 @@ class SsdStore:
                 self._write_failed(ns, token_array.size, f"entry of {planned} bytes exceeds the cap", None)
             return None
         try:
-            self.disk.makedirs(path.parent)
+            self._make_durable_dirs(path.parent, self.directory)
         except DiskError as e:
             with self._lock:
                 self._write_failed(ns, token_array.size, str(e), e.errno)

@@ -1,0 +1,452 @@
+"""One deterministic simulated run: the real system on `SimDisk`, a workload,
+crashes, recovery, invariants.
+
+Determinism: one `trio.run` per run under `MockClock(autojump_threshold=0)`
+with Trio's scheduler seeded; no threads (the `InlineEngine`, blocking I/O
+run inline); every random choice comes from `random.Random` objects derived
+from the seed. The journal is an in-memory SQLite database whose durable
+image is taken at each commit (`JournalImage`), so a crash keeps exactly the
+committed transactions and `journal_digest` is reproducible byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import random
+import sqlite3
+import traceback
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.engine.engine import SamplingParams
+from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.errors import KvCellarError
+from kvcellar.store import mutations
+from kvcellar.store.journal import Journal, decode_event
+from kvcellar.store.ssd import SsdStore
+from kvcellar.simulations import determinism
+from kvcellar.simulations.fake_engine import InlineEngine, fake_loaded_model
+from kvcellar.simulations.observer import Observer
+from kvcellar.simulations.sim_disk import FaultConfig, SimDisk, SimulatedCrash
+from kvcellar.simulations.workload import (
+    Burst, Crash, Flush, Fork, Idle, Request, Restart, Step, WorkloadShape, build_workload, system_prompt,
+)
+
+SIM_ROOT = PurePosixPath("/sim")
+CACHE_DIR = Path("/sim/cache")
+FINGERPRINT = "sim-fingerprint"
+EPOCH_NS = 1_800_000_000 * 10**9
+LIVENESS_FLUSHES = 3
+
+FAULTS = {
+    "fsync": FaultConfig(fsync_eio_rate=0.08),
+    "enospc": FaultConfig(write_enospc_rate=0.02),
+    "eio": FaultConfig(write_eio_rate=0.02),
+    "bitflip": FaultConfig(read_bitflip_rate=0.02),
+    "misdirect": FaultConfig(misdirected_write_rate=0.02),
+}
+
+
+def combined_faults(names: frozenset[str]) -> FaultConfig:
+    config = FaultConfig()
+    for name in sorted(names):
+        config = attrs.evolve(config, **{k: v for k, v in attrs.asdict(FAULTS[name]).items() if v})
+    return config
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    seed: int
+    shape: WorkloadShape = WorkloadShape()
+    faults: frozenset[str] = frozenset()
+    crash_at_op: int | None = None
+    real_model_dir: Path | None = None
+    mutations: frozenset[str] = frozenset()
+    prompt_cache_bytes: int = 96 * 1024
+    ssd_max_bytes: int = 1536 * 1024
+
+
+@attrs.define(kw_only=True)
+class RunResult:
+    seed: int
+    violations: list[Any]
+    journal_digest: str
+    disk_digest: str
+    disk_ops: int
+    workload_ops: int
+    crashes: int
+    restarts: int
+    requests: int
+    flushes: int
+    durable_flushes: int
+    claims_checked: int
+    sim_time_s: float
+    kept_disk: Any = attrs.field(default=None, repr=False)
+    kept_journal: bytes | None = attrs.field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class JournalImage:
+    """The journal's durable state: the database image after its last commit.
+    Each transaction is a disk operation of the simulation (a crash point)."""
+
+    def __init__(self, disk: SimDisk, follow: Callable[[Any], None]) -> None:
+        self.disk = disk
+        self.durable: bytes | None = None
+        self.commits = 0
+        self._follow = follow
+        self._followed_seq = 0
+
+    def image(self) -> bytes | None:
+        return self.durable
+
+    def before_transaction(self) -> None:
+        self.disk.crash_point("journal commit")
+
+    def committed(self, connection: sqlite3.Connection) -> None:
+        self.durable = connection.serialize()
+        self.commits += 1
+        # Events the observer's store hook cannot see (those of a store's own
+        # startup: reconciliation, eviction over the cap) reach it here.
+        if "events" not in {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}:
+            return
+        rows = connection.execute("SELECT seq, kind, payload FROM events WHERE seq > ? ORDER BY seq",
+                                  [self._followed_seq]).fetchall()
+        for seq, kind, payload in rows:
+            self._follow(decode_event(kind, payload))
+            self._followed_seq = seq
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.durable or b"").hexdigest()
+
+
+@attrs.define(kw_only=True)
+class _Run:
+    options: RunOptions
+    disk: SimDisk
+    journal: JournalImage
+    observer: Observer
+    loaded: Any
+    clock: Any
+    rng: random.Random
+    conversations: dict[int, tuple[int, ...]]
+    system_prompt: tuple[int, ...]
+    crash_power: bool = True
+    crashes: int = 0
+    restarts: int = 0
+    requests: int = 0
+    flushes: int = 0
+    durable_flushes: int = 0
+    phase_puts_from: int = 0
+    entry_numbers: Any = attrs.Factory(itertools.count)
+
+    def clock_ns(self) -> int:
+        return EPOCH_NS + int(self.clock.current_time() * 1e9)
+
+
+async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
+def _open_store(run: _Run, *, journal: bool = True) -> SsdStore:
+    def new_entry_id() -> str:
+        return f"{next(run.entry_numbers):032x}"
+
+    return SsdStore.open(
+        CACHE_DIR, FINGERPRINT, run.options.ssd_max_bytes, run.disk, verify=True, journal=journal,
+        clock_ns=run.clock_ns, journal_opener=lambda path: Journal.open_in_memory(path, run.journal,
+                                                                                  clock_ns=run.clock_ns),
+        new_entry_id=new_entry_id, timer_ns=run.clock_ns, owner=f"simulated server, seed {run.options.seed}")
+
+
+def _config(run: _Run) -> SystemConfig:
+    return SystemConfig(
+        model_dir=Path("/sim/model"), ssd_dir=CACHE_DIR, ssd_max_bytes=run.options.ssd_max_bytes,
+        prompt_cache_bytes=run.options.prompt_cache_bytes, spill_queue_bytes=256 * 1024, write_behind=True,
+        demote_idle_s=6.0, debounce_s=0.5, busy_rearm_s=1.0, prefill_step_tokens=64, shutdown_timeout_s=60.0,
+        engine=InlineEngine(run.loaded), clock_s=run.clock.current_time, run_blocking=_inline,
+        store_opener=lambda config, scheme: _open_store(run))
+
+
+async def _request(run: _Run, system: Any, request: Request) -> None:
+    history = run.conversations.setdefault(request.conversation, run.system_prompt)
+    prompt = history + request.user_tokens
+    generation = GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=request.max_tokens),
+                                   namespace=request.namespace)
+    produced: list[int] = []
+    run.requests += 1
+    try:
+        async for item in system.generate(generation):
+            if isinstance(item, TokenDelta) and item.token_id >= 0:
+                produced.append(item.token_id)
+            elif isinstance(item, GenerationDone) and item.cached_tokens > len(prompt):
+                run.observer.violate("reuse_within_prompt", f"{item.cached_tokens} cached of {len(prompt)}")
+    except KvCellarError as e:
+        run.observer.violate("request_succeeds", f"a request failed: {e}", kind="crash")
+        return
+    run.conversations[request.conversation] = prompt + tuple(produced)
+
+
+async def _flush(run: _Run, system: Any) -> bool:
+    puts_before = len(run.observer.puts)
+    verdict = await system.flush()
+    run.flushes += 1
+    run.durable_flushes += int(verdict.durable)
+    if system.store is not None:
+        run.observer.flush_reported(verdict.durable, run.phase_puts_from, puts_before, system.store)
+    return verdict.durable
+
+
+async def _step(run: _Run, system: Any, step: Step) -> None:
+    if isinstance(step, Request):
+        await _request(run, system, step)
+    elif isinstance(step, Burst):
+        async with trio.open_nursery() as nursery:
+            for request in step.requests:
+                nursery.start_soon(_request, run, system, request)
+    elif isinstance(step, Fork):
+        source = run.conversations.get(step.source, run.system_prompt)
+        run.conversations[step.target] = source[: max(1, int(len(source) * step.keep_fraction))]
+    elif isinstance(step, Flush):
+        await _flush(run, system)
+    elif isinstance(step, Idle):
+        await trio.sleep(step.seconds)
+    elif isinstance(step, Crash):
+        run.disk.crash_at_op = run.disk.ops_done + step.within_ops
+        run.crash_power = step.power
+
+
+def _crashed(error: BaseException) -> bool:
+    if isinstance(error, SimulatedCrash):
+        return True
+    if isinstance(error, BaseExceptionGroup):
+        return any(_crashed(e) for e in error.exceptions)
+    return error.__context__ is not None and _crashed(error.__context__)
+
+
+async def _phase(run: _Run, steps: list[Step], index: int, *, last: bool) -> tuple[str, int]:
+    """Open the system, run steps from `index` until a restart, a crash or the
+    end; returns ("restart" | "crashed" | "end", next index)."""
+    run.phase_puts_from = len(run.observer.puts)
+    try:
+        async with open_system(_config(run)) as system:
+            run.observer.attach(system)
+            while index < len(steps):
+                step = steps[index]
+                index += 1
+                if isinstance(step, Restart):
+                    run.restarts += 1
+                    await _graceful_shutdown(run, system)
+                    return "restart", index
+                await _step(run, system, step)
+            if last:
+                await _liveness(run, system)
+            await _graceful_shutdown(run, system)
+            return "end", index
+    except BaseException as error:  # the injected crash arrives wrapped in groups
+        if _crashed(error):
+            return "crashed", index
+        raise
+
+
+async def _graceful_shutdown(run: _Run, system: Any) -> None:
+    puts_before = len(run.observer.puts)
+    verdict = await system.shutdown()
+    if verdict is not None and system.store is not None:
+        run.flushes += 1
+        run.durable_flushes += int(verdict.durable)
+        run.observer.flush_reported(verdict.durable, run.phase_puts_from, puts_before, system.store)
+
+
+async def _liveness(run: _Run, system: Any) -> None:
+    """Once faults stop, a flush must settle within a few tries: nothing
+    pending, dropped or failed, and durable unless a prefix was already lost
+    (its RAM entry gone while its write failed under a fault or its spill was
+    dropped) — spec §5.6 keeps such a prefix reported missing for good."""
+    run.disk.faults_off()
+    for _ in range(LIVENESS_FLUSHES):
+        verdict = await system.flush()
+        run.flushes += 1
+        run.durable_flushes += int(verdict.durable)
+        run.observer.flush_reported(verdict.durable, run.phase_puts_from, len(run.observer.puts), system.store)
+        loss_explained = bool(run.options.faults) or (system.queue is not None and system.queue.stats()["dropped"])
+        if verdict.durable or (not verdict.pending and not verdict.failed and not verdict.dropped
+                               and loss_explained):
+            return
+        await trio.sleep(2.0)
+    run.observer.violate("flush_becomes_durable",
+                         f"with faults off, {LIVENESS_FLUSHES} flushes in a row did not settle "
+                         f"(last: {verdict.pending} pending, {verdict.failed} failed, {verdict.dropped} dropped, "
+                         f"{verdict.missing} missing)", kind="liveness")
+
+
+def _recover_from_crash(run: _Run) -> None:
+    run.crashes += 1
+    if run.crash_power:
+        run.disk.crash(run.rng)
+    else:
+        run.disk.crash_clean()
+    run.crash_power = True
+    # A crash during the next recovery too, now and then.
+    if run.rng.random() < 0.3:
+        run.disk.crash_at_op = run.disk.ops_done + run.rng.randint(1, 12)
+
+
+async def _workload(run: _Run, steps: list[Step]) -> None:
+    index = 0
+    if run.options.crash_at_op is not None:
+        run.disk.crash_at_op = run.options.crash_at_op
+    while True:
+        outcome, index = await _phase(run, steps, index, last=True)
+        if outcome == "crashed":
+            _recover_from_crash(run)
+            continue
+        if outcome == "end":
+            return
+
+
+def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
+    """Run one seed to the end; never raises for what the system under test
+    does wrong (that is a violation in the result). With `keep`, the result
+    carries the final disk and journal image."""
+    determinism.seed_trio(options.seed)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    disk_rng = random.Random(f"disk-{options.seed}")
+    disk = SimDisk(rng=disk_rng, root=SIM_ROOT, faults=combined_faults(options.faults),
+                   clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9))
+    loaded = _loaded_model(options)
+    observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
+    run = _Run(options=options, disk=disk, journal=JournalImage(disk, observer.follow), observer=observer,
+               loaded=loaded, clock=clock, rng=random.Random(f"crash-{options.seed}"), conversations={},
+               system_prompt=system_prompt(options.seed, options.shape))
+    steps = build_workload(options.seed, options.shape)
+    claims_checked = 0
+    workload_ops = 0
+    with mutations.enabled(options.mutations), _quiet_logs():
+        try:
+            trio.run(_workload, run, steps, clock=clock)
+            workload_ops = disk.ops_done
+            claims_checked = _verify_recovery(run)
+        except Exception as error:
+            run.observer.violate("no_unexpected_error", "".join(traceback.format_exception(error))[-2000:],
+                                 kind="crash")
+    return RunResult(seed=options.seed, violations=list(run.observer.violations), journal_digest=run.journal.digest(),
+                     disk_digest=disk.image_digest(), disk_ops=disk.ops_done, workload_ops=workload_ops, crashes=run.crashes,
+                     restarts=run.restarts, requests=run.requests, flushes=run.flushes,
+                     durable_flushes=run.durable_flushes, claims_checked=claims_checked,
+                     sim_time_s=round(clock.current_time(), 3), kept_disk=disk if keep else None,
+                     kept_journal=run.journal.durable if keep else None)
+
+
+def _loaded_model(options: RunOptions) -> Any:
+    if options.real_model_dir is None:
+        return fake_loaded_model(recurrent=options.seed % 3 == 2)
+    from kvcellar.engine.engine import _load
+
+    return _load(options.real_model_dir)
+
+
+def _index_of(store: SsdStore) -> list[tuple[str, str, tuple[int, ...]]]:
+    rows = []
+    for entry_id in store.entry_ids():
+        entry = store.entry(entry_id)
+        rows.append((entry_id, entry.namespace, tuple(int(t) for t in entry.tokens)))
+    return rows
+
+
+def _verify_recovery(run: _Run) -> int:
+    """After the workload, with faults off: the startup index equals a fresh
+    scan and the reconciled journal; recovering again changes nothing; every
+    live durable claim restores byte-identical. Returns the claims checked."""
+    run.disk.faults_off()
+    run.disk.crash_at_op = None
+    observer = run.observer
+    store = _open_store(run)
+    try:
+        journaled = _index_of(store)
+        projection = store.journal.entries() if store.journal else []
+        replayed = store.journal.replay() if store.journal else []
+    finally:
+        store.close()
+    if projection != replayed:
+        observer.violate("journal_replays_to_projection", "replaying the events does not rebuild `entries`")
+    if sorted(row["entry_id"] for row in projection) != [row[0] for row in journaled]:
+        observer.violate("index_matches_journal", "the startup index and the journal's entries differ")
+    _check_idempotent(run, journaled)
+    _check_fresh_scan(run, journaled)
+    store = _open_store(run)
+    try:
+        return observer.check_claims(store)
+    finally:
+        store.close()
+
+
+def _check_fresh_scan(run: _Run, journaled: list[Any]) -> None:
+    scanned = _open_store(run, journal=False)
+    try:
+        fresh = _index_of(scanned)
+        quarantined = scanned.counters.quarantined
+    finally:
+        scanned.close()
+    # Silent corruption is invisible to the journal's trusted-file shortcut; a
+    # full scan quarantines it (and restore would): only those may differ.
+    tolerated = quarantined if run.observer.corruption_faults else 0
+    if fresh != journaled and not (set(fresh) <= set(journaled) and len(journaled) - len(fresh) <= tolerated):
+        run.observer.violate("index_matches_fresh_scan",
+                             f"startup index ({len(journaled)} entries) differs from a fresh scan ({len(fresh)})")
+
+
+def _check_idempotent(run: _Run, journaled: list[Any]) -> None:
+    commits_before, image_before = run.journal.commits, run.journal.durable
+    store = _open_store(run)
+    try:
+        again = _index_of(store)
+        events_after = list(store.journal.events()) if store.journal else []
+    finally:
+        store.close()
+    reopened = Journal.open_in_memory(Path("/sim/check"), _ReadOnlyImage(image_before))
+    try:
+        events_before = list(reopened.events())
+    finally:
+        reopened.close()
+    if again != journaled or len(events_after) != len(events_before):
+        run.observer.violate("recovery_is_idempotent",
+                             f"a second recovery changed the index or journaled {len(events_after) - len(events_before)}"
+                             f" new events ({run.journal.commits - commits_before} commits)")
+
+
+class _ReadOnlyImage:
+    def __init__(self, image: bytes | None) -> None:
+        self._image = image
+
+    def image(self) -> bytes | None:
+        return self._image
+
+    def before_transaction(self) -> None:
+        pass
+
+    def committed(self, connection: sqlite3.Connection) -> None:
+        pass
+
+
+class _quiet_logs:
+    """Store and actor warnings are expected under injected faults; keep sweeps readable."""
+
+    def __enter__(self) -> None:
+        self._level = logging.getLogger("kvcellar").level
+        logging.getLogger("kvcellar").setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("kvcellar").setLevel(self._level)

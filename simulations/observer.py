@@ -1,0 +1,228 @@
+"""What the simulator sees of a run, and the invariants it checks as it goes.
+
+The observer hooks the real system at three places: `PromptCache.put` (what
+entered the RAM tier: the oracle for restored bytes), `SsdStore.restore`
+(every restore is compared with the oracle) and `SsdStore._event` (what the
+store evicted, superseded or quarantined, so durable claims can be followed).
+
+A *claim* is a (namespace, tokens) prefix that a flush reported durable. It
+must come back byte-identical after any later crash, unless the store
+legitimately dropped it: evicted under its byte cap, or quarantined after a
+read fault was injected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcellar.store import events as ev
+from kvcellar.simulations.fake_engine import FakeModel, cache_arrays
+from kvcellar.simulations.sim_disk import SimDisk
+
+PROBE_TOKEN = 0xFFFFFFFF
+
+
+@attrs.frozen(kw_only=True)
+class Violation:
+    invariant: str
+    detail: str
+    kind: str = "correctness"  # or "liveness", "crash"
+
+
+@attrs.define(kw_only=True)
+class Claim:
+    namespace: str
+    tokens: tuple[int, ...]
+    entry_id: str | None
+    released: str = ""
+
+
+def probe(tokens: Sequence[int]) -> list[int]:
+    """`tokens` plus a sentinel no tokenizer emits: `find` on it answers
+    "which entry serves all of `tokens`" (usable == len(tokens))."""
+    return [*tokens, PROBE_TOKEN]
+
+
+def arrays_equal(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> bool:
+    return len(got) == len(want) and all(
+        g.shape == w.shape and g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want))
+
+
+class Observer:
+    def __init__(self, disk: SimDisk, model: Any, *, corruption_faults: bool) -> None:
+        self.disk = disk
+        self.model = model
+        # Silent corruption (read bit flips, misdirected writes) is detected by the
+        # checksums and the entry quarantined: a durable claim may then be lost,
+        # but corrupt bytes must never be restored.
+        self.corruption_faults = corruption_faults
+        self.released_by_corruption = 0
+        self.violations: list[Violation] = []
+        self.oracle: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
+        self.puts: list[tuple[str, tuple[int, ...]]] = []
+        self.claims: list[Claim] = []
+        self.restores = 0
+        self.evicted_since_put = 0
+        self._put_epochs: list[int] = []
+
+    def violate(self, invariant: str, detail: str, kind: str = "correctness") -> None:
+        self.violations.append(Violation(invariant=invariant, detail=detail, kind=kind))
+
+    # -- hooks ------------------------------------------------------------------
+
+    def attach(self, system: Any) -> None:
+        cache = system.prompt_cache
+        put = cache.put
+
+        def observed_put(tokens: Sequence[int], caches: Sequence[Any], ns: str = "", *args: Any, **kw: Any) -> Any:
+            key = (ns, tuple(int(t) for t in tokens))
+            arrays = cache_arrays(caches, len(key[1]))
+            self._check_fresh(key, arrays)
+            self.oracle[key] = arrays
+            self.puts.append(key)
+            self._put_epochs.append(self.evicted_since_put)
+            return put(tokens, caches, ns, *args, **kw)
+
+        cache.put = observed_put
+        if system.store is not None:
+            self.attach_store(system.store)
+
+    def attach_store(self, store: Any) -> None:
+        restore, emit = store.restore, store._event
+
+        def observed_restore(match: Any) -> Any:
+            caches = restore(match)
+            if caches is not None:
+                self.restores += 1
+                entry_tokens = self._entry_tokens_after_restore(store, match)
+                self.check_restored(match.namespace, entry_tokens[: match.usable_tokens], caches, "restore")
+            return caches
+
+        def observed_event(event: Any) -> None:
+            self.follow(event)
+            emit(event)
+
+        store.restore = observed_restore
+        store._event = observed_event
+
+    @staticmethod
+    def _entry_tokens_after_restore(store: Any, match: Any) -> tuple[int, ...]:
+        entry = store.entry(match.entry_id)
+        return tuple(int(t) for t in entry.tokens) if entry is not None else ()
+
+    def follow(self, event: Any) -> None:
+        """Track what the store dropped (idempotent: an event may arrive twice)."""
+        if isinstance(event, ev.EntryEvicted):
+            self.evicted_since_put += 1
+            self._release(event.entry_id, "evicted under the byte cap")
+        elif isinstance(event, ev.EntrySuperseded):
+            for claim in self.claims:
+                if claim.entry_id == event.entry_id and not claim.released:
+                    claim.entry_id = event.by_entry_id
+        elif isinstance(event, ev.EntryQuarantined) and self.corruption_faults:
+            self.evicted_since_put += 1
+            self._release(event.entry_id, "quarantined after injected silent corruption")
+
+    def _release(self, entry_id: str, reason: str) -> None:
+        for claim in self.claims:
+            if claim.entry_id == entry_id and not claim.released:
+                claim.released = reason
+
+    # -- oracle -------------------------------------------------------------------
+
+    def expected(self, ns: str, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
+        if isinstance(self.model, FakeModel):
+            return self.model.expected_layer_arrays(tokens)
+        exact = self.oracle.get((ns, tokens))
+        if exact is not None:
+            return exact
+        for (put_ns, put_tokens), arrays in self.oracle.items():
+            if put_ns == ns and put_tokens[: len(tokens)] == tokens and all(a.ndim == 4 for a in arrays):
+                return [a[..., : len(tokens), :] for a in arrays]
+        return None
+
+    def _check_fresh(self, key: tuple[str, tuple[int, ...]], arrays: list[np.ndarray]) -> None:
+        if isinstance(self.model, FakeModel) and not arrays_equal(arrays, self.model.expected_layer_arrays(key[1])):
+            self.violate("ram_holds_exact_bytes",
+                         f"a put of {len(key[1])} tokens in namespace {key[0]!r} holds bytes the model never made")
+
+    def check_restored(self, ns: str, tokens: tuple[int, ...], caches: Sequence[Any], where: str) -> bool:
+        want = self.expected(ns, tokens)
+        if want is None:
+            return True
+        if not arrays_equal(cache_arrays(caches, len(tokens)), want):
+            self.violate("no_corrupt_restore",
+                         f"{where}: {len(tokens)} tokens in namespace {ns!r} came back with different bytes")
+            return False
+        return True
+
+    # -- durable claims ---------------------------------------------------------------
+
+    def flush_reported(self, durable: bool, puts_from: int, puts_before: int, store: Any) -> None:
+        """Record a verdict; on `durable`, every put of this process before the flush is claimed,
+        and each claim must already be on the platter (no pending data, no
+        revertible name, no failed fsync) — checked on the disk model itself."""
+        if not durable:
+            return
+        for index in range(puts_from, puts_before):
+            ns, tokens = self.puts[index]
+            if any(c.namespace == ns and c.tokens == tokens for c in self.claims):
+                continue
+            match = store.find(probe(tokens), ns)
+            if match is None or match.usable_tokens < len(tokens):
+                if self.evicted_since_put > self._put_epochs[index]:
+                    continue
+                self.violate("durable_means_covered",
+                             f"flush said durable but {len(tokens)} tokens in {ns!r} have no SSD entry")
+                continue
+            self.claims.append(Claim(namespace=ns, tokens=tokens, entry_id=match.entry_id))
+            self._check_on_platter(store, match.entry_id, tokens)
+
+    def _check_on_platter(self, store: Any, entry_id: str, tokens: tuple[int, ...]) -> None:
+        entry = store.entry(entry_id)
+        if entry is None:
+            return
+        relative = Path(entry.path).relative_to(self.disk.root)
+        durable = self.disk.files(durable=True).get(_posix(relative))
+        if durable is None or durable != self.disk.read_bytes(entry.path):
+            self.violate("durable_is_on_disk",
+                         f"flush said durable but the entry for {len(tokens)} tokens ({relative}) "
+                         "could still be lost: its data or its name is not synced")
+
+    def check_claims(self, store: Any) -> int:
+        """After recovery: every live claim restores byte-identical. Returns how many were checked."""
+        checked = 0
+        for claim in self.claims:
+            if claim.released:
+                continue
+            match = store.find(probe(claim.tokens), claim.namespace)
+            lost = match is None or match.usable_tokens < len(claim.tokens)
+            caches = None if lost else store.restore(match)
+            if (lost or caches is None) and self.corruption_faults:
+                claim.released = "lost to injected silent corruption (detected, not restored)"
+                self.released_by_corruption += 1
+                continue
+            if lost:
+                self.violate("durable_prefix_survives",
+                             f"{len(claim.tokens)} tokens in {claim.namespace!r} were reported durable "
+                             "but no entry serves them after recovery")
+                continue
+            if caches is None:
+                self.violate("durable_prefix_survives",
+                             f"{len(claim.tokens)} tokens in {claim.namespace!r} were reported durable "
+                             "but their entry failed to restore")
+                continue
+            self.check_restored(claim.namespace, claim.tokens, caches, "durable claim")
+            checked += 1
+        return checked
+
+
+def _posix(relative: Path) -> Any:
+    from pathlib import PurePosixPath
+
+    return PurePosixPath(relative.as_posix())

@@ -1,0 +1,139 @@
+"""Workloads built from a seed: conversations with shared and diverging
+prefixes, bursts of concurrent requests, flushes, idle gaps (debounce timers,
+idle demotion), graceful restarts and crashes.
+
+A workload is a plain list of steps generated up front from its own
+`random.Random`, so the same seed always asks the same things of the system.
+A request names a conversation, not tokens: its prompt is that
+conversation's history (whatever the system answered so far) plus new user
+tokens drawn here.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Union
+
+import attrs
+
+from kvcellar.simulations.fake_engine import VOCAB_SIZE
+
+
+@attrs.frozen(kw_only=True)
+class Request:
+    conversation: int
+    user_tokens: tuple[int, ...]
+    max_tokens: int
+    namespace: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Burst:
+    """Requests sent at once (they queue at the gateway and interleave with timers)."""
+
+    requests: tuple[Request, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Fork:
+    """A new conversation that shares a prefix of another and then diverges."""
+
+    source: int
+    target: int
+    keep_fraction: float
+
+
+@attrs.frozen(kw_only=True)
+class Flush:
+    pass
+
+
+@attrs.frozen(kw_only=True)
+class Idle:
+    seconds: float
+
+
+@attrs.frozen(kw_only=True)
+class Restart:
+    """Graceful: shutdown (drain + flush) and open again."""
+
+
+@attrs.frozen(kw_only=True)
+class Crash:
+    """Crash within the next `within_ops` disk operations; `power` loses what
+    was not synced, otherwise only the process dies."""
+
+    within_ops: int
+    power: bool
+
+
+Step = Union[Request, Burst, Fork, Flush, Idle, Restart, Crash]
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadShape:
+    steps: int = 24
+    conversations: int = 3
+    system_prompt_tokens: tuple[int, int] = (16, 48)
+    user_tokens: tuple[int, int] = (4, 40)
+    long_prompt_rate: float = 0.08
+    long_prompt_tokens: int = 520
+    max_tokens: tuple[int, int] = (1, 8)
+    restarts: bool = True
+    crashes: bool = True
+    namespaces: tuple[str, ...] = ("", "team-b")
+
+
+SMALL_SHAPES = {
+    "chat": WorkloadShape(steps=8, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0,
+                          namespaces=("",)),
+    "fork": WorkloadShape(steps=8, conversations=2, restarts=True, crashes=False, long_prompt_rate=0.0,
+                          namespaces=("",)),
+    "hybrid": WorkloadShape(steps=7, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0,
+                            namespaces=("", "team-b")),
+}
+
+
+def _tokens(rng: random.Random, bounds: tuple[int, int]) -> tuple[int, ...]:
+    return tuple(rng.randrange(VOCAB_SIZE - 1) for _ in range(rng.randint(*bounds)))
+
+
+def _request(rng: random.Random, shape: WorkloadShape, conversation: int) -> Request:
+    long = rng.random() < shape.long_prompt_rate
+    bounds = (shape.long_prompt_tokens, shape.long_prompt_tokens + 16) if long else shape.user_tokens
+    return Request(conversation=conversation, user_tokens=_tokens(rng, bounds),
+                   max_tokens=rng.randint(*shape.max_tokens),
+                   namespace=shape.namespaces[conversation % len(shape.namespaces)])
+
+
+def system_prompt(seed: int, shape: WorkloadShape) -> tuple[int, ...]:
+    """The prefix every conversation starts with (shared across them)."""
+    return _tokens(random.Random(f"system-{seed}"), shape.system_prompt_tokens)
+
+
+def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[Step]:
+    rng = random.Random(f"workload-{seed}")
+    conversations = shape.conversations
+    steps: list[Step] = [_request(rng, shape, c) for c in range(min(conversations, 2))]
+    while len(steps) < shape.steps:
+        roll = rng.random()
+        if roll < 0.40:
+            steps.append(_request(rng, shape, rng.randrange(conversations)))
+        elif roll < 0.52:
+            steps.append(Burst(requests=tuple(_request(rng, shape, rng.randrange(conversations))
+                                              for _ in range(rng.randint(2, 3)))))
+        elif roll < 0.60:
+            steps.append(Fork(source=rng.randrange(conversations), target=conversations,
+                              keep_fraction=rng.choice((0.3, 0.6, 0.9, 1.0))))
+            steps.append(_request(rng, shape, conversations))
+            conversations += 1
+        elif roll < 0.75:
+            steps.append(Flush())
+        elif roll < 0.87:
+            steps.append(Idle(seconds=rng.choice((0.3, 1.5, 4.0, 12.0))))
+        elif roll < 0.93 and shape.restarts:
+            steps.append(Restart())
+        elif shape.crashes:
+            steps.append(Crash(within_ops=rng.randint(1, 60), power=rng.random() < 0.75))
+    steps.append(Flush())
+    return steps
