@@ -1,0 +1,537 @@
+"""The Scheduler: the batch lane (spec §2.3, §4), continuous batching with
+per-row prompt-cache reuse.
+
+The core admits requests as rows of one running batch. A row is admitted only
+while fewer than `rows_max` rows are active and its projected KV bytes (prompt
+plus `max_tokens` under the KV scheme) fit in what the active rows leave of
+`kv_budget_bytes`; the rest wait in FIFO order, and the head of the queue is
+never overtaken. A row larger than the whole budget runs alone once nothing
+else is active, so it waits rather than starving. Admission is
+work-conserving: while anything waits, some row is active, so a batch never
+ends with work queued.
+
+One batch is one engine job (`engine/batch.py`, `BatchLoop`) holding the
+Gateway's lane from its first admitted row until none remain (`LANE_BATCH`):
+the Gateway stays busy for all of it, so `run_when_idle` steps (SSD writes,
+snapshots, demotions) never run while a row is active. Rows cross to the
+engine thread through the batch's inbox (`queue.Queue`); the job reports each
+step's tokens and row ends back through the Trio token; a row's end comes
+back to the core as `RowFinished`, which frees its budget for the next.
+
+States, and which messages each takes:
+
+    IDLE ──first Submit──▶ RUNNING ──last row finished, none waiting──▶ ENDING
+      ▲                      │                                           │
+      └── BatchEnded (the job failed or was cancelled) ◀─┘                │
+      └──────────────────────────── BatchEnded ◀─────────────────────────┘
+
+Submits arriving while ENDING wait and start the next batch once the current
+job has reported its end, so a job never sees rows after its end-of-batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+import queue
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import trio
+
+from kvcellar.actors.gateway import LANE_BATCH, AdmissionClosed, Gateway, RequestAdmitted, RequestFinished
+from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent
+from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
+from kvcellar.engine.engine import PREFILL_STEP_TOKENS
+from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.errors import KvCellarError, UsageError
+from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
+
+log = logging.getLogger("kvcellar.actors.scheduler")
+
+ROWS_MAX_DEFAULT = 8
+KV_BUDGET_BYTES_DEFAULT = 4 * 10**9
+OUTCOMES = ("completed", "cancelled", "failed")
+
+# -- messages -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Submit:
+    """A request asks for a row; `kv_bytes` is its projected KV footprint."""
+
+    request_id: int
+    prompt_tokens: int
+    kv_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """The client went away. A no-op for a request that has already ended."""
+
+    request_id: int
+
+
+@attrs.frozen(kw_only=True)
+class RowFinished:
+    request_id: int
+    outcome: str
+    completion_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class BatchEnded:
+    """The batch job is over; `error` says why when it ended with rows active."""
+
+    batch_id: int
+    error: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class StopAdmission:
+    pass
+
+
+@attrs.frozen(kw_only=True)
+class AwaitDrained:
+    waiter_id: int
+
+
+SchedulerMessage = Submit | Cancel | RowFinished | BatchEnded | StopAdmission | AwaitDrained
+
+# -- effects --------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class StartBatch:
+    """Open a new batch (its inbox) and queue its engine job on the Gateway's lane."""
+
+    batch_id: int
+
+
+@attrs.frozen(kw_only=True)
+class AdmitRow:
+    """Hand the request to the batch's engine job as a row."""
+
+    request_id: int
+    batch_id: int
+
+
+@attrs.frozen(kw_only=True)
+class CancelRow:
+    """Ask the engine job to end the row between two steps (its caches are still put back)."""
+
+    request_id: int
+
+
+@attrs.frozen(kw_only=True)
+class EndBatch:
+    """Tell the engine job that no row will come: it ends once it has read this."""
+
+    batch_id: int
+
+
+@attrs.frozen(kw_only=True)
+class Rejected:
+    request_id: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Withdrawn:
+    """A waiting request was cancelled before it got a row."""
+
+    request_id: int
+
+
+@attrs.frozen(kw_only=True)
+class RowAborted:
+    """The row's batch ended before the row did: fail the request."""
+
+    request_id: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Drained:
+    waiter_id: int
+
+
+SchedulerEffect = (StartBatch | AdmitRow | CancelRow | EndBatch | Rejected | Withdrawn | RowAborted | Drained
+                   | JournalEvent)
+
+# -- core -----------------------------------------------------------------------
+
+
+class BatchState(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    ENDING = "ending"
+
+
+# Which messages each state takes, and the legal state changes: the one place
+# where the scheduler's transitions are decided.
+_ANY_STATE = frozenset(BatchState)
+_ACCEPTS: dict[type, frozenset[BatchState]] = {
+    Submit: _ANY_STATE, Cancel: _ANY_STATE, StopAdmission: _ANY_STATE, AwaitDrained: _ANY_STATE,
+    RowFinished: frozenset({BatchState.RUNNING}),
+    BatchEnded: frozenset({BatchState.RUNNING, BatchState.ENDING}),
+}
+_MOVES = {
+    BatchState.IDLE: {BatchState.RUNNING},
+    BatchState.RUNNING: {BatchState.ENDING, BatchState.IDLE},
+    BatchState.ENDING: {BatchState.IDLE},
+}
+
+
+class SchedulerCore:
+    """Sans-IO admission of batch rows under `rows_max` and `kv_budget_bytes`.
+
+    `handle` raises `IllegalTransition` for a message its state does not take,
+    a duplicate request id, a `RowFinished` for a row that is not active or a
+    `BatchEnded` for another batch: protocol bugs between the shell and the
+    engine job (kvcellar's fault). The core is unchanged when it raises.
+    """
+
+    def __init__(self, *, rows_max: int, kv_budget_bytes: int) -> None:
+        if rows_max < 1:
+            raise UsageError(f"a batch needs at least 1 row, got {rows_max}")
+        if kv_budget_bytes < 0:
+            raise UsageError(f"the KV budget must be >= 0 bytes, got {kv_budget_bytes}")
+        self.rows_max = rows_max
+        self.kv_budget_bytes = kv_budget_bytes
+        self.state = BatchState.IDLE
+        self.admitting = True
+        self.batch_id = 0
+        self.waiting: OrderedDict[int, Submit] = OrderedDict()
+        self.active: dict[int, int] = {}
+        self.kv_bytes_active = 0
+        self.kv_bytes_peak = 0
+        self.drain_waiters: list[int] = []
+        self.counts = {"batches": 0, "admitted": 0, "rejected": 0, **{outcome: 0 for outcome in OUTCOMES}}
+
+    @property
+    def busy(self) -> bool:
+        """A batch job exists (running, queued for the lane or ending) or a request waits."""
+        return self.state is not BatchState.IDLE or bool(self.waiting)
+
+    def handle(self, msg: SchedulerMessage, now: float) -> list[SchedulerEffect]:
+        accepted = _ACCEPTS.get(type(msg))
+        if accepted is None or self.state not in accepted:
+            raise IllegalTransition(f"the scheduler cannot take {type(msg).__name__} in state {self.state.name}")
+        if isinstance(msg, Submit):
+            effects = self._on_submit(msg)
+        elif isinstance(msg, Cancel):
+            effects = self._on_cancel(msg)
+        elif isinstance(msg, RowFinished):
+            effects = self._on_row_finished(msg)
+        elif isinstance(msg, BatchEnded):
+            effects = self._on_batch_ended(msg)
+        elif isinstance(msg, StopAdmission):
+            self.admitting, effects = False, []
+        else:
+            self.drain_waiters.append(msg.waiter_id)
+            effects = []
+        return effects + self._settle()
+
+    def stats(self) -> dict[str, Any]:
+        return {"state": self.state.value, "rows_active": len(self.active), "waiting": len(self.waiting),
+                "kv_bytes_active": self.kv_bytes_active, "kv_bytes_peak": self.kv_bytes_peak,
+                "admitting": self.admitting, **self.counts}
+
+    def _move(self, to: BatchState) -> None:
+        if to not in _MOVES[self.state]:
+            raise IllegalTransition(f"the scheduler cannot move from state {self.state.name} to {to.name}")
+        self.state = to
+
+    def _on_submit(self, msg: Submit) -> list[SchedulerEffect]:
+        if msg.request_id in self.waiting or msg.request_id in self.active:
+            raise IllegalTransition(f"request {msg.request_id} is already held by the scheduler "
+                                    f"(state {self.state.name})")
+        if not self.admitting:
+            self.counts["rejected"] += 1
+            return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
+        self.waiting[msg.request_id] = msg
+        return [JournalEvent(event=RequestAdmitted(request_id=msg.request_id, prompt_tokens=msg.prompt_tokens))]
+
+    def _on_cancel(self, msg: Cancel) -> list[SchedulerEffect]:
+        if msg.request_id in self.active:
+            return [CancelRow(request_id=msg.request_id)]
+        if self.waiting.pop(msg.request_id, None) is None:
+            return []
+        return [Withdrawn(request_id=msg.request_id), *self._finished(msg.request_id, "cancelled", 0)]
+
+    def _on_row_finished(self, msg: RowFinished) -> list[SchedulerEffect]:
+        if msg.request_id not in self.active or msg.outcome not in OUTCOMES:
+            raise IllegalTransition(f"RowFinished({msg.request_id}, {msg.outcome!r}) for a row that is not active "
+                                    f"(state {self.state.name}, active {sorted(self.active)})")
+        self.kv_bytes_active -= self.active.pop(msg.request_id)
+        return self._finished(msg.request_id, msg.outcome, msg.completion_tokens)
+
+    def _on_batch_ended(self, msg: BatchEnded) -> list[SchedulerEffect]:
+        if msg.batch_id != self.batch_id:
+            raise IllegalTransition(f"BatchEnded for batch {msg.batch_id} while batch {self.batch_id} is current "
+                                    f"(state {self.state.name})")
+        effects: list[SchedulerEffect] = []
+        reason = msg.error or "the batch ended before the row did"
+        for request_id in list(self.active):
+            self.kv_bytes_active -= self.active.pop(request_id)
+            effects += [RowAborted(request_id=request_id, reason=reason),
+                        *self._finished(request_id, "failed", 0)]
+        self._move(BatchState.IDLE)
+        return effects
+
+    def _finished(self, request_id: int, outcome: str, completion_tokens: int) -> list[SchedulerEffect]:
+        self.counts[outcome] += 1
+        return [JournalEvent(event=RequestFinished(request_id=request_id, completion_tokens=completion_tokens,
+                                                   outcome=outcome))]
+
+    def _settle(self) -> list[SchedulerEffect]:
+        """Start a batch for waiting work, admit what fits, end an empty batch."""
+        effects: list[SchedulerEffect] = []
+        if self.state is BatchState.IDLE and self.waiting:
+            self._move(BatchState.RUNNING)
+            self.batch_id += 1
+            self.counts["batches"] += 1
+            effects.append(StartBatch(batch_id=self.batch_id))
+        if self.state is BatchState.RUNNING:
+            effects += self._admit_waiting()
+            if not self.active and not self.waiting:
+                self._move(BatchState.ENDING)
+                effects.append(EndBatch(batch_id=self.batch_id))
+        if not self.busy and self.drain_waiters:
+            effects += [Drained(waiter_id=w) for w in self.drain_waiters]
+            self.drain_waiters.clear()
+        return effects
+
+    def _admit_waiting(self) -> list[SchedulerEffect]:
+        effects: list[SchedulerEffect] = []
+        while self.waiting and len(self.active) < self.rows_max:
+            head = next(iter(self.waiting.values()))
+            if self.active and self.kv_bytes_active + head.kv_bytes > self.kv_budget_bytes:
+                break
+            del self.waiting[head.request_id]
+            self.active[head.request_id] = head.kv_bytes
+            self.kv_bytes_active += head.kv_bytes
+            self.kv_bytes_peak = max(self.kv_bytes_peak, self.kv_bytes_active)
+            self.counts["admitted"] += 1
+            effects.append(AdmitRow(request_id=head.request_id, batch_id=self.batch_id))
+        return effects
+
+
+# -- shell ----------------------------------------------------------------------
+
+
+class BatchAborted(KvCellarError):
+    """Raised to a batch row whose batch job ended before the row did: an MLX
+    error in the job (it fails every row of that batch) or the engine stopping.
+    kvcellar's or the environment's fault; the request fails, later requests
+    start a new batch."""
+
+
+@attrs.frozen
+class _Failure:
+    error: BaseException
+
+
+@attrs.define(kw_only=True)
+class _RowChannel:
+    request: GenerationRequest
+    cancelled: threading.Event
+    send: Any
+    receive: Any
+
+    def finish(self, item: GenerationDone | _Failure | None) -> None:
+        """Deliver the last item, if any, and close; the consumer may be gone."""
+        try:
+            if item is not None:
+                self.send.send_nowait(item)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self.send.close()
+
+
+class Scheduler:
+    """The Trio shell around `SchedulerCore`. Start with `nursery.start(run)`;
+    `generate(request)` streams a request's `TokenDelta`s and `GenerationDone`."""
+
+    def __init__(self, gateway: Gateway, prompt_cache: PromptCache | None, scheme: KvScheme, prototypes: list, *,
+                 rows_max: int = ROWS_MAX_DEFAULT, kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT,
+                 prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS, journal: Journal | None = None) -> None:
+        self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
+        self.shell = ActorShell("scheduler", self.core, self._perform, journal=journal)
+        self.gateway = gateway
+        self.prompt_cache = prompt_cache
+        self.scheme = scheme
+        # Warmed-up prototype caches: only their shapes and dtypes are read.
+        self._prototypes = prototypes
+        self._prefill_step_tokens = prefill_step_tokens
+        self._snapshot_min_prefill_tokens = snapshot_min_prefill_tokens
+        self._rows: dict[int, _RowChannel] = {}
+        self._drain_events: dict[int, trio.Event] = {}
+        self._waiter_ids = itertools.count(1)
+        self._inbox: queue.Queue | None = None
+        self._nursery: trio.Nursery | None = None
+        self.decode_steps_by_rows: Counter[int] = Counter()
+        gateway.add_busy_probe(lambda: self.busy)
+
+    @property
+    def busy(self) -> bool:
+        return self.core.busy
+
+    def projected_kv_bytes(self, request: GenerationRequest) -> int:
+        """The KV bytes the row can come to hold: prompt plus `max_tokens` under the scheme."""
+        return self.scheme.projected_bytes(self._prototypes, len(request.prompt_ids) + request.params.max_tokens)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.shell.run)
+            task_status.started()
+
+    def close(self) -> None:
+        self.shell.close()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
+        """Stream one request as a batch row. Raises `AdmissionClosed` after
+        shutdown began and `BatchAborted` when its batch failed under it."""
+        request_id = self.gateway.new_id()
+        send, receive = trio.open_memory_channel[Any](math.inf)
+        self._rows[request_id] = _RowChannel(request=request, cancelled=threading.Event(), send=send, receive=receive)
+        self.shell.send_nowait(Submit(request_id=request_id, prompt_tokens=len(request.prompt_ids),
+                                      kv_bytes=self.projected_kv_bytes(request)))
+        done = False
+        try:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, _Failure):
+                        raise item.error
+                    done = isinstance(item, GenerationDone)
+                    yield item
+        finally:
+            if not done:
+                # Synchronous: this also runs when the consumer was cancelled or collected.
+                self._send_quietly(Cancel(request_id=request_id))
+
+    async def stop_admission(self) -> None:
+        await self.shell.send(StopAdmission())
+
+    async def drain(self) -> None:
+        """Wait until no row is active or waiting and the last batch job ended."""
+        waiter_id = next(self._waiter_ids)
+        event = self._drain_events[waiter_id] = trio.Event()
+        await self.shell.send(AwaitDrained(waiter_id=waiter_id))
+        await event.wait()
+
+    def stats(self) -> dict[str, Any]:
+        core = self.core.stats()
+        return {"lane": "batch", "reason": "", "batch_size": self.core.rows_max,
+                "kv_budget_bytes": self.core.kv_budget_bytes, **core,
+                "batch_size_history": {str(rows): steps for rows, steps in sorted(self.decode_steps_by_rows.items())}}
+
+    def _send_quietly(self, msg: SchedulerMessage) -> None:
+        try:
+            self.shell.send_nowait(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the scheduler has shut down: nothing is left to tell
+
+    def _perform(self, effect: Any) -> None:
+        if isinstance(effect, StartBatch):
+            self._inbox = queue.Queue()
+            assert self._nursery is not None, "the scheduler is not running"
+            self._nursery.start_soon(self._run_batch, effect.batch_id, self._inbox)
+        elif isinstance(effect, AdmitRow):
+            row = self._rows[effect.request_id]
+            assert self._inbox is not None
+            self._inbox.put(BatchRow(row_id=effect.request_id, request=row.request, cancelled=row.cancelled))
+        elif isinstance(effect, CancelRow):
+            if (row := self._rows.get(effect.request_id)) is not None:
+                row.cancelled.set()
+        elif isinstance(effect, EndBatch):
+            assert self._inbox is not None
+            self._inbox.put(END_OF_BATCH)
+        elif isinstance(effect, Rejected):
+            self._rows.pop(effect.request_id).finish(_Failure(AdmissionClosed(effect.reason)))
+        elif isinstance(effect, Withdrawn):
+            self._rows.pop(effect.request_id).finish(None)
+        elif isinstance(effect, RowAborted):
+            if (row := self._rows.pop(effect.request_id, None)) is not None:
+                row.finish(_Failure(BatchAborted(effect.reason)))
+        elif isinstance(effect, Drained):
+            self._drain_events.pop(effect.waiter_id).set()
+
+    async def _run_batch(self, batch_id: int, inbox: queue.Queue) -> None:
+        cancelled = threading.Event()
+        loop = BatchLoop(self.prompt_cache, inbox, rows_max=self.core.rows_max, cancelled=cancelled,
+                         prefill_step_tokens=self._prefill_step_tokens,
+                         snapshot_min_prefill_tokens=self._snapshot_min_prefill_tokens)
+        error = "the batch job was cancelled"
+        try:
+            async for step in self.gateway.generate(loop.run, prompt_tokens=0, cancelled=cancelled, lane=LANE_BATCH):
+                self._route(step)
+            error = ""
+        except Exception as e:
+            error = f"the batch job failed: {type(e).__name__}: {e}"
+            log.exception("batch %d failed; its rows fail with it", batch_id)
+        finally:
+            # The engine job waits on its inbox while no row is active: never leave it waiting.
+            inbox.put(END_OF_BATCH)
+            self._send_quietly(BatchEnded(batch_id=batch_id, error=error))
+
+    def _route(self, step: BatchStep) -> None:
+        if step.decode_rows:
+            self.decode_steps_by_rows[step.decode_rows] += 1
+        for event in step.events:
+            row = self._rows.get(event.row_id)
+            if isinstance(event, RowToken):
+                if row is not None:
+                    try:
+                        row.send.send_nowait(event.delta)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass  # the client left; the Cancel it sent ends the row
+                continue
+            self._end_row(event, row)
+
+    def _end_row(self, event: RowDone, row: _RowChannel | None) -> None:
+        if row is not None:
+            del self._rows[event.row_id]
+            if event.outcome == "failed":
+                row.finish(_Failure(event.error or BatchAborted("the row failed")))
+            else:
+                row.finish(event.done)
+        completion_tokens = event.done.completion_tokens if event.done is not None else 0
+        self.shell.send_nowait(RowFinished(request_id=event.row_id, outcome=event.outcome,
+                                           completion_tokens=completion_tokens))
+
+
+async def open_batch_lane(nursery: trio.Nursery, *, engine: Any, gateway: Gateway, prompt_cache: PromptCache,
+                          scheme: KvScheme, rows_max: int, kv_budget_bytes: int,
+                          prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                          journal: Journal | None = None) -> tuple[Scheduler | None, str]:
+    """Start the Scheduler when the gates allow it; otherwise log why requests
+    take the serial lane. Returns the scheduler (or None) and that reason."""
+    if rows_max <= 1:
+        reason = batch_lane_refusal(None, scheme, rows_max) or ""
+        log.info("serial lane: %s", reason)
+        return None, reason
+
+    def probe(loaded: Any) -> tuple[str | None, list | None]:
+        reason = batch_lane_refusal(loaded.model, scheme, rows_max)
+        return reason, None if reason else warm_up_prototype_caches(loaded.model)
+
+    reason, prototypes = await engine.call(probe, label="probe")
+    if reason:
+        log.warning("batch lane off, every request takes the serial lane: %s", reason)
+        return None, reason
+    scheduler = Scheduler(gateway, prompt_cache, scheme, prototypes, rows_max=rows_max,
+                          kv_budget_bytes=kv_budget_bytes, prefill_step_tokens=prefill_step_tokens, journal=journal)
+    await nursery.start(scheduler.run)
+    log.info("batch lane on: up to %d rows, KV budget %.3g GB", rows_max, kv_budget_bytes / 1e9)
+    return scheduler, ""

@@ -1,0 +1,293 @@
+"""The batch lane's engine side: several generations as rows of one mlx-lm
+`BatchGenerator`, run as one long engine job.
+
+`BatchLoop.run` is that job. Between two steps it picks up rows the Scheduler
+admitted (`BatchRow`, through a thread-safe `queue.Queue`, the inbox), seeds
+each from `PromptCache.take()` so it prefills only its remainder, and hands
+every step's tokens back as one `BatchStep`. Rows carry their own sampler,
+`max_tokens`, stop tokens and stop strings (the serial lane's `TextAssembler`)
+and finish independently. A finished or cancelled row's caches are extracted
+per row before the batched caches are filtered and are `put` back to the RAM
+tier (spec §4, extract-and-put); after a cold prefill of
+`snapshot_min_prefill_tokens` or more, the row's prompt-only caches are
+extracted and put as the prompt-boundary snapshot, as the serial lane does.
+The job ends when the Scheduler sends `END_OF_BATCH`, which it does only when
+no row is active or waiting (or when its consumer has gone).
+
+Gates (spec §2.3): a model batches only when every fresh cache is one mlx-lm
+can merge into rows (`KVCache`, `RotatingKVCache`, `ArraysCache`, or a
+`CacheList` of those); a KV scheme batches only when `KvScheme.batchable()`
+allows it given that the batch lane's merged caches (`BatchKVCache`) cannot
+hold affine-quantized KV, so a quantized scheme keeps the serial lane rather
+than silently losing its quantization.
+
+All of this runs on the engine thread (docs/mlx-notes.md, "Threads").
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import cache as mlx_cache
+
+from kvcellar.engine.detokenize import TextAssembler
+from kvcellar.engine.engine import (
+    PREFILL_STEP_TOKENS,
+    LoadedModel,
+    SamplingParams,
+    make_params_sampler,
+    release_cached_buffers,
+)
+from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.store import signature as sig
+from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.scheme import KvScheme
+
+# mlx-lm's merged row caches (BatchKVCache, BatchRotatingKVCache) have no
+# quantized form: the batch lane can carry only unquantized KV.
+BATCH_LANE_CAN_CONVERT = False
+_ROW_SIGNATURES = frozenset({sig.SIGNATURE_PLAIN, sig.SIGNATURE_ROTATING, sig.SIGNATURE_SSM})
+END_OF_BATCH = None
+# How often an idle loop (no rows, inbox empty) looks at its cancel flag.
+IDLE_POLL_S = 0.05
+
+
+def _cache_refusal(cache: Any, index: int) -> str | None:
+    signature = sig.cache_signature(cache)
+    if type(cache) is mlx_cache.CacheList:
+        return next((reason for member in cache.caches if (reason := _cache_refusal(member, index))), None)
+    if signature in _ROW_SIGNATURES:
+        return None
+    return (f"layer {index} keeps a {signature} cache ({type(cache).__name__}), which mlx-lm cannot merge "
+            "into batch rows")
+
+
+def model_batch_refusal(model: Any) -> str | None:
+    """Why `model` cannot batch (its first unbatchable cache), or None."""
+    for index, cache in enumerate(mlx_cache.make_prompt_cache(model)):
+        reason = _cache_refusal(cache, index)
+        if reason is not None:
+            return reason
+    return None
+
+
+def batch_lane_refusal(model: Any, scheme: KvScheme, rows_max: int) -> str | None:
+    """Why requests must take the serial lane, or None when the batch lane may
+    run them: `rows_max` of 1, an unbatchable cache kind, or a scheme the batch
+    lane cannot carry."""
+    if rows_max <= 1:
+        return "a batch of 1 row asks for the serial lane"
+    reason = model_batch_refusal(model)
+    if reason is not None:
+        return reason
+    if not scheme.batchable(can_convert=BATCH_LANE_CAN_CONVERT):
+        return (f"KV scheme {scheme.cache_key} quantizes KV and the batch lane's merged caches (mlx-lm "
+                "BatchKVCache) cannot hold quantized KV; the serial lane keeps the quantization")
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class BatchRow:
+    """A row the Scheduler admitted; `cancelled` is set from the Trio thread."""
+
+    row_id: int
+    request: GenerationRequest
+    cancelled: threading.Event = attrs.field(eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class RowToken:
+    row_id: int
+    delta: TokenDelta
+
+
+@attrs.frozen(kw_only=True)
+class RowDone:
+    """A row's end: `outcome` is completed, cancelled or failed (with `error`)."""
+
+    row_id: int
+    outcome: str
+    done: GenerationDone | None = None
+    error: BaseException | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class BatchStep:
+    """What one turn of the loop produced; `decode_rows` is the batch size of
+    its decode step (0 when it only prefilled or admitted)."""
+
+    events: tuple[RowToken | RowDone, ...]
+    decode_rows: int
+
+
+@attrs.define(kw_only=True)
+class _Row:
+    row: BatchRow
+    uid: int
+    prompt: list[int]
+    cached_tokens: int
+    cache_tier: str
+    use_cache: bool
+    snapshot: bool
+    assembler: TextAssembler
+    produced: int = 0
+
+
+class BatchLoop:
+    """One batch job: `run(loaded)` is the generator the engine thread drives."""
+
+    def __init__(self, prompt_cache: PromptCache | None, inbox: queue.Queue, *, rows_max: int,
+                 cancelled: threading.Event, prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS) -> None:
+        self.prompt_cache = prompt_cache
+        self.inbox = inbox
+        self.rows_max = rows_max
+        self.cancelled = cancelled
+        self.prefill_step_tokens = prefill_step_tokens
+        self.snapshot_min_prefill_tokens = snapshot_min_prefill_tokens
+        self._rows: dict[int, _Row] = {}
+        self._shared_samplers: dict[tuple, Any] = {}
+        self._generator: BatchGenerator | None = None
+        self._loaded: LoadedModel | None = None
+
+    def run(self, loaded: LoadedModel) -> Iterator[BatchStep]:
+        self._loaded = loaded
+        self._generator = BatchGenerator(
+            loaded.model, completion_batch_size=self.rows_max, prefill_batch_size=self.rows_max,
+            prefill_step_size=self.prefill_step_tokens)
+        try:
+            while True:
+                events: list[RowToken | RowDone] = []
+                if not self._take_rows(events):
+                    if events:
+                        yield BatchStep(events=tuple(events), decode_rows=0)
+                    return
+                self._cancel_rows(events)
+                decode_rows = self._step(events) if self._rows else 0
+                yield BatchStep(events=tuple(events), decode_rows=decode_rows)
+        finally:
+            self._generator.close()
+            self._generator = None
+            release_cached_buffers()
+
+    # -- admission ---------------------------------------------------------------
+
+    def _take_rows(self, events: list[RowToken | RowDone]) -> bool:
+        """Admit what the inbox holds, waiting for it while no row is active.
+        False once the batch is over (`END_OF_BATCH`, or the consumer left)."""
+        while True:
+            if not self._rows and events:
+                # Report rows that ended at admission before waiting again: the
+                # Scheduler needs their end to admit more or to end the batch.
+                return True
+            try:
+                item = self.inbox.get(timeout=IDLE_POLL_S) if not self._rows else self.inbox.get_nowait()
+            except queue.Empty:
+                if self._rows:
+                    return True
+                if self.cancelled.is_set():
+                    return False
+                continue
+            if item is END_OF_BATCH:
+                return False
+            self._admit(item, events)
+
+    def _admit(self, row: BatchRow, events: list[RowToken | RowDone]) -> None:
+        if row.cancelled.is_set():
+            events.append(RowDone(row_id=row.row_id, outcome="cancelled"))
+            return
+        try:
+            self._insert(row)
+        except Exception as e:  # a bad row fails alone; the batch goes on
+            events.append(RowDone(row_id=row.row_id, outcome="failed", error=e))
+
+    def _insert(self, row: BatchRow) -> None:
+        assert self._generator is not None and self._loaded is not None
+        request, params = row.request, row.request.params
+        prompt = list(request.prompt_ids)
+        cache = self.prompt_cache
+        use_cache = request.use_prompt_cache and cache is not None and cache.enabled
+        taken = cache.take(prompt, request.namespace) if use_cache else None
+        cached_tokens = taken.reused_tokens if taken else 0
+        (uid,) = self._generator.insert(
+            [prompt[cached_tokens:]], max_tokens=[params.max_tokens],
+            caches=[taken.caches if taken and taken.caches is not None else None],
+            all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)])
+        self._rows[uid] = _Row(
+            row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens,
+            cache_tier=taken.tier if taken else "none", use_cache=use_cache,
+            snapshot=use_cache and len(prompt) - cached_tokens >= self.snapshot_min_prefill_tokens,
+            assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings))
+
+    def _sampler(self, params: SamplingParams) -> Any:
+        """None for greedy rows (they share the generator's greedy sampler, one
+        batched call); one sampler per parameter set for unseeded rows, so rows
+        alike are sampled together; a seeded row's own key chain otherwise."""
+        if params.temperature == 0:
+            return None
+        if params.seed is not None:
+            return make_params_sampler(params)
+        key = (params.temperature, params.top_p, params.min_p, params.top_k)
+        if key not in self._shared_samplers:
+            self._shared_samplers[key] = make_params_sampler(params)
+        return self._shared_samplers[key]
+
+    # -- stepping ----------------------------------------------------------------
+
+    def _cancel_rows(self, events: list[RowToken | RowDone]) -> None:
+        for state in [s for s in self._rows.values() if s.row.cancelled.is_set()]:
+            self._finish(state, "cancelled", events, removed=None)
+
+    def _step(self, events: list[RowToken | RowDone]) -> int:
+        assert self._generator is not None
+        prompt_responses, generation_responses = self._generator.next()
+        for response in prompt_responses:
+            state = self._rows.get(response.uid)
+            if response.end_of_prompt and state is not None and state.snapshot:
+                self._put_snapshot(state)
+        for response in generation_responses:
+            state = self._rows[response.uid]
+            state.produced += 1
+            text = state.assembler.add(response.token)
+            events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=response.token, text=text)))
+            if response.finish_reason is not None:
+                self._finish(state, "completed", events, removed=(response.prompt_cache, response.all_tokens))
+            elif state.assembler.finished_by_stop:
+                self._finish(state, "completed", events, removed=None)
+        return len(generation_responses)
+
+    def _put_snapshot(self, state: _Row) -> None:
+        """The prompt-boundary snapshot: right after a row's last prompt token
+        ran, its extracted caches hold exactly the prompt."""
+        assert self._generator is not None and self.prompt_cache is not None
+        caches, tokens = self._generator.extract_cache([state.uid])[state.uid]
+        if list(tokens) == state.prompt:
+            self.prompt_cache.put(state.prompt, caches, state.row.request.namespace)
+
+    def _finish(self, state: _Row, outcome: str, events: list[RowToken | RowDone],
+                removed: tuple[list[Any], list[int]] | None) -> None:
+        """End a row: extract its caches (unless the generator already did)
+        before the batch is filtered, put them back, report the end."""
+        assert self._generator is not None
+        del self._rows[state.uid]
+        if removed is None:
+            removed = self._generator.remove([state.uid], return_prompt_caches=True).get(state.uid)
+        caches, tokens = removed if removed is not None else (None, [])
+        # A row still waiting to prefill holds only the lent prefix: nothing new to keep.
+        if state.use_cache and caches is not None and len(tokens) > state.cached_tokens:
+            assert self.prompt_cache is not None
+            self.prompt_cache.put(list(tokens), caches, state.row.request.namespace)
+        stopped = state.assembler.finished_by_stop
+        if outcome == "completed" and not stopped:
+            tail = state.assembler.flush()
+            if tail:
+                events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=-1, text=tail)))
+        done = GenerationDone(finish_reason="stop" if stopped else "length", prompt_tokens=len(state.prompt),
+                              completion_tokens=state.produced, cached_tokens=state.cached_tokens,
+                              cache_tier=state.cache_tier)
+        events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done))
