@@ -1,5 +1,5 @@
-"""The whole system in one nursery: engine thread, gateway, RAM and SSD tiers,
-spill queue, durability coordinator and SSD writer.
+"""The whole system in one nursery: engine thread, gateway, batch-lane
+scheduler, RAM and SSD tiers, spill queue, durability coordinator and SSD writer.
 
     async with open_system(SystemConfig(model_dir=...)) as system:
         async for event in system.generate(request): ...
@@ -8,6 +8,10 @@ spill queue, durability coordinator and SSD writer.
 The RAM tier lives on the engine thread (every take and put is MLX work);
 its spill sink and `on_put` hook hand their work to the Trio thread with
 `run_sync_soon`, so the engine never waits on the queue or the coordinator.
+
+Requests take the batch lane (the Scheduler) when `batch_rows_max` > 1 and
+the model and KV scheme pass its gates, and the serial lane otherwise; the
+reason is logged at start and shown in `stats()["scheduler"]`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ import trio
 
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
@@ -69,6 +74,9 @@ class SystemConfig:
     clock_s: Callable[[], float] | None = attrs.field(default=None, eq=False)
     run_blocking: Callable[..., Any] | None = attrs.field(default=None, eq=False)
     store_opener: Callable[[SystemConfig, KvScheme], SsdStore | None] | None = attrs.field(default=None, eq=False)
+    # Rows of the batch lane; 1 keeps every request on the serial lane.
+    batch_rows_max: int = 1
+    kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
 
 
 @attrs.frozen(kw_only=True)
@@ -100,12 +108,25 @@ class System:
         self.prompt_cache = prompt_cache
         self.store = store
         self.gateway: Gateway
+        self.scheduler: Scheduler | None = None
+        self.serial_reason = ""
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
         self._shutdown_verdict: Any = _NOT_SHUT_DOWN
 
+    @property
+    def admitting(self) -> bool:
+        return self.gateway.core.admitting and (self.scheduler is None or self.scheduler.core.admitting)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
-        """Run one request through the serial lane, streaming its tokens."""
+        """Run one request as a batch row, or on the serial lane when the batch
+        lane is off, streaming its tokens."""
+        if self.scheduler is not None:
+            # aclosing: a consumer that stops early cancels its row now, not when collected.
+            async with aclosing(self.scheduler.generate(request)) as items:
+                async for item in items:
+                    yield item
+            return
         cancelled = threading.Event()
 
         def job(loaded: LoadedModel):
@@ -138,8 +159,12 @@ class System:
         if self._shutdown_verdict is not _NOT_SHUT_DOWN:
             return self._shutdown_verdict
         await self.gateway.stop_admission()
+        if self.scheduler is not None:
+            await self.scheduler.stop_admission()
         self._shutdown_verdict = None
         with trio.move_on_after(self.config.shutdown_timeout_s):
+            if self.scheduler is not None:
+                await self.scheduler.drain()
             await self.gateway.drain()
             self._shutdown_verdict = await self.flush()
         if self._shutdown_verdict is None:
@@ -165,7 +190,14 @@ class System:
                 "quarantined": store_stats["quarantined"], "journal": store_stats["journal"],
             }
         return {"prompt_cache": self.prompt_cache.stats(), "gateway": self.gateway.stats(), "ssd_cache": ssd,
-                "kv_scheme": self.scheme.cache_key}
+                "kv_scheme": self.scheme.cache_key, "scheduler": self._scheduler_stats()}
+
+    def _scheduler_stats(self) -> dict[str, Any]:
+        if self.scheduler is not None:
+            return self.scheduler.stats()
+        gateway = self.gateway.stats()
+        return {"lane": "serial", "reason": self.serial_reason, "batch_size": 1,
+                "rows_active": int(gateway["lane"] == "generating"), "waiting": gateway["waiting"]}
 
 
 def _open_store(config: SystemConfig, scheme: KvScheme) -> SsdStore | None:
@@ -211,6 +243,10 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: Eng
     prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=config.clock_s or time.monotonic)
     system = System(config, engine, loaded, scheme, prompt_cache, store)
     system.gateway = gateway
+    system.scheduler, system.serial_reason = await open_batch_lane(
+        nursery, engine=engine, gateway=gateway, prompt_cache=prompt_cache, scheme=scheme,
+        rows_max=config.batch_rows_max, kv_budget_bytes=config.kv_budget_bytes,
+        prefill_step_tokens=config.prefill_step_tokens, journal=journal)
     if store is None:
         return system
     writer = SsdWriter(store, gateway.run_when_idle, journal=journal, run_blocking=config.run_blocking)

@@ -1,0 +1,246 @@
+"""The batch lane with real tiny MLX models: rows equal the serial lane, finished
+rows serve their next turn, cancellation, gates, KV-budget admission, and the
+Gateway's idle gate."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+
+import pytest
+import trio
+
+from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.engine.engine import SamplingParams
+from kvcellar.engine.generation import GenerationDone, GenerationRequest
+
+# Lengths chosen around gemma3_text's tiny sliding window (32) so rings wrap in some rows and not others.
+PROMPTS = tuple(tuple((7 * i + 13 * k) % 1000 + 3 for i in range(length))
+                for k, length in enumerate((40, 5, 90, 17, 66)))
+MAX_TOKENS = 10
+
+
+def _config(model_dir, **overrides):
+    values = dict(model_dir=model_dir, demote_idle_s=0, shutdown_timeout_s=60, batch_rows_max=4)
+    values.update(overrides)
+    return SystemConfig(**values)
+
+
+def _greedy(prompt, max_tokens=MAX_TOKENS, **params):
+    return GenerationRequest(prompt_ids=tuple(prompt),
+                             params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
+
+
+async def _run(system, request):
+    tokens, text, done = [], "", None
+    async for item in system.generate(request):
+        if isinstance(item, GenerationDone):
+            done = item
+        else:
+            text += item.text
+            if item.token_id >= 0:
+                tokens.append(item.token_id)
+    return tokens, text, done
+
+
+async def _concurrently(system, requests):
+    results = [None] * len(requests)
+
+    async def one(index):
+        results[index] = await _run(system, requests[index])
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(requests)):
+            nursery.start_soon(one, index)
+    return results
+
+
+def _outputs(model_dir, requests, **overrides):
+    """Each request's (tokens, text, done), all sent at once, and the scheduler's stats."""
+
+    async def main():
+        async with open_system(_config(model_dir, **overrides)) as system:
+            results = await _concurrently(system, requests)
+            return results, system.stats()["scheduler"]
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next"])
+def test_concurrent_greedy_rows_equal_the_same_requests_on_the_serial_lane(model_dir_factory, arch):
+    model_dir = model_dir_factory(arch)
+    requests = [_greedy(prompt) for prompt in PROMPTS]
+
+    batched, stats = _outputs(model_dir, requests)
+    serial, serial_stats = _outputs(model_dir, requests, batch_rows_max=1)
+
+    assert stats["lane"] == "batch" and serial_stats["lane"] == "serial"
+    assert max(int(rows) for rows in stats["batch_size_history"]) == 4, "four rows decoded together"
+    assert stats["completed"] == len(PROMPTS) and stats["rows_active"] == 0
+    for (tokens, _, done), (serial_tokens, _, serial_done) in zip(batched, serial, strict=True):
+        assert len(tokens) == MAX_TOKENS and tokens == serial_tokens
+        assert done.finish_reason == serial_done.finish_reason == "length"
+
+
+def test_per_row_sampling_seeds_stop_strings_and_lengths_match_the_serial_lane(model_dir_factory):
+    model_dir = model_dir_factory("llama")
+    (_, probe_text, _), = _outputs(model_dir, [_greedy(PROMPTS[1], 16)], batch_rows_max=1)[0]
+    # Five characters a few in: the stop string ends inside a token, so the row must hold text back.
+    stop = probe_text[4:9]
+    assert len(stop) == 5, "the probe produced text to stop on"
+    requests = [
+        _greedy(PROMPTS[0], 16),
+        GenerationRequest(prompt_ids=PROMPTS[1], params=SamplingParams(temperature=0.0, max_tokens=16),
+                          stop_strings=(stop,)),
+        GenerationRequest(prompt_ids=PROMPTS[2], params=SamplingParams(temperature=1.0, seed=7, max_tokens=12)),
+        GenerationRequest(prompt_ids=PROMPTS[3], params=SamplingParams(temperature=0.7, top_p=0.9, seed=3,
+                                                                       max_tokens=12)),
+        _greedy(PROMPTS[4], 3),
+    ]
+
+    batched, _ = _outputs(model_dir, requests, batch_rows_max=8)
+    serial, _ = _outputs(model_dir, requests, batch_rows_max=1)
+
+    def seen_by_client(results):
+        # Which tier served a prefix depends on arrival order, so it is left out.
+        return [(tokens, text, done.finish_reason, done.completion_tokens) for tokens, text, done in results]
+
+    assert seen_by_client(batched) == seen_by_client(serial)
+    assert batched[1][2].finish_reason == "stop" and stop not in batched[1][1]
+    assert batched[1][1] == probe_text[:probe_text.find(stop)]
+    assert batched[4][2].completion_tokens == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_each_finished_rows_caches_serve_its_next_turn(model_dir_factory, arch):
+    model_dir = model_dir_factory(arch)
+
+    async def main():
+        async with open_system(_config(model_dir)) as system:
+            first = await _concurrently(system, [_greedy(prompt) for prompt in PROMPTS[:3]])
+            follow_ups = [_greedy(prompt + tuple(tokens) + (5, 6, 7), 2)
+                          for prompt, (tokens, _, _) in zip(PROMPTS, first)]
+            second = await _concurrently(system, follow_ups)
+            return first, second, system.stats()
+
+    first, second, stats = trio.run(main)
+    for prompt, (tokens, _, _), (_, _, done) in zip(PROMPTS, first, second):
+        assert done.cache_tier == "ram"
+        # The row's entry holds its prompt and every token it generated (the last one was fed too).
+        assert done.cached_tokens == len(prompt) + len(tokens)
+    assert stats["prompt_cache"]["hits"] == 3
+
+
+def test_a_cancelled_row_leaves_the_others_unaffected_and_keeps_its_cache(model_dir_factory):
+    model_dir = model_dir_factory("llama")
+    requests = [_greedy(prompt, 30) for prompt in PROMPTS[:3]]
+    reference, _ = _outputs(model_dir, requests, batch_rows_max=1)
+
+    async def main():
+        async with open_system(_config(model_dir)) as system:
+            results = [None] * 3
+            abandoned: list[int] = []
+
+            async def leaves_early():
+                async with aclosing(system.generate(requests[1])) as items:
+                    async for item in items:
+                        abandoned.append(item.token_id)
+                        if len(abandoned) == 3:
+                            break
+
+            async def stays(index):
+                results[index] = await _run(system, requests[index])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stays, 0)
+                nursery.start_soon(leaves_early)
+                nursery.start_soon(stays, 2)
+            await system.scheduler.drain()
+            return results, abandoned, system.stats()
+
+    results, abandoned, stats = trio.run(main)
+    assert results[0][0] == reference[0][0] and results[2][0] == reference[2][0]
+    assert abandoned == reference[1][0][:3]
+    scheduler = stats["scheduler"]
+    assert scheduler["cancelled"] == 1 and scheduler["completed"] == 2 and scheduler["rows_active"] == 0
+    assert stats["prompt_cache"]["puts"] == 3, "the abandoned row's caches were put back too"
+
+
+def test_unbatchable_models_and_schemes_take_the_serial_lane_with_a_log_line_saying_why(model_dir_factory, caplog):
+    caplog.set_level(logging.INFO, logger="kvcellar.actors.scheduler")
+
+    async def main():
+        async with open_system(_config(model_dir_factory("llama4"))) as chunked:
+            tokens, _, _ = await _run(chunked, _greedy(PROMPTS[0], 4))
+            assert len(tokens) == 4
+            chunked_stats = chunked.stats()["scheduler"]
+        async with open_system(_config(model_dir_factory("llama"), kv_quant="8")) as quantized:
+            quantized_stats = quantized.stats()["scheduler"]
+        return chunked_stats, quantized_stats
+
+    chunked_stats, quantized_stats = trio.run(main)
+    assert chunked_stats["lane"] == "serial" and "kv:chunked-plain" in chunked_stats["reason"]
+    assert quantized_stats["lane"] == "serial" and "kv8" in quantized_stats["reason"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("serial lane" in w and "kv:chunked-plain" in w for w in warnings), warnings
+    assert any("serial lane" in w and "cannot hold quantized KV" in w for w in warnings), warnings
+
+
+def test_kv_budget_admission_holds_under_a_burst(model_dir_factory):
+    model_dir = model_dir_factory("llama")
+    requests = [_greedy(PROMPTS[4][:60], 12) for _ in range(6)]
+
+    async def main():
+        async with open_system(_config(model_dir)) as probe:
+            row_bytes = probe.scheduler.projected_kv_bytes(requests[0])
+        budget = 2 * row_bytes
+        async with open_system(_config(model_dir, batch_rows_max=8, kv_budget_bytes=budget)) as system:
+            results = await _concurrently(system, requests)
+            await system.scheduler.drain()
+            return results, system.stats()["scheduler"], budget
+
+    results, stats, budget = trio.run(main)
+    assert all(len(tokens) == 12 for tokens, _, _ in results)
+    assert stats["completed"] == 6 and stats["admitted"] == 6
+    assert stats["kv_bytes_peak"] == budget and stats["kv_budget_bytes"] == budget
+    assert max(int(rows) for rows in stats["batch_size_history"]) == 2, "never more rows than the budget fits"
+
+
+def test_background_steps_wait_while_batch_rows_are_active(model_dir_factory):
+    model_dir = model_dir_factory("llama")
+    turn_log: list[tuple[str, float, float]] = []
+    rows_seen_by_steps: list[int] = []
+
+    async def main():
+        async with open_system(_config(model_dir, turn_log=turn_log)) as system:
+
+            def step(_):
+                rows_seen_by_steps.append(len(system.scheduler.core.active))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_run, system, _greedy(PROMPTS[0], 40))
+                await trio.sleep(0.05)
+                assert system.gateway.busy
+                for _ in range(3):
+                    nursery.start_soon(system.gateway.run_when_idle, step)
+                nursery.start_soon(_run, system, _greedy(PROMPTS[2], 20))
+
+    trio.run(main)
+    kinds = [label for label, _, _ in turn_log]
+    assert rows_seen_by_steps == [0, 0, 0]
+    assert kinds.index("step") > kinds.index("batch"), kinds
+    assert kinds.count("batch") == 1, f"both rows shared one batch job: {kinds}"
+
+
+def test_the_batch_lane_puts_a_prompt_boundary_snapshot_that_serves_a_diverging_next_turn(model_dir_factory):
+    model_dir = model_dir_factory("gemma3_text")
+    long_prompt = tuple((7 * i + 3) % 1000 + 3 for i in range(600))
+
+    async def main():
+        async with open_system(_config(model_dir)) as system:
+            await _concurrently(system, [_greedy(long_prompt, 6), _greedy(PROMPTS[1], 6)])
+            assert system.stats()["prompt_cache"]["entries"] == 3, "prompt-only snapshot + two final entries"
+            _, _, done = await _run(system, _greedy(long_prompt + (999, 998), 2))
+            assert done.cache_tier == "ram" and done.cached_tokens == len(long_prompt)
+
+    trio.run(main)
