@@ -1,0 +1,101 @@
+"""Benchmark: how fast the simulator runs. Simulated runs per second over a
+seed sweep (default workload, mixed faults), and crash points per second over
+the exhaustive crash-point enumeration of the small workloads, each a full
+run: workload, crash, recovery, invariant checks.
+
+There is no target; the figures size the default test sweep and tell how long
+a long sweep takes. Run `python -m kvcellar.bench.simulation --help`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
+from kvcellar.simulations.sweep import SweepPlan, run_sweep
+from kvcellar.simulations.workload import SMALL_SHAPES
+
+DOCS_BEGIN, DOCS_END = docs_markers("simulation")
+
+
+def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> dict[str, Any]:
+    progress.print(f"sweeping {seeds} seeds (default workload, mixed faults)")
+    started = time.perf_counter()
+    sweep = run_sweep(SweepPlan(seed=0, runs=seeds, faults="mixed"))
+    sweep_s = time.perf_counter() - started
+    results = [result for result, _ in sweep.results]
+    crash_runs, crash_s, failures = 0, 0.0, len(sweep.failures)
+    for index, name in enumerate(crash_workloads):
+        progress.print(f"every crash point of the {name} workload")
+        started = time.perf_counter()
+        outcome = run_sweep(SweepPlan(seed=index + 1, runs=1, faults="none", shape_name=name, crash_points="all"))
+        crash_s += time.perf_counter() - started
+        crash_runs += outcome.crash_points
+        failures += len(outcome.failures)
+    return {
+        "seeds": seeds, "sweep_s": round(sweep_s, 3), "runs_per_s": round(seeds / sweep_s, 2),
+        "disk_ops_per_run": round(sum(r.disk_ops for r in results) / max(1, len(results)), 1),
+        "requests_per_run": round(sum(r.requests for r in results) / max(1, len(results)), 1),
+        "crash_point_runs": crash_runs, "crash_s": round(crash_s, 3),
+        "crash_points_per_s": round(crash_runs / crash_s, 2) if crash_s else 0.0,
+        "failed_runs": failures, "crash_workloads": list(crash_workloads),
+    }
+
+
+def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
+    machine = result["machine"]
+    return "\n".join([
+        DOCS_BEGIN,
+        "## Simulator throughput",
+        "",
+        f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs), Python "
+        f"{machine['python']}, mlx {machine['mlx']}. No target: these figures size the default test sweep.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| seeds swept (default workload, mixed faults) | {result['seeds']} in {result['sweep_s']} s |",
+        f"| simulated runs per second | {result['runs_per_s']} |",
+        f"| disk operations / requests per run | {result['disk_ops_per_run']} / {result['requests_per_run']} |",
+        f"| crash-point runs ({', '.join(result['crash_workloads'])}) | {result['crash_point_runs']} in "
+        f"{result['crash_s']} s |",
+        f"| crash points per second | {result['crash_points_per_s']} |",
+        f"| failed runs | {result['failed_runs']} |",
+        "",
+        "Each run is the real store, actors, prompt cache and journal on `SimDisk` under a MockClock: "
+        "workload, crashes, recovery and every invariant checker. A crash point is one full run that "
+        "crashes at that disk operation.",
+        DOCS_END,
+    ])
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--seeds", type=click.IntRange(min=1), default=100, show_default=True, help="Seeds in the sweep.")
+@click.option("--crash-workloads", default="chat,fork,hybrid", show_default=True,
+              help="Small workloads whose every crash point is run (comma list; empty for none).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
+@click.option("--write-docs", is_flag=True,
+              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+def main(seeds: int, crash_workloads: str, as_json: bool, write_docs: bool) -> None:
+    """Measure simulated runs per second and crash points per second."""
+    names = tuple(name.strip() for name in crash_workloads.split(",") if name.strip())
+    unknown = sorted(set(names) - SMALL_SHAPES.keys())
+    if unknown:
+        raise click.BadParameter(f"unknown workload {', '.join(unknown)}; choose from {', '.join(SMALL_SHAPES)}")
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    progress = Console(stderr=True)
+    result = measure(seeds, names, progress)
+    result["machine"] = describe_machine(Path.cwd())
+    rows = [(key, str(value)) for key, value in result.items() if key != "machine"]
+    print_figures("simulator throughput", ("measurement", "value"), rows, [], console)
+    publish("simulation", result, lambda command, run_date: markdown_section(result, command, run_date),
+            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+
+
+if __name__ == "__main__":
+    main()
