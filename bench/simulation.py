@@ -51,7 +51,6 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
     return "\n".join([
-        DOCS_BEGIN,
         "## Simulator throughput",
         "",
         f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs), Python "
@@ -70,7 +69,6 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "Each run is the real store, actors, prompt cache and journal on `SimDisk` under a MockClock: "
         "workload, crashes, recovery and every invariant checker. A crash point is one full run that "
         "crashes at that disk operation.",
-        DOCS_END,
     ])
 
 
