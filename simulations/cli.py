@@ -87,6 +87,15 @@ def _run_with_progress(plan: SweepPlan, console: Console, *, show: bool) -> Swee
         return run_sweep(plan, progress=report)
 
 
+JOURNAL_ROWS = (
+    ("entries stored", ("entry.stored",)), ("supersessions", ("entry.superseded",)),
+    ("evictions", ("entry.evicted",)), ("quarantines", ("entry.quarantined",)),
+    ("failed writes", ("entry.write_failed",)), ("dropped spills", ("spill.dropped",)),
+    ("temp files reaped", ("entry.temp_reaped",)),
+    ("reconcile corrections", ("reconcile.added", "reconcile.updated", "reconcile.removed")),
+)
+
+
 def _print_summary(outcome: SweepOutcome, console: Console) -> None:
     results = [result for result, _ in outcome.results]
     table = Table(title="simulation summary")
@@ -100,6 +109,8 @@ def _print_summary(outcome: SweepOutcome, console: Console) -> None:
         ("durable prefixes checked", sum(r.claims_checked for r in results)),
         ("crashes", sum(r.crashes for r in results)), ("restarts", sum(r.restarts for r in results)),
         ("disk operations", sum(r.disk_ops for r in results)),
+        *((f"journaled {label}", sum(r.journal_kinds.get(kind, 0) for r in results for kind in kinds))
+          for label, kinds in JOURNAL_ROWS),
         ("runs/s", f"{len(results) / outcome.elapsed_s:.1f}" if outcome.elapsed_s else "-"),
     ]
     for name, value in rows:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import Counter
 import logging
 import random
 import sqlite3
@@ -89,6 +90,7 @@ class RunResult:
     durable_flushes: int
     claims_checked: int
     sim_time_s: float
+    journal_kinds: dict[str, int] = attrs.Factory(dict)
     kept_disk: Any = attrs.field(default=None, repr=False)
     kept_journal: bytes | None = attrs.field(default=None, repr=False)
 
@@ -107,6 +109,7 @@ class JournalImage:
         self.commits = 0
         self._follow = follow
         self._followed_seq = 0
+        self.kinds: Counter[str] = Counter()
 
     def image(self) -> bytes | None:
         return self.durable
@@ -124,6 +127,7 @@ class JournalImage:
         rows = connection.execute("SELECT seq, kind, payload FROM events WHERE seq > ? ORDER BY seq",
                                   [self._followed_seq]).fetchall()
         for seq, kind, payload in rows:
+            self.kinds[kind] += 1
             self._follow(decode_event(kind, payload))
             self._followed_seq = seq
 
@@ -346,7 +350,7 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
                      disk_digest=disk.image_digest(), disk_ops=disk.ops_done, workload_ops=workload_ops, crashes=run.crashes,
                      restarts=run.restarts, requests=run.requests, flushes=run.flushes,
                      durable_flushes=run.durable_flushes, claims_checked=claims_checked,
-                     sim_time_s=round(clock.current_time(), 3), kept_disk=disk if keep else None,
+                     sim_time_s=round(clock.current_time(), 3), journal_kinds=dict(run.journal.kinds), kept_disk=disk if keep else None,
                      kept_journal=run.journal.durable if keep else None)
 
 

@@ -99,6 +99,7 @@ class Observer:
             caches = restore(match)
             if caches is not None:
                 self.restores += 1
+                self._check_final_file(store, match.entry_id)
                 entry_tokens = self._entry_tokens_after_restore(store, match)
                 self.check_restored(match.namespace, entry_tokens[: match.usable_tokens], caches, "restore")
             return caches
@@ -109,6 +110,12 @@ class Observer:
 
         store.restore = observed_restore
         store._event = observed_event
+
+    def _check_final_file(self, store: Any, entry_id: str) -> None:
+        entry = store.entry(entry_id)
+        name = Path(entry.path).name if entry is not None else ""
+        if entry is not None and (name.startswith(".") or not name.endswith(".kvc") or "quarantine" in str(entry.path)):
+            self.violate("no_partial_restore", f"restored from {entry.path}, which is not a committed entry file")
 
     @staticmethod
     def _entry_tokens_after_restore(store: Any, match: Any) -> tuple[int, ...]:
