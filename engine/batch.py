@@ -81,7 +81,7 @@ def batch_lane_refusal(model: Any, scheme: KvScheme, rows_max: int) -> str | Non
     run them: `rows_max` of 1, an unbatchable cache kind, or a scheme the batch
     lane cannot carry."""
     if rows_max <= 1:
-        return "a batch of 1 row asks for the serial lane"
+        return "a batch of 1 row (--batch 1) asks for the serial lane"
     reason = model_batch_refusal(model)
     if reason is not None:
         return reason

@@ -68,7 +68,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     model_id = loaded.model_dir.name
 
     async def health(_: Request) -> Response:
-        admitting = system.gateway.stats()["admitting"]
+        admitting = system.admitting
         return JSONResponse({"status": "ok" if admitting else "shutting down", "model": model_id},
                             status_code=200 if admitting else 503)
 
@@ -95,7 +95,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
             return error_response(400, f"the request body is not valid JSON: {e}")
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
-        if not system.gateway.stats()["admitting"]:
+        if not system.admitting:
             return error_response(503, "the server is shutting down", error_type="server_unavailable")
         if job.stream:
             return StreamingResponse(_sse(system, job, model_id), media_type="text/event-stream")

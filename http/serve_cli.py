@@ -67,6 +67,12 @@ def shutdown_timeout_s(environ=os.environ) -> float:
                    "Needs --ssd-cache.")
 @click.option("--kv-quant", default="off", show_default=True, type=click.Choice(["off", "4", "8", "config"]),
               help="KV cache quantization: off (model dtype), 4 or 8 bits, or per-layer from kv_config.json.")
+@click.option("--batch", "--max-batch", "batch_rows", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Rows of the batch lane: up to this many requests decode together. 1 = the serial lane "
+                   "(one request at a time). --max-batch is the same flag.")
+@click.option("--kv-budget", "kv_budget_gb", default=4.0, show_default=True, type=click.FloatRange(min=0),
+              help="KV budget of the batch lane in GB: a request joins the batch only if its projected KV "
+                   "(prompt + max_tokens) fits in what the active rows leave; the rest wait in FIFO order.")
 @click.option("--prefill-step-size", default=512, show_default=True, type=click.IntRange(min=1),
               help="Tokens per prefill chunk.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
@@ -78,8 +84,9 @@ def shutdown_timeout_s(environ=os.environ) -> float:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Logging verbosity.")
 def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: float, ssd_dir: Path | None,
-                  ssd_max_gb: float | None, demote_idle_s: float | None, kv_quant: str, prefill_step_size: int,
-                  max_tokens: int, admin_token: str | None, api_key: str | None, log_level: str) -> None:
+                  ssd_max_gb: float | None, demote_idle_s: float | None, kv_quant: str, batch_rows: int,
+                  kv_budget_gb: float, prefill_step_size: int, max_tokens: int, admin_token: str | None,
+                  api_key: str | None, log_level: str) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
 
@@ -99,6 +106,8 @@ def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: floa
         prompt_cache_bytes=int(prompt_cache_gb * GB),
         demote_idle_s=300.0 if demote_idle_s is None else demote_idle_s,
         kv_quant=kv_quant,
+        batch_rows_max=batch_rows,
+        kv_budget_bytes=int(kv_budget_gb * GB),
         prefill_step_tokens=prefill_step_size,
         shutdown_timeout_s=shutdown_timeout_s(),
     )

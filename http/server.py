@@ -28,6 +28,11 @@ def banner(system: System, host: str, port: int) -> str:
     ram_gb = system.prompt_cache.max_bytes / 1e9
     lines = [f"kvcellar serving {system.loaded.model_dir} on http://{host}:{port}",
              f"  RAM prompt cache: {'off' if ram_gb <= 0 else f'{ram_gb:g} GB'}; KV scheme {system.scheme.cache_key}"]
+    lane = stats["scheduler"]
+    if lane["lane"] == "batch":
+        lines.append(f"  batch lane: up to {lane['batch_size']} rows, KV budget {lane['kv_budget_bytes'] / 1e9:g} GB")
+    else:
+        lines.append(f"  serial lane: {lane['reason']}")
     if system.store is not None:
         ssd = stats["ssd_cache"]
         cap = "unlimited" if not ssd["max_bytes"] else f"{ssd['max_bytes'] / 1e9:g} GB"

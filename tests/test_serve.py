@@ -59,7 +59,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir_factory, tmp_path_factory):
-    running = Server(model_dir_factory("llama"), "--ssd-cache", str(tmp_path_factory.mktemp("ssd")))
+    running = Server(model_dir_factory("llama"), "--ssd-cache", str(tmp_path_factory.mktemp("ssd")),
+                     "--kv-budget", "0.5")
     yield running
     running.kill()
 
@@ -157,6 +158,11 @@ def test_stats_and_metrics_expose_the_tiers(server):
                   "longest_durable_prefix_tokens"):
         assert field in stats["ssd_cache"], field
     assert stats["prompt_cache"]["entries"] >= 1 and "busy" in stats["gateway"]
+    scheduler = stats["scheduler"]
+    assert scheduler["lane"] == "batch" and scheduler["reason"] == "", "the batch lane is the default"
+    assert scheduler["batch_size"] == 8 and scheduler["kv_budget_bytes"] == 500_000_000
+    for field in ("rows_active", "waiting", "batch_size_history", "kv_bytes_active", "kv_bytes_peak", "completed"):
+        assert field in scheduler, field
     metrics = httpx.get(f"{server.base}/metrics", timeout=5).text
     assert "# TYPE kvcellar_prompt_cache_entries gauge" in metrics
     assert "kvcellar_prompt_cache_hits_total" in metrics and "kvcellar_ssd_cache_entries" in metrics
@@ -179,6 +185,32 @@ def test_eight_concurrent_clients_all_complete_with_the_same_greedy_output(serve
     results = trio.run(main)
     texts = {r["choices"][0]["text"] for r in results}
     assert len(texts) == 1 and all(r["usage"]["completion_tokens"] >= 1 for r in results)
+
+
+def test_requests_arriving_during_a_long_generation_join_its_batch(server):
+    body = {"prompt": "A long one that others join " * 2, "max_tokens": 1500, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                replies = [None] * 3
+
+                async def one(i):
+                    reply = await client.post(f"{server.base}/v1/completions",
+                                              json={"prompt": f"joiner {i}", "max_tokens": 4, "temperature": 0})
+                    replies[i] = reply.json()
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(3):
+                        nursery.start_soon(one, i)
+                return replies
+
+        replies = trio.run(main)
+        history = httpx.get(f"{server.base}/stats", timeout=5).json()["scheduler"]["batch_size_history"]
+    assert all(reply["usage"]["completion_tokens"] >= 1 for reply in replies)
+    assert max(int(rows) for rows in history) >= 2, history
 
 
 def test_client_disconnect_mid_stream_cancels_and_keeps_the_cache(server):
@@ -241,7 +273,8 @@ def test_sigterm_during_a_generation_finishes_cleanly_and_flushes(model_dir_fact
 
 
 def test_admin_token_and_api_key_are_enforced(model_dir_factory, tmp_path):
-    running = Server(model_dir_factory("llama"), "--api-key", "k1", env={"KVCELLAR_ADMIN_TOKEN": "a1"})
+    running = Server(model_dir_factory("llama"), "--api-key", "k1", "--batch", "1",
+                     env={"KVCELLAR_ADMIN_TOKEN": "a1"})
     try:
         assert _chat(running, "no key").status_code == 401
         keyed = httpx.post(f"{running.base}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
@@ -251,6 +284,9 @@ def test_admin_token_and_api_key_are_enforced(model_dir_factory, tmp_path):
         assert httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer k1"}, timeout=5).status_code == 401
         assert httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer a1"}, timeout=5).status_code == 200
         assert httpx.post(f"{running.base}/admin/cache/flush", timeout=5).status_code == 401
+        scheduler = httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer a1"}, timeout=5).json()[
+            "scheduler"]
+        assert scheduler["lane"] == "serial" and "--batch 1" in scheduler["reason"]
     finally:
         running.kill()
 
