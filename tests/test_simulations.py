@@ -159,3 +159,21 @@ def test_a_real_tiny_model_runs_inline(model_dir_factory):
     result = simulate(RunOptions(seed=2, real_model_dir=Path(model_dir), shape=SMALL_SHAPES["chat"]))
     assert result.ok, result.violations
     assert result.requests > 0 and result.claims_checked > 0
+
+
+def _result_with(kinds: list[str]):
+    from kvcellar.simulations.harness import RunResult
+    from kvcellar.simulations.observer import Violation
+
+    return RunResult(seed=0, violations=[Violation(invariant="x", detail="", kind=kind) for kind in kinds],
+                     journal_digest="00", disk_digest="", disk_ops=0, workload_ops=0, crashes=0, restarts=0,
+                     requests=0, flushes=0, durable_flushes=0, claims_checked=0, sim_time_s=0.0)
+
+
+@pytest.mark.parametrize("kinds,code", [([], 0), (["liveness"], 4), (["crash"], 5), (["crash", "liveness"], 4),
+                                        (["liveness", "correctness"], 3)])
+def test_exit_codes_tell_correctness_liveness_and_crash_failures_apart(kinds, code):
+    from kvcellar.simulations.sweep import SweepOutcome
+
+    outcome = SweepOutcome(results=[(_result_with(kinds), None), (_result_with([]), None)])
+    assert outcome.exit_code() == code
