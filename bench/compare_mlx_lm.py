@@ -97,16 +97,19 @@ class OthersCpu:
 class ServerProcess:
     """One server subprocess with its output in a log file, healthy once constructed."""
 
-    def __init__(self, name: str, model_dir: Path, ssd_dir: Path, log_path: Path) -> None:
+    def __init__(self, name: str, model_dir: Path, ssd_dir: Path | None, log_path: Path,
+                 extra_args: tuple[str, ...] = ()) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         self.name, self.log_path, self.base = name, log_path, f"http://127.0.0.1:{port}"
-        command = ([sys.executable, "-m", "kvcellar.cli", "serve", "--ssd-cache", str(ssd_dir)] if name == KVCELLAR
+        ssd_args = ["--ssd-cache", str(ssd_dir)] if ssd_dir is not None else []
+        command = ([sys.executable, "-m", "kvcellar.cli", "serve", *ssd_args] if name == KVCELLAR
                    else [sys.executable, "-m", "mlx_lm", "server"])
         started = time.perf_counter()
         with log_path.open("w") as log:
-            self.process = subprocess.Popen([*command, "--model", str(model_dir), "--port", str(port)], stdout=log,
+            self.process = subprocess.Popen([*command, "--model", str(model_dir), "--port", str(port), *extra_args],
+                                            stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
         self._wait_healthy()
