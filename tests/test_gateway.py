@@ -7,11 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcellar.actors.gateway import (
+    LANE_BATCH,
     AwaitDrained,
     Drained,
     Generate,
     GatewayCore,
     GenerationFinished,
+    Lane,
     Rejected,
     RunStep,
     RunWhenIdle,
@@ -68,6 +70,17 @@ def test_stopped_admission_rejects_and_drain_wakes_when_nothing_is_active():
     assert not [e for e in core.handle(AwaitDrained(waiter_id=7), 0) if isinstance(e, Drained)]
     done = core.handle(GenerationFinished(request_id=1, completion_tokens=1, outcome="cancelled"), 0)
     assert Drained(waiter_id=7) in done
+
+
+def test_the_batch_job_holds_the_lane_like_a_request_unjournaled_and_also_after_stop_admission():
+    core = GatewayCore()
+    core.handle(StopAdmission(), 0)
+    started = core.handle(Generate(request_id=1, prompt_tokens=0, lane=LANE_BATCH), 0)
+    assert started == [StartGeneration(request_id=1)], "no journal event: the Scheduler journals its rows"
+    assert core.lane is Lane.BATCHING and core.busy
+    assert _starts(core.handle(RunWhenIdle(step_id=10), 0)) == [], "background work waits for the batch"
+    after = core.handle(GenerationFinished(request_id=1, completion_tokens=7, outcome="completed"), 0)
+    assert after == [RunStep(step_id=10)]
 
 
 def test_a_result_for_work_that_is_not_running_is_an_illegal_transition():
