@@ -6,7 +6,8 @@ import re
 from typing import Any
 
 _COUNTER_WORDS = ("hits", "misses", "restores", "spills", "evictions", "supersessions", "demotions",
-                  "puts", "dropped", "failed", "failures", "quarantined", "oversize", "cold_hits", "cold_refused")
+                  "puts", "dropped", "failed", "failures", "quarantined", "oversize", "cold_hits", "cold_refused",
+                  "batches", "admitted", "completed", "cancelled", "rejected")
 
 
 def _metric_name(*parts: str) -> str:

@@ -166,6 +166,7 @@ def test_stats_and_metrics_expose_the_tiers(server):
     metrics = httpx.get(f"{server.base}/metrics", timeout=5).text
     assert "# TYPE kvcellar_prompt_cache_entries gauge" in metrics
     assert "kvcellar_prompt_cache_hits_total" in metrics and "kvcellar_ssd_cache_entries" in metrics
+    assert "# TYPE kvcellar_scheduler_rows_active gauge" in metrics and "kvcellar_scheduler_completed_total" in metrics
 
 
 def test_eight_concurrent_clients_all_complete_with_the_same_greedy_output(server):
