@@ -43,7 +43,13 @@ from kvcellar.engine.engine import (
     make_params_sampler,
     release_cached_buffers,
 )
-from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.engine.generation import (
+    SNAPSHOT_MIN_PREFILL_TOKENS,
+    GenerationDone,
+    GenerationRequest,
+    TokenDelta,
+    take_reuse,
+)
 from kvcellar.store import signature as sig
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
@@ -210,18 +216,14 @@ class BatchLoop:
         assert self._generator is not None and self._loaded is not None
         request, params = row.request, row.request.params
         prompt = list(request.prompt_ids)
-        cache = self.prompt_cache
-        use_cache = request.use_prompt_cache and cache is not None and cache.enabled
-        taken = cache.take(prompt, request.namespace) if use_cache else None
-        cached_tokens = taken.reused_tokens if taken else 0
+        reuse = take_reuse(self.prompt_cache, request)
+        cached_tokens = reuse.cached_tokens
         (uid,) = self._generator.insert(
-            [prompt[cached_tokens:]], max_tokens=[params.max_tokens],
-            caches=[taken.caches if taken and taken.caches is not None else None],
+            [prompt[cached_tokens:]], max_tokens=[params.max_tokens], caches=[reuse.caches],
             all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)])
         self._rows[uid] = _Row(
-            row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens,
-            cache_tier=taken.tier if taken else "none", use_cache=use_cache,
-            snapshot=use_cache and len(prompt) - cached_tokens >= self.snapshot_min_prefill_tokens,
+            row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens, cache_tier=reuse.tier,
+            use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(len(prompt), self.snapshot_min_prefill_tokens),
             assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings))
 
     def _sampler(self, params: SamplingParams) -> Any:
@@ -282,12 +284,10 @@ class BatchLoop:
         if state.use_cache and caches is not None and len(tokens) > state.cached_tokens:
             assert self.prompt_cache is not None
             self.prompt_cache.put(list(tokens), caches, state.row.request.namespace)
-        stopped = state.assembler.finished_by_stop
-        if outcome == "completed" and not stopped:
-            tail = state.assembler.flush()
-            if tail:
-                events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=-1, text=tail)))
-        done = GenerationDone(finish_reason="stop" if stopped else "length", prompt_tokens=len(state.prompt),
+        tail = state.assembler.closing_text() if outcome == "completed" else ""
+        if tail:
+            events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=-1, text=tail)))
+        done = GenerationDone(finish_reason=state.assembler.finish_reason, prompt_tokens=len(state.prompt),
                               completion_tokens=state.produced, cached_tokens=state.cached_tokens,
                               cache_tier=state.cache_tier)
         events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done))

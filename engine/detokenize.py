@@ -35,6 +35,15 @@ class TextAssembler:
         hold = max((len(s) - 1 for s in self.stop_strings), default=0)
         return self._emit_until(text, max(self.emitted, len(text) - hold))
 
+    @property
+    def finish_reason(self) -> str:
+        """"stop" once a stop token or string ended the text, "length" otherwise."""
+        return "stop" if self.finished_by_stop else "length"
+
+    def closing_text(self) -> str:
+        """What is left to emit at the end: nothing after a stop, the held-back tail otherwise."""
+        return "" if self.finished_by_stop else self.flush()
+
     def flush(self) -> str:
         """Everything not yet emitted (at the end of generation)."""
         return self._emit_until(self.tokenizer.decode(self.ids), None)

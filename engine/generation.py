@@ -43,6 +43,30 @@ class GenerationRequest:
 
 
 @attrs.frozen(kw_only=True)
+class Reuse:
+    """What the tiers lent a request: `caches` covering its first `cached_tokens`
+    (None on a miss); `use_cache` says whether the request uses the tiers at all."""
+
+    use_cache: bool
+    caches: list | None
+    cached_tokens: int
+    tier: str
+
+    def snapshot_due(self, prompt_tokens: int, snapshot_min_prefill_tokens: int) -> bool:
+        """Whether the prompt-boundary snapshot is owed: a cold prefill of at least the minimum."""
+        return self.use_cache and prompt_tokens - self.cached_tokens >= snapshot_min_prefill_tokens
+
+
+def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> Reuse:
+    """Take the longest usable prefix of the request's prompt from the tiers, when it uses them."""
+    use_cache = request.use_prompt_cache and prompt_cache is not None and prompt_cache.enabled
+    if not use_cache:
+        return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
+    taken = prompt_cache.take(list(request.prompt_ids), request.namespace)
+    return Reuse(use_cache=True, caches=taken.caches, cached_tokens=taken.reused_tokens, tier=taken.tier)
+
+
+@attrs.frozen(kw_only=True)
 class TokenDelta:
     token_id: int
     text: str
@@ -65,15 +89,14 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     """Yield a `TokenDelta` per sampled token, then one `GenerationDone`."""
     params = request.params
     prompt = list(request.prompt_ids)
-    use_cache = request.use_prompt_cache and prompt_cache is not None and prompt_cache.enabled
-    taken = prompt_cache.take(prompt, request.namespace) if use_cache else None
-    cached_tokens = taken.reused_tokens if taken else 0
-    cache = taken.caches if taken and taken.caches is not None else make_prompt_cache(loaded.model)
+    reuse = take_reuse(prompt_cache, request)
+    use_cache, cached_tokens = reuse.use_cache, reuse.cached_tokens
+    cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
     logits = prefill(loaded.model, prompt[cached_tokens:], cache, prefill_step_tokens)
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
-    if use_cache and len(prompt) - cached_tokens >= snapshot_min_prefill_tokens:
+    if reuse.snapshot_due(len(prompt), snapshot_min_prefill_tokens):
         mx.eval(logits)
         prompt_cache.put(prompt, lend_caches(cache), request.namespace)
     sampler = make_params_sampler(params)
@@ -91,7 +114,7 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
                 break
             logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]
             fed.append(token_id)
-        tail = "" if assembler.finished_by_stop else assembler.flush()
+        tail = assembler.closing_text()
         if tail:
             yield TokenDelta(token_id=-1, text=tail)
     finally:
@@ -99,6 +122,6 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
             prompt_cache.put(prompt + fed, cache, request.namespace)
         release_cached_buffers()
-    yield GenerationDone(finish_reason="stop" if assembler.finished_by_stop else "length",
+    yield GenerationDone(finish_reason=assembler.finish_reason,
                          prompt_tokens=len(prompt), completion_tokens=produced, cached_tokens=cached_tokens,
-                         cache_tier=taken.tier if taken else "none")
+                         cache_tier=reuse.tier)
