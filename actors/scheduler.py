@@ -44,7 +44,18 @@ from typing import Any
 import attrs
 import trio
 
-from kvcellar.actors.gateway import LANE_BATCH, AdmissionClosed, Gateway, RequestAdmitted, RequestFinished
+# StopAdmission, AwaitDrained, Rejected and Drained mean for the Scheduler what they mean for the Gateway.
+from kvcellar.actors.gateway import (
+    LANE_BATCH,
+    AdmissionClosed,
+    AwaitDrained,
+    Drained,
+    Gateway,
+    Rejected,
+    RequestAdmitted,
+    RequestFinished,
+    StopAdmission,
+)
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
@@ -93,16 +104,6 @@ class BatchEnded:
     error: str = ""
 
 
-@attrs.frozen(kw_only=True)
-class StopAdmission:
-    pass
-
-
-@attrs.frozen(kw_only=True)
-class AwaitDrained:
-    waiter_id: int
-
-
 SchedulerMessage = Submit | Cancel | RowFinished | BatchEnded | StopAdmission | AwaitDrained
 
 # -- effects --------------------------------------------------------------------
@@ -138,12 +139,6 @@ class EndBatch:
 
 
 @attrs.frozen(kw_only=True)
-class Rejected:
-    request_id: int
-    reason: str
-
-
-@attrs.frozen(kw_only=True)
 class Withdrawn:
     """A waiting request was cancelled before it got a row."""
 
@@ -156,11 +151,6 @@ class RowAborted:
 
     request_id: int
     reason: str
-
-
-@attrs.frozen(kw_only=True)
-class Drained:
-    waiter_id: int
 
 
 SchedulerEffect = (StartBatch | AdmitRow | CancelRow | EndBatch | Rejected | Withdrawn | RowAborted | Drained
