@@ -213,16 +213,18 @@ class PromptCache:
             # Still dirty: a flush must wait for this spill and report it missing
             # if the spill is dropped or fails (the simulator's seed 15 found
             # flushes saying durable while an oversize spill was lost).
-            if self.on_put is not None:
-                self.on_put(ns, tuple(int(t) for t in token_array))
+            self._notify_put(ns, token_array)
             return False
         self._supersede(entry)
         self._insert(entry)
         self.counters.puts += 1
         self._evict_until_under_cap(keep=entry.entry_id)
+        self._notify_put(ns, token_array)
+        return True
+
+    def _notify_put(self, ns: str, token_array: np.ndarray) -> None:
         if self.on_put is not None:
             self.on_put(ns, tuple(int(t) for t in token_array))
-        return True
 
     def _supersede(self, entry: _RamEntry) -> None:
         index = self._indexes.get(entry.namespace)

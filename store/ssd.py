@@ -103,7 +103,8 @@ class SsdStore:
 
     def __init__(self, root_dir: Path, fingerprint: str, *, max_bytes: int | None, disk: Disk,
                  fingerprint_fields: dict[str, str], quarantine_max_bytes: int, verify: bool,
-                 clock_ns: Callable[[], int]) -> None:
+                 clock_ns: Callable[[], int], new_entry_id: Callable[[], str] | None = None,
+                 timer_ns: Callable[[], int] = time.perf_counter_ns) -> None:
         self.root_dir = Path(root_dir)
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
@@ -122,8 +123,8 @@ class SsdStore:
         self._warned_write_failure = False
         self._lock_handle: Any = None
         self.journal: Journal | None = None
-        self._new_entry_id: Callable[[], str] = lambda: uuid.uuid4().hex
-        self._timer_ns: Callable[[], int] = time.perf_counter_ns
+        self._new_entry_id: Callable[[], str] = new_entry_id or (lambda: uuid.uuid4().hex)
+        self._timer_ns = timer_ns
         self._durable_dirs: set[Path] = set()
 
     @classmethod
@@ -144,10 +145,7 @@ class SsdStore:
         """
         store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
                     fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
-                    verify=verify, clock_ns=clock_ns)
-        if new_entry_id is not None:
-            store._new_entry_id = new_entry_id
-        store._timer_ns = timer_ns
+                    verify=verify, clock_ns=clock_ns, new_entry_id=new_entry_id, timer_ns=timer_ns)
         store._make_durable_dirs(store.directory, store.root_dir.parent)
         owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
