@@ -97,11 +97,12 @@ class Observer:
 
         def observed_restore(match: Any) -> Any:
             caches = restore(match)
-            if caches is not None:
+            entry = store.entry(match.entry_id) if caches is not None else None
+            if entry is not None:
                 self.restores += 1
-                self._check_final_file(store, match.entry_id)
-                entry_tokens = self._entry_tokens_after_restore(store, match)
-                self.check_restored(match.namespace, entry_tokens[: match.usable_tokens], caches, "restore")
+                self._check_final_file(entry)
+                tokens = tuple(int(t) for t in entry.tokens[: match.usable_tokens])
+                self.check_restored(match.namespace, tokens, caches, "restore")
             return caches
 
         def observed_event(event: Any) -> None:
@@ -111,16 +112,10 @@ class Observer:
         store.restore = observed_restore
         store._event = observed_event
 
-    def _check_final_file(self, store: Any, entry_id: str) -> None:
-        entry = store.entry(entry_id)
-        name = Path(entry.path).name if entry is not None else ""
-        if entry is not None and (name.startswith(".") or not name.endswith(".kvc") or "quarantine" in str(entry.path)):
+    def _check_final_file(self, entry: Any) -> None:
+        name = Path(entry.path).name
+        if name.startswith(".") or not name.endswith(".kvc") or "quarantine" in str(entry.path):
             self.violate("no_partial_restore", f"restored from {entry.path}, which is not a committed entry file")
-
-    @staticmethod
-    def _entry_tokens_after_restore(store: Any, match: Any) -> tuple[int, ...]:
-        entry = store.entry(match.entry_id)
-        return tuple(int(t) for t in entry.tokens) if entry is not None else ()
 
     def follow(self, event: Any) -> None:
         """Track what the store dropped (idempotent: an event may arrive twice)."""
@@ -176,6 +171,7 @@ class Observer:
         revertible name, no failed fsync) — checked on the disk model itself."""
         if not durable:
             return
+        durable_files: dict[Any, bytes] | None = None  # the platter's image, read once per verdict
         for index in range(puts_from, puts_before):
             ns, tokens = self.puts[index]
             if any(c.namespace == ns and c.tokens == tokens for c in self.claims):
@@ -188,14 +184,17 @@ class Observer:
                              f"flush said durable but {len(tokens)} tokens in {ns!r} have no SSD entry")
                 continue
             self.claims.append(Claim(namespace=ns, tokens=tokens, entry_id=match.entry_id))
-            self._check_on_platter(store, match.entry_id, tokens)
+            if durable_files is None:
+                durable_files = self.disk.files(durable=True)
+            self._check_on_platter(store, match.entry_id, tokens, durable_files)
 
-    def _check_on_platter(self, store: Any, entry_id: str, tokens: tuple[int, ...]) -> None:
+    def _check_on_platter(self, store: Any, entry_id: str, tokens: tuple[int, ...],
+                          durable_files: dict[Any, bytes]) -> None:
         entry = store.entry(entry_id)
         if entry is None:
             return
         relative = Path(entry.path).relative_to(self.disk.root)
-        durable = self.disk.files(durable=True).get(_posix(relative))
+        durable = durable_files.get(_posix(relative))
         if durable is None or durable != self.disk.read_bytes(entry.path):
             self.violate("durable_is_on_disk",
                          f"flush said durable but the entry for {len(tokens)} tokens ({relative}) "
