@@ -157,6 +157,7 @@ class SsdStore:
             journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
             trusted = store._scan(journaled)
             store._reconcile_journal(journaled, trusted)
+            store._supersede_all()
             store._evict_over_cap()
         except BaseException:
             store.close()
@@ -515,6 +516,15 @@ class SsdStore:
         log.log(level, "SSD cache entry not stored (serving continues): %s", reason)
         self._warned_write_failure = True
         self._event(ev.EntryWriteFailed(namespace=ns, token_count=token_count, reason=reason, errno=errno))
+
+    def _supersede_all(self) -> None:
+        """Redo supersession over the whole index at startup. Removals are not
+        directory-fsynced (a lost one costs space, never correctness), so a
+        power loss can bring a superseded file back; newest first, so of exact
+        duplicates the newest stays, as when it was stored."""
+        for entry in sorted(self._entries.values(), key=lambda e: (e.mtime_ns, e.entry_id), reverse=True):
+            if entry.entry_id in self._entries:
+                self._supersede(entry)
 
     def _supersede(self, entry: IndexedEntry) -> None:
         index = self._indexes[entry.namespace]

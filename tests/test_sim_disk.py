@@ -502,12 +502,12 @@ def test_export_writes_the_image_onto_the_real_file_system(tmp_path):
 # -- the real store on a SimDisk ------------------------------------------------------------
 
 
-def _caches(seed: int) -> list[KVCache]:
+def _caches(seed: int, token_count: int = len(TOKENS)) -> list[KVCache]:
     caches = []
     for layer in range(2):
         cache = KVCache()
-        keys = mx.random.normal((1, 2, len(TOKENS), 4), key=mx.random.key(seed * 10 + layer))
-        values = mx.random.normal((1, 2, len(TOKENS), 4), key=mx.random.key(seed * 10 + layer + 5))
+        keys = mx.random.normal((1, 2, token_count, 4), key=mx.random.key(seed * 10 + layer))
+        values = mx.random.normal((1, 2, token_count, 4), key=mx.random.key(seed * 10 + layer + 5))
         cache.update_and_fetch(keys, values)
         caches.append(cache)
     mx.eval([c.keys for c in caches] + [c.values for c in caches])
@@ -593,3 +593,73 @@ def test_a_committed_entry_in_fresh_directories_survives_a_power_loss():
         reopened = SsdStore.open(Path(ROOT / "cache"), FINGERPRINT, disk=disk, journal=False)
         assert reopened.find(TOKENS + [1]) is not None, f"seed {seed}: the committed entry is gone"
         reopened.close()
+
+
+# -- removals are not directory-fsynced: a lost one heals at the next startup ---------------
+
+
+class _NoPendingDirectoryChangePersists(random.Random):
+    """A power loss in which every unsynced create, rename and unlink reverts."""
+
+    def random(self) -> float:
+        return 0.999999
+
+
+def _open_store(disk: SimDisk, **options) -> SsdStore:
+    return SsdStore.open(Path(ROOT / "cache"), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock(), **options)
+
+
+def test_a_supersession_lost_to_a_power_loss_is_redone_at_the_next_startup():
+    disk = SimDisk()
+    store = _open_store(disk)
+    ancestor_id = store.store(TOKENS[:4], _caches(1, 4))
+    ancestor_path = store.entry(ancestor_id).path
+    descendant_id = store.store(TOKENS, _caches(2))
+    assert store.entry_ids() == [descendant_id] and not disk.exists(ancestor_path)
+
+    disk.crash(_NoPendingDirectoryChangePersists())
+    assert disk.exists(ancestor_path), "the unsynced unlink reverted: the superseded file is back"
+    reopened = _open_store(disk)
+
+    assert reopened.entry_ids() == [descendant_id] and not disk.exists(ancestor_path)
+    match = reopened.find(TOKENS[:4] + [1])
+    assert match.entry_id == descendant_id and match.usable_tokens == 4
+    reopened.close()
+
+
+def test_an_eviction_lost_to_a_power_loss_is_redone_at_the_next_startup():
+    probe = _open_store(SimDisk())
+    one_entry_bytes = probe.entry(probe.store(TOKENS, _caches(1))).bytes
+    disk = SimDisk()
+    store = _open_store(disk, max_bytes=one_entry_bytes)
+    evicted_id = store.store(TOKENS, _caches(1))
+    evicted_path = store.entry(evicted_id).path
+    kept_id = store.store([t + 1 for t in TOKENS], _caches(2))
+    assert store.entry_ids() == [kept_id]
+
+    disk.crash(_NoPendingDirectoryChangePersists())
+    assert disk.exists(evicted_path), "the unsynced unlink reverted: the evicted file is back"
+    reopened = _open_store(disk, max_bytes=one_entry_bytes)
+
+    assert reopened.entry_ids() == [kept_id] and not disk.exists(evicted_path)
+    assert reopened.stats()["bytes"] <= one_entry_bytes
+    reopened.close()
+
+
+def test_a_quarantine_lost_to_a_power_loss_never_serves_bad_bytes_and_the_intact_file_serves_again():
+    disk = SimDisk(rng=random.Random(4))
+    store = _open_store(disk)
+    entry_id = store.store(TOKENS, _caches(3))
+    entry_path = store.entry(entry_id).path
+    disk.faults = FaultConfig(read_bitflip_rate=1.0)
+    assert store.restore(store.find(TOKENS + [1])) is None, "a flipped bit is caught, never restored"
+    assert store.entry_ids() == [] and not disk.exists(entry_path)
+
+    disk.faults = FaultConfig()
+    disk.crash(_NoPendingDirectoryChangePersists())
+    assert disk.exists(entry_path), "the unsynced quarantine rename reverted"
+    reopened = _open_store(disk)
+
+    assert reopened.entry_ids() == [entry_id]
+    assert _tensors(reopened.restore(reopened.find(TOKENS + [1]))) == _tensors(_caches(3))
+    reopened.close()
