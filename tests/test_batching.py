@@ -66,9 +66,11 @@ def _outputs(model_dir, requests, **overrides):
     return trio.run(main)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next"])
-def test_concurrent_greedy_rows_equal_the_same_requests_on_the_serial_lane(model_dir_factory, arch):
-    model_dir = model_dir_factory(arch)
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", "float32"), ("gemma3_text", "float32"),
+                                           ("qwen3_next", "float32"), ("llama", "bfloat16"),
+                                           ("gemma3_text", "bfloat16")])
+def test_concurrent_greedy_rows_equal_the_same_requests_on_the_serial_lane(model_dir_factory, arch, dtype):
+    model_dir = model_dir_factory(arch, dtype=dtype)
     requests = [_greedy(prompt) for prompt in PROMPTS]
 
     batched, stats = _outputs(model_dir, requests)
