@@ -354,7 +354,8 @@ class Scheduler:
     def __init__(self, gateway: Gateway, prompt_cache: PromptCache | None, scheme: KvScheme, prototypes: list, *,
                  rows_max: int = ROWS_MAX_DEFAULT, kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS, journal: Journal | None = None) -> None:
+                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS, journal: Journal | None = None,
+                 wait_for_rows: bool = True) -> None:
         self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
         self.shell = ActorShell("scheduler", self.core, self._perform, journal=journal)
         self.gateway = gateway
@@ -364,6 +365,8 @@ class Scheduler:
         self._prototypes = prototypes
         self._prefill_step_tokens = prefill_step_tokens
         self._snapshot_min_prefill_tokens = snapshot_min_prefill_tokens
+        # BatchLoop's seam: False for an engine that runs jobs on the Trio thread.
+        self._wait_for_rows = wait_for_rows
         self._rows: dict[int, _RowChannel] = {}
         self._drain_events: dict[int, trio.Event] = {}
         self._waiter_ids = itertools.count(1)
@@ -461,7 +464,8 @@ class Scheduler:
         cancelled = threading.Event()
         loop = BatchLoop(self.prompt_cache, inbox, rows_max=self.core.rows_max, cancelled=cancelled,
                          prefill_step_tokens=self._prefill_step_tokens,
-                         snapshot_min_prefill_tokens=self._snapshot_min_prefill_tokens)
+                         snapshot_min_prefill_tokens=self._snapshot_min_prefill_tokens,
+                         wait_for_rows=self._wait_for_rows)
         error = "the batch job was cancelled"
         try:
             async for step in self.gateway.generate(loop.run, prompt_tokens=0, cancelled=cancelled, lane=LANE_BATCH):
@@ -520,8 +524,10 @@ async def open_batch_lane(nursery: trio.Nursery, *, engine: Any, gateway: Gatewa
     if reason:
         log.warning("batch lane off, every request takes the serial lane: %s", reason)
         return None, reason
+    # An engine that runs jobs on the Trio thread says so (`blocking_waits = False`).
     scheduler = Scheduler(gateway, prompt_cache, scheme, prototypes, rows_max=rows_max,
-                          kv_budget_bytes=kv_budget_bytes, prefill_step_tokens=prefill_step_tokens, journal=journal)
+                          kv_budget_bytes=kv_budget_bytes, prefill_step_tokens=prefill_step_tokens, journal=journal,
+                          wait_for_rows=getattr(engine, "blocking_waits", True))
     await nursery.start(scheduler.run)
     log.info("batch lane on: up to %d rows, KV budget %.3g GB", rows_max, kv_budget_bytes / 1e9)
     return scheduler, ""

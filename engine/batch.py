@@ -12,7 +12,11 @@ tier (spec §4, extract-and-put); after a cold prefill of
 `snapshot_min_prefill_tokens` or more, the row's prompt-only caches are
 extracted and put as the prompt-boundary snapshot, as the serial lane does.
 The job ends when the Scheduler sends `END_OF_BATCH`, which it does only when
-no row is active or waiting (or when its consumer has gone).
+no row is active or waiting (or when its consumer has gone). While no row is
+active it waits on the inbox; with `wait_for_rows=False` (an engine that runs
+jobs on the Trio thread, the simulator's `InlineEngine`, where that wait would
+stall the Scheduler that fills the inbox) it yields an empty `BatchStep`
+instead and the engine lets the Trio tasks run before the next turn.
 
 Gates (spec §2.3): a model batches only when every fresh cache is one mlx-lm
 can merge into rows (`KVCache`, `RotatingKVCache`, `ArraysCache`, or a
@@ -149,11 +153,12 @@ class BatchLoop:
 
     def __init__(self, prompt_cache: PromptCache | None, inbox: queue.Queue, *, rows_max: int,
                  cancelled: threading.Event, prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS) -> None:
+                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS, wait_for_rows: bool = True) -> None:
         self.prompt_cache = prompt_cache
         self.inbox = inbox
         self.rows_max = rows_max
         self.cancelled = cancelled
+        self.wait_for_rows = wait_for_rows
         self.prefill_step_tokens = prefill_step_tokens
         self.snapshot_min_prefill_tokens = snapshot_min_prefill_tokens
         self._rows: dict[int, _Row] = {}
@@ -184,20 +189,24 @@ class BatchLoop:
     # -- admission ---------------------------------------------------------------
 
     def _take_rows(self, events: list[RowToken | RowDone]) -> bool:
-        """Admit what the inbox holds, waiting for it while no row is active.
-        False once the batch is over (`END_OF_BATCH`, or the consumer left)."""
+        """Admit what the inbox holds, waiting for it while no row is active
+        (unless `wait_for_rows` is off). False once the batch is over
+        (`END_OF_BATCH`, or the consumer left)."""
         while True:
             if not self._rows and events:
                 # Report rows that ended at admission before waiting again: the
                 # Scheduler needs their end to admit more or to end the batch.
                 return True
+            waits = self.wait_for_rows and not self._rows
             try:
-                item = self.inbox.get(timeout=IDLE_POLL_S) if not self._rows else self.inbox.get_nowait()
+                item = self.inbox.get(timeout=IDLE_POLL_S) if waits else self.inbox.get_nowait()
             except queue.Empty:
                 if self._rows:
                     return True
                 if self.cancelled.is_set():
                     return False
+                if not self.wait_for_rows:
+                    return True
                 continue
             if item is END_OF_BATCH:
                 return False
