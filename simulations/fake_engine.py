@@ -12,6 +12,16 @@ greedy next token a function of the last token and position. Restored bytes
 can therefore be checked exactly against `expected_layer_arrays`. With
 `recurrent=True` it adds an `ArraysCache` layer whose state is a running
 function of the tokens: untrimmable, like an SSM.
+
+It is called as mlx-lm calls a model, serially (`KVCache`, scalar `offset`)
+or as rows of a `BatchGenerator` (`BatchKVCache` with a per-row `offset`,
+`ArraysCache` with a batch dimension): row b's token j sits at position
+`offset[b] + j`. Padding slots (a negative position, outside the recurrent
+cache's `left_padding`/`lengths` mask) get keys and values too, which
+mlx-lm never extracts, but never enter the recurrent state, so every row's
+caches equal the serial ones. `InlineEngine.blocking_waits` is False: its
+jobs run on the Trio thread, so the batch lane's job must not wait on its
+inbox (`engine/batch.py`).
 """
 
 from __future__ import annotations
@@ -44,19 +54,20 @@ class FakeTokenizer:
 
 def _key_values(tokens: np.ndarray, positions: np.ndarray, layer: int, heads: int,
                 head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and values `[1, heads, T, head_dim]` as exact small integers in float32."""
-    head = np.arange(heads).reshape(heads, 1, 1)
-    dim = np.arange(head_dim).reshape(1, 1, head_dim)
-    token = tokens.reshape(1, -1, 1).astype(np.int64)
-    position = positions.reshape(1, -1, 1).astype(np.int64)
-    keys = (token * 131 + position * 17 + layer * 7 + head * 3 + dim) % KEY_MODULUS
-    values = (token * 89 + position * 29 + layer * 11 + head * 5 + dim * 2) % KEY_MODULUS
-    return keys[None].astype(np.float32), values[None].astype(np.float32)
+    """Keys and values as exact small integers in float32: `[1, heads, T,
+    head_dim]` for `T` tokens, `[B, heads, T, head_dim]` for `[B, T]` rows."""
+    rows = tokens.reshape(-1, 1, tokens.shape[-1], 1).astype(np.int64)
+    position = positions.reshape(rows.shape).astype(np.int64)
+    head = np.arange(heads).reshape(1, heads, 1, 1)
+    dim = np.arange(head_dim).reshape(1, 1, 1, head_dim)
+    keys = (rows * 131 + position * 17 + layer * 7 + head * 3 + dim) % KEY_MODULUS
+    values = (rows * 89 + position * 29 + layer * 11 + head * 5 + dim * 2) % KEY_MODULUS
+    return keys.astype(np.float32), values.astype(np.float32)
 
 
-def _recurrent_state(tokens: np.ndarray, start: int, state: int) -> int:
-    for offset, token in enumerate(tokens.tolist()):
-        state = (state * 31 + (int(token) + 1) * (start + offset + 1)) % STATE_MODULUS
+def _recurrent_state(tokens: np.ndarray, positions: np.ndarray, state: int) -> int:
+    for token, position in zip(tokens.tolist(), positions.tolist()):
+        state = (state * 31 + (int(token) + 1) * (int(position) + 1)) % STATE_MODULUS
     return state
 
 
@@ -81,20 +92,31 @@ class FakeModel:
         return caches
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        tokens = np.array(inputs[0], dtype=np.int64)
-        start = cache[0].offset
-        positions = np.arange(start, start + tokens.size)
+        tokens = np.array(inputs, dtype=np.int64)
+        starts = np.broadcast_to(np.array(cache[0].offset, dtype=np.int64), tokens.shape[:1])
+        positions = starts[:, None] + np.arange(tokens.shape[1])
         for layer, layer_cache in enumerate(cache[: len(self.layers)]):
             keys, values = _key_values(tokens, positions, layer, self.heads, self.head_dim)
             layer_cache.update_and_fetch(mx.array(keys), mx.array(values))
         if self.recurrent:
-            state_cache = cache[len(self.layers)]
-            previous = 0 if state_cache[0] is None else int(np.array(state_cache[0])[0, 0])
-            state = _recurrent_state(tokens, start, previous)
-            state_cache[0] = mx.array(np.full((1, self.head_dim), state, dtype=np.float32))
-        logits = np.zeros((1, tokens.size, VOCAB_SIZE), dtype=np.float32)
-        logits[0, -1, next_token(int(tokens[-1]), int(positions[-1]))] = 10.0
+            self._advance_state(cache[len(self.layers)], tokens, positions)
+        logits = np.zeros((*tokens.shape, VOCAB_SIZE), dtype=np.float32)
+        for row, (token, position) in enumerate(zip(tokens[:, -1].tolist(), positions[:, -1].tolist())):
+            logits[row, -1, next_token(token, position)] = 10.0
         return mx.array(logits)
+
+    def _advance_state(self, state_cache: ArraysCache, tokens: np.ndarray, positions: np.ndarray) -> None:
+        """Fold each row's real tokens into its state; padding slots are left out."""
+        real = positions >= 0
+        mask = state_cache.make_mask(tokens.shape[1])
+        if mask is not None:
+            real &= np.array(mask)
+        previous = (np.zeros(tokens.shape[0], dtype=np.int64) if state_cache[0] is None
+                    else np.array(state_cache[0])[:, 0].astype(np.int64))
+        states = [_recurrent_state(row_tokens[keep], row_positions[keep], int(state))
+                  for row_tokens, row_positions, keep, state in zip(tokens, positions, real, previous)]
+        state_cache[0] = mx.array(np.repeat(np.array(states, dtype=np.float32)[:, None], self.head_dim, axis=1))
+        state_cache.advance(tokens.shape[1])
 
     def expected_layer_arrays(self, tokens: Sequence[int]) -> list[np.ndarray]:
         """What a cache holding exactly `tokens` must contain, per state array
@@ -105,7 +127,8 @@ class FakeModel:
         for layer in range(len(self.layers)):
             arrays.extend(_key_values(token_array, positions, layer, self.heads, self.head_dim))
         if self.recurrent:
-            arrays.append(np.full((1, self.head_dim), _recurrent_state(token_array, 0, 0), dtype=np.float32))
+            arrays.append(np.full((1, self.head_dim), _recurrent_state(token_array, positions, 0),
+                                  dtype=np.float32))
         return arrays
 
 
@@ -130,6 +153,9 @@ def fake_loaded_model(*, recurrent: bool = False) -> LoadedModel:
 class InlineEngine:
     """`EngineThread`'s interface, run inline on the Trio thread (see module doc).
     `token_cost_s` is the virtual time one generated token (or prefill chunk) takes."""
+
+    # Jobs run on the Trio thread: one that waits for work would stall the tasks that send it.
+    blocking_waits = False
 
     def __init__(self, loaded: LoadedModel, *, token_cost_s: float = 0.01) -> None:
         self._loaded = loaded
