@@ -34,6 +34,9 @@ from kvcellar.store.mutations import MUTATIONS
 @click.option("--workload", "workload_name", default="default", show_default=True,
               help="default, or a small one: chat, fork, hybrid.")
 @click.option("--real-model", is_flag=True, help="Run the demo MLX model inline instead of the fake engine.")
+@click.option("--batch-rows", type=click.IntRange(min=1), default=None,
+              help="Run every seed on the batch lane with up to this many rows (1: the serial lane); "
+                   "default: each seed draws its lane.")
 @click.option("--mutate", "mutate", multiple=True, type=click.Choice(sorted(MUTATIONS)),
               help="Switch a deliberate durability bug on (the checkers must catch it).")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -41,8 +44,8 @@ from kvcellar.store.mutations import MUTATIONS
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON object on the last line.")
 @click.pass_context
 def simulate_command(ctx: click.Context, seed: int | None, runs: int, faults: str, crash_points: str | None,
-                     crash_at: int | None, workload_name: str, real_model: bool, mutate: tuple[str, ...],
-                     keep: Path | None, as_json: bool) -> None:
+                     crash_at: int | None, workload_name: str, real_model: bool, batch_rows: int | None,
+                     mutate: tuple[str, ...], keep: Path | None, as_json: bool) -> None:
     """Run the real store and actors on a simulated disk under a seeded
     workload, inject crashes and faults, recover, and check the invariants.
 
@@ -54,7 +57,8 @@ def simulate_command(ctx: click.Context, seed: int | None, runs: int, faults: st
     click.echo(f"SEED={seed}")
     plan = SweepPlan(seed=seed, runs=runs, faults=parse_faults(faults), crash_points=crash_points,
                      crash_at_op=crash_at, shape_name=workload_name,
-                     real_model_dir=_real_model_dir() if real_model else None, mutations=frozenset(mutate))
+                     real_model_dir=_real_model_dir() if real_model else None, mutations=frozenset(mutate),
+                     batch_rows=batch_rows)
     plan.options(seed, None)  # validates the workload name before any run
     console = Console(stderr=True)
     outcome = _run_with_progress(plan, console, show=runs > 1 or crash_points is not None)
@@ -96,6 +100,14 @@ JOURNAL_ROWS = (
 )
 
 
+def lane_counts(results: list[Any]) -> dict[str, int]:
+    """Runs on each lane, and batch-lane decode steps that more than one row shared."""
+    return {"serial_lane_runs": sum(r.batch_rows == 1 for r in results),
+            "batch_lane_runs": sum(r.batch_rows > 1 for r in results),
+            "shared_decode_steps": sum(steps for r in results for rows, steps in r.decode_steps_by_rows.items()
+                                       if rows > 1)}
+
+
 def _print_summary(outcome: SweepOutcome, console: Console) -> None:
     results = [result for result, _ in outcome.results]
     table = Table(title="simulation summary")
@@ -104,6 +116,7 @@ def _print_summary(outcome: SweepOutcome, console: Console) -> None:
     rows = [
         ("runs", len(results)), ("crash-point runs", outcome.crash_points),
         ("failed runs", len(outcome.failures)),
+        *((name.replace("_", " "), value) for name, value in lane_counts(results).items()),
         ("requests", sum(r.requests for r in results)), ("flushes", sum(r.flushes for r in results)),
         ("durable flushes", sum(r.durable_flushes for r in results)),
         ("durable prefixes checked", sum(r.claims_checked for r in results)),
@@ -172,7 +185,8 @@ def _summary_json(plan: SweepPlan, outcome: SweepOutcome) -> dict[str, Any]:
         "failed": len(failures), "failures": failures[:20], "journal_digest": outcome.journal_digest(),
         "disk_digest": results[0].disk_digest if len(results) == 1 else None,
         "requests": sum(r.requests for r in results), "durable_flushes": sum(r.durable_flushes for r in results),
-        "claims_checked": sum(r.claims_checked for r in results), "elapsed_s": round(outcome.elapsed_s, 3),
+        "claims_checked": sum(r.claims_checked for r in results), **lane_counts(results),
+        "elapsed_s": round(outcome.elapsed_s, 3),
         "runs_per_s": round(len(results) / outcome.elapsed_s, 2) if outcome.elapsed_s else None,
         "exit_code": outcome.exit_code(),
     }

@@ -4,9 +4,13 @@ crashes, recovery, invariants.
 Determinism: one `trio.run` per run under `MockClock(autojump_threshold=0)`
 with Trio's scheduler seeded; no threads (the `InlineEngine`, blocking I/O
 run inline); every random choice comes from `random.Random` objects derived
-from the seed. The journal is an in-memory SQLite database whose durable
-image is taken at each commit (`JournalImage`), so a crash keeps exactly the
-committed transactions and `journal_digest` is reproducible byte for byte.
+from the seed. The lane comes from its own stream (`lane_for_seed`): about
+half the seeds run every request through the batch lane (the Scheduler and
+`BatchLoop` over mlx-lm's `BatchGenerator`, 2–4 rows, sometimes a KV budget
+small enough to make rows wait), the rest through the serial lane. The
+journal is an in-memory SQLite database whose durable image is taken at each
+commit (`JournalImage`), so a crash keeps exactly the committed transactions
+and `journal_digest` is reproducible byte for byte.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import attrs
 import trio
 import trio.testing
 
+from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT
 from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta
@@ -46,6 +51,11 @@ CACHE_DIR = Path("/sim/cache")
 FINGERPRINT = "sim-fingerprint"
 EPOCH_NS = 1_800_000_000 * 10**9
 LIVENESS_FLUSHES = 3
+BATCH_LANE_RATE = 0.5
+BATCH_ROWS = (2, 4)
+# The fake model's KV costs 128 B a token: 24 KiB holds one or two rows of a
+# grown conversation, so a burst's later rows wait for an earlier one to end.
+KV_BUDGETS_BYTES = (KV_BUDGET_BYTES_DEFAULT, 64 * 1024, 24 * 1024)
 
 FAULTS = {
     "fsync": FaultConfig(fsync_eio_rate=0.08),
@@ -64,7 +74,31 @@ def combined_faults(names: frozenset[str]) -> FaultConfig:
 
 
 @attrs.frozen(kw_only=True)
+class Lane:
+    """Rows of the batch lane (1: the serial lane) and its KV budget."""
+
+    rows: int
+    kv_budget_bytes: int
+
+
+def lane_for_seed(seed: int, batch_rows: int | None = None) -> Lane:
+    """The seed's lane, from a stream of its own (so drawing it moves no other
+    choice); `batch_rows` forces the rows and keeps the seed's budget."""
+    rng = random.Random(f"lane-{seed}")
+    batched = rng.random() < BATCH_LANE_RATE
+    rows = rng.randint(*BATCH_ROWS)
+    kv_budget_bytes = rng.choice(KV_BUDGETS_BYTES)
+    if batch_rows is not None:
+        rows = batch_rows
+    elif not batched:
+        rows = 1
+    return Lane(rows=rows, kv_budget_bytes=kv_budget_bytes)
+
+
+@attrs.frozen(kw_only=True)
 class RunOptions:
+    """`batch_rows`: None draws the lane from the seed; 1 forces the serial lane."""
+
     seed: int
     shape: WorkloadShape = WorkloadShape()
     faults: frozenset[str] = frozenset()
@@ -73,6 +107,7 @@ class RunOptions:
     mutations: frozenset[str] = frozenset()
     prompt_cache_bytes: int = 96 * 1024
     ssd_max_bytes: int = 1536 * 1024
+    batch_rows: int | None = None
 
 
 @attrs.define(kw_only=True)
@@ -90,6 +125,9 @@ class RunResult:
     durable_flushes: int
     claims_checked: int
     sim_time_s: float
+    batch_rows: int = 1
+    # Decode steps of the batch lane by how many rows shared them.
+    decode_steps_by_rows: dict[int, int] = attrs.Factory(dict)
     journal_kinds: dict[str, int] = attrs.Factory(dict)
     kept_disk: Any = attrs.field(default=None, repr=False)
     kept_journal: bytes | None = attrs.field(default=None, repr=False)
@@ -138,6 +176,7 @@ class JournalImage:
 @attrs.define(kw_only=True)
 class _Run:
     options: RunOptions
+    lane: Lane
     disk: SimDisk
     journal: JournalImage
     observer: Observer
@@ -154,6 +193,7 @@ class _Run:
     durable_flushes: int = 0
     phase_puts_from: int = 0
     entry_numbers: Any = attrs.Factory(itertools.count)
+    decode_steps_by_rows: Counter[int] = attrs.Factory(Counter)
 
     def clock_ns(self) -> int:
         return EPOCH_NS + int(self.clock.current_time() * 1e9)
@@ -181,7 +221,8 @@ def _config(run: _Run) -> SystemConfig:
         prompt_cache_bytes=run.options.prompt_cache_bytes, spill_queue_bytes=256 * 1024, write_behind=True,
         demote_idle_s=6.0, debounce_s=0.5, busy_rearm_s=1.0, prefill_step_tokens=64, shutdown_timeout_s=60.0,
         engine=InlineEngine(run.loaded), clock_s=run.clock.current_time, run_blocking=_inline,
-        store_opener=lambda config, scheme: _open_store(run))
+        store_opener=lambda config, scheme: _open_store(run), batch_rows_max=run.lane.rows,
+        kv_budget_bytes=run.lane.kv_budget_bytes)
 
 
 async def _request(run: _Run, system: Any, request: Request) -> None:
@@ -198,6 +239,10 @@ async def _request(run: _Run, system: Any, request: Request) -> None:
             elif isinstance(item, GenerationDone) and item.cached_tokens > len(prompt):
                 run.observer.violate("reuse_within_prompt", f"{item.cached_tokens} cached of {len(prompt)}")
     except KvCellarError as e:
+        if run.disk.crashed:
+            # The process is dying: a batch row fails as its job is cancelled
+            # (a serial request is just cancelled); no client is left to see it.
+            return
         run.observer.violate("request_succeeds", f"a request failed: {e}", kind="crash")
         return
     run.conversations[request.conversation] = prompt + tuple(produced)
@@ -252,18 +297,22 @@ async def _phase(run: _Run, steps: list[Step], index: int, *, last: bool) -> tup
     try:
         async with open_system(_config(run)) as system:
             run.observer.attach(system)
-            while index < len(steps):
-                step = steps[index]
-                index += 1
-                if isinstance(step, Restart):
-                    run.restarts += 1
-                    await _graceful_shutdown(run, system)
-                    return "restart", index
-                await _step(run, system, step)
-            if last:
-                await _liveness(run, system)
-            await _graceful_shutdown(run, system)
-            return "end", index
+            try:
+                while index < len(steps):
+                    step = steps[index]
+                    index += 1
+                    if isinstance(step, Restart):
+                        run.restarts += 1
+                        await _graceful_shutdown(run, system)
+                        return "restart", index
+                    await _step(run, system, step)
+                if last:
+                    await _liveness(run, system)
+                await _graceful_shutdown(run, system)
+                return "end", index
+            finally:
+                if system.scheduler is not None:
+                    run.decode_steps_by_rows.update(system.scheduler.decode_steps_by_rows)
     except BaseException as error:  # the injected crash arrives wrapped in groups
         if _crashed(error):
             return "crashed", index
@@ -332,8 +381,9 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
                    clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9))
     loaded = _loaded_model(options)
     observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
-    run = _Run(options=options, disk=disk, journal=JournalImage(disk, observer.follow), observer=observer,
-               loaded=loaded, clock=clock, rng=random.Random(f"crash-{options.seed}"), conversations={},
+    run = _Run(options=options, lane=lane_for_seed(options.seed, options.batch_rows), disk=disk,
+               journal=JournalImage(disk, observer.follow), observer=observer, loaded=loaded, clock=clock,
+               rng=random.Random(f"crash-{options.seed}"), conversations={},
                system_prompt=system_prompt(options.seed, options.shape))
     steps = build_workload(options.seed, options.shape)
     claims_checked = 0
@@ -347,10 +397,12 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
             run.observer.violate("no_unexpected_error", "".join(traceback.format_exception(error))[-2000:],
                                  kind="crash")
     return RunResult(seed=options.seed, violations=list(run.observer.violations), journal_digest=run.journal.digest(),
-                     disk_digest=disk.image_digest(), disk_ops=disk.ops_done, workload_ops=workload_ops, crashes=run.crashes,
-                     restarts=run.restarts, requests=run.requests, flushes=run.flushes,
+                     disk_digest=disk.image_digest(), disk_ops=disk.ops_done, workload_ops=workload_ops,
+                     crashes=run.crashes, restarts=run.restarts, requests=run.requests, flushes=run.flushes,
                      durable_flushes=run.durable_flushes, claims_checked=claims_checked,
-                     sim_time_s=round(clock.current_time(), 3), journal_kinds=dict(run.journal.kinds), kept_disk=disk if keep else None,
+                     sim_time_s=round(clock.current_time(), 3), batch_rows=run.lane.rows,
+                     decode_steps_by_rows=dict(sorted(run.decode_steps_by_rows.items())),
+                     journal_kinds=dict(run.journal.kinds), kept_disk=disk if keep else None,
                      kept_journal=run.journal.durable if keep else None)
 
 

@@ -66,10 +66,12 @@ class SweepPlan:
     shape_name: str = "default"
     real_model_dir: Path | None = None
     mutations: frozenset[str] = frozenset()
+    batch_rows: int | None = None  # None: each seed draws its lane
 
     def options(self, seed: int, crash_at_op: int | None) -> RunOptions:
         return RunOptions(seed=seed, shape=shape_named(self.shape_name), faults=faults_for_seed(self.faults, seed),
-                          crash_at_op=crash_at_op, real_model_dir=self.real_model_dir, mutations=self.mutations)
+                          crash_at_op=crash_at_op, real_model_dir=self.real_model_dir, mutations=self.mutations,
+                          batch_rows=self.batch_rows)
 
     def replay_command(self, seed: int, crash_at_op: int | None) -> str:
         faults = faults_for_seed(self.faults, seed)
@@ -81,6 +83,8 @@ class SweepPlan:
             parts.append(f"--crash-at {crash_at_op}")
         if self.real_model_dir is not None:
             parts.append("--real-model")
+        if self.batch_rows is not None:
+            parts.append(f"--batch-rows {self.batch_rows}")
         parts.extend(f"--mutate {name}" for name in sorted(self.mutations))
         return " ".join(parts)
 

@@ -1,6 +1,7 @@
 """The deterministic crash/replay simulator: reproducibility, the default
-sweep, exhaustive crash points, mutations the checkers must catch, the CLI,
-and regressions for what it found."""
+sweep (both lanes), exhaustive crash points, mutations the checkers must
+catch, the CLI, and regressions for what it found. The batch lane's own
+checks are in test_sim_batch_lane.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,12 +53,14 @@ def test_the_journal_digest_is_the_same_in_another_process_with_another_hash_see
     assert digests[0] == digests[1]
 
 
-def test_a_run_uses_no_worker_threads(monkeypatch):
+@pytest.mark.parametrize("batch_rows", [1, 3])
+def test_a_run_uses_no_worker_threads(monkeypatch, batch_rows):
     def refuse(*args, **kwargs):
         raise AssertionError("a simulated run must not start threads")
 
     monkeypatch.setattr(trio.to_thread, "run_sync", refuse)
-    result = simulate(RunOptions(seed=3))
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    result = simulate(RunOptions(seed=3, batch_rows=batch_rows))
     assert result.ok, result.violations
     assert result.requests > 0
 
@@ -69,13 +73,20 @@ def test_the_default_sweep_holds_every_invariant():
     assert sum(r.crashes for r in results) > DEFAULT_SWEEP_SEEDS
     assert sum(r.claims_checked for r in results) > DEFAULT_SWEEP_SEEDS
     assert sum(r.restarts for r in results) > 0
+    batched = [r for r in results if r.batch_rows > 1]
+    assert 0 < len(batched) < len(results)
+    assert sum(steps for r in batched for rows, steps in r.decode_steps_by_rows.items() if rows > 1) > 0
 
 
-@pytest.mark.parametrize("workload,seed", [("chat", 1), ("fork", 2), ("hybrid", 5)])
-def test_every_crash_point_of_a_small_workload_recovers(workload, seed):
-    outcome = run_sweep(SweepPlan(seed=seed, runs=1, faults="none", shape_name=workload, crash_points="all"))
+# chat runs on the batch lane (its burst shares decode steps), fork and hybrid on the serial lane.
+@pytest.mark.parametrize("workload,seed,batch_rows", [("chat", 1, 3), ("fork", 2, 1), ("hybrid", 5, 1)])
+def test_every_crash_point_of_a_small_workload_recovers(workload, seed, batch_rows):
+    outcome = run_sweep(SweepPlan(seed=seed, runs=1, faults="none", shape_name=workload, crash_points="all",
+                                  batch_rows=batch_rows))
     base = outcome.results[0][0]
     assert base.workload_ops > 50
+    assert base.batch_rows == batch_rows
+    assert (max(base.decode_steps_by_rows, default=1) > 1) == (batch_rows > 1)
     assert outcome.crash_points == base.workload_ops
     assert not outcome.failures, _describe(outcome)
     assert sum(result.crashes for result, _ in outcome.results) >= base.workload_ops
@@ -92,7 +103,7 @@ def test_each_deliberate_durability_bug_is_caught_by_the_default_sweep(mutation)
 def test_seed_3_new_namespace_directories_are_synced_into_their_parent():
     # Found by the simulator: the store created namespace directories without
     # fsyncing their parent, so a power loss could take committed entries with them.
-    result = simulate(RunOptions(seed=3))
+    result = simulate(RunOptions(seed=3, batch_rows=1))
     assert result.ok, result.violations
     assert result.claims_checked > 0
 
@@ -100,7 +111,7 @@ def test_seed_3_new_namespace_directories_are_synced_into_their_parent():
 def test_seed_15_an_oversize_put_stays_dirty_until_its_spill_lands():
     # Found by the simulator: a put larger than the RAM cap went straight to the
     # spill queue untracked, so a flush said durable while it was lost.
-    result = simulate(RunOptions(seed=15, faults=frozenset({"misdirect"})))
+    result = simulate(RunOptions(seed=15, faults=frozenset({"misdirect"}), batch_rows=1))
     assert not [v for v in result.violations if v.invariant == "durable_means_covered"], result.violations
 
 
