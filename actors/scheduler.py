@@ -2,10 +2,12 @@
 per-row prompt-cache reuse.
 
 The core admits requests as rows of one running batch. A row is admitted only
-while fewer than `rows_max` rows are active and its projected KV bytes (prompt
-plus `max_tokens` under the KV scheme) fit in what the active rows leave of
-`kv_budget_bytes`; the rest wait in FIFO order, and the head of the queue is
-never overtaken. A row larger than the whole budget runs alone once nothing
+while fewer than `rows_max` rows are active and the batch's padded projection
+with it fits `kv_budget_bytes`: rows times the largest row's projected KV bytes
+(prompt plus `max_tokens` under the KV scheme), because mlx-lm left-pads every
+row of the merged caches to the longest one, so a short row beside a long one
+costs as much memory as the long one. The rest wait in FIFO order, and the
+head of the queue is never overtaken. A row larger than the whole budget runs alone once nothing
 else is active, so it waits rather than starving. Admission is
 work-conserving: while anything waits, some row is active, so a batch never
 ends with work queued.
@@ -38,7 +40,7 @@ import math
 import queue
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import attrs
@@ -180,6 +182,14 @@ _MOVES = {
 }
 
 
+def padded_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
+    """What rows with these projected KV bytes take once merged: every row is
+    padded to the largest (mlx-lm's `BatchKVCache.extend` right-justifies the
+    rows to the longest index; `filter` trims only padding common to all)."""
+    sizes = list(row_kv_bytes)
+    return len(sizes) * max(sizes, default=0)
+
+
 class SchedulerCore:
     """Sans-IO admission of batch rows under `rows_max` and `kv_budget_bytes`.
 
@@ -201,10 +211,14 @@ class SchedulerCore:
         self.batch_id = 0
         self.waiting: OrderedDict[int, Submit] = OrderedDict()
         self.active: dict[int, int] = {}
-        self.kv_bytes_active = 0
         self.kv_bytes_peak = 0
         self.drain_waiters: list[int] = []
         self.counts = {"batches": 0, "admitted": 0, "rejected": 0, **{outcome: 0 for outcome in OUTCOMES}}
+
+    @property
+    def kv_bytes_active(self) -> int:
+        """The active rows' padded projection (see the module docstring)."""
+        return padded_kv_bytes(self.active.values())
 
     @property
     def busy(self) -> bool:
@@ -261,7 +275,7 @@ class SchedulerCore:
         if msg.request_id not in self.active or msg.outcome not in OUTCOMES:
             raise IllegalTransition(f"RowFinished({msg.request_id}, {msg.outcome!r}) for a row that is not active "
                                     f"(state {self.state.name}, active {sorted(self.active)})")
-        self.kv_bytes_active -= self.active.pop(msg.request_id)
+        del self.active[msg.request_id]
         return self._finished(msg.request_id, msg.outcome, msg.completion_tokens)
 
     def _on_batch_ended(self, msg: BatchEnded) -> list[SchedulerEffect]:
@@ -271,7 +285,7 @@ class SchedulerCore:
         effects: list[SchedulerEffect] = []
         reason = msg.error or "the batch ended before the row did"
         for request_id in list(self.active):
-            self.kv_bytes_active -= self.active.pop(request_id)
+            del self.active[request_id]
             effects += [RowAborted(request_id=request_id, reason=reason),
                         *self._finished(request_id, "failed", 0)]
         self._move(BatchState.IDLE)
@@ -304,11 +318,10 @@ class SchedulerCore:
         effects: list[SchedulerEffect] = []
         while self.waiting and len(self.active) < self.rows_max:
             head = next(iter(self.waiting.values()))
-            if self.active and self.kv_bytes_active + head.kv_bytes > self.kv_budget_bytes:
+            if self.active and padded_kv_bytes([*self.active.values(), head.kv_bytes]) > self.kv_budget_bytes:
                 break
             del self.waiting[head.request_id]
             self.active[head.request_id] = head.kv_bytes
-            self.kv_bytes_active += head.kv_bytes
             self.kv_bytes_peak = max(self.kv_bytes_peak, self.kv_bytes_active)
             self.counts["admitted"] += 1
             effects.append(AdmitRow(request_id=head.request_id, batch_id=self.batch_id))

@@ -71,8 +71,9 @@ def shutdown_timeout_s(environ=os.environ) -> float:
               help="Rows of the batch lane: up to this many requests decode together. 1 = the serial lane "
                    "(one request at a time). --max-batch is the same flag.")
 @click.option("--kv-budget", "kv_budget_gb", default=4.0, show_default=True, type=click.FloatRange(min=0),
-              help="KV budget of the batch lane in GB: a request joins the batch only if its projected KV "
-                   "(prompt + max_tokens) fits in what the active rows leave; the rest wait in FIFO order.")
+              help="KV budget of the batch lane in GB: a request joins the batch only if the batch's projected "
+                   "KV with it fits (rows x the largest row's prompt + max_tokens: rows are padded to the "
+                   "longest); the rest wait in FIFO order.")
 @click.option("--prefill-step-size", default=512, show_default=True, type=click.IntRange(min=1),
               help="Tokens per prefill chunk.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),

@@ -61,8 +61,19 @@ def test_kv_budget_admission_keeps_fifo_order_and_never_overtakes_the_head():
     assert _admitted(_submit(core, 2, 50)) == [], "60 + 50 > 100"
     assert _admitted(_submit(core, 3, 10)) == [], "a small row does not overtake the waiting head"
     assert core.kv_bytes_active == 60
-    assert _admitted(_finish(core, 1)) == [2, 3]
-    assert core.kv_bytes_active == 60 and core.kv_bytes_peak == 60
+    assert _admitted(_finish(core, 1)) == [2, 3], "2 rows padded to 50 fit 100"
+    assert core.kv_bytes_active == 100 and core.kv_bytes_peak == 100
+
+
+def test_a_short_row_beside_a_long_one_is_budgeted_as_long_as_the_long_one():
+    # mlx-lm pads every row of the merged caches to the longest.
+    core = SchedulerCore(rows_max=8, kv_budget_bytes=100)
+    assert _admitted(_submit(core, 1, 40)) == [1]
+    assert _admitted(_submit(core, 2, 10)) == [2]
+    assert core.kv_bytes_active == 80, "two rows of 40 once padded"
+    assert _admitted(_submit(core, 3, 10)) == [], "three rows of 40 exceed 100 although 40 + 10 + 10 do not"
+    assert _admitted(_finish(core, 1)) == [3]
+    assert core.kv_bytes_active == 20
 
 
 def test_a_row_larger_than_the_whole_budget_runs_alone_once_nothing_else_is_active():
@@ -222,10 +233,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._apply(StopAdmission())
 
     @invariant()
-    def the_budget_holds_unless_one_oversize_row_runs_alone(self):
+    def the_padded_budget_holds_unless_one_oversize_row_runs_alone(self):
         active = self.core.active
         assert len(active) <= self.core.rows_max
-        assert self.core.kv_bytes_active == sum(self.kv_bytes[i] for i in active)
+        assert self.core.kv_bytes_active == len(active) * max((self.kv_bytes[i] for i in active), default=0)
         assert self.core.kv_bytes_active <= self.core.kv_budget_bytes or len(active) == 1
 
     @invariant()
