@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import attrs
+import numpy as np
 import trio
 import trio.testing
 
@@ -432,6 +433,7 @@ def _verify_recovery(run: _Run) -> int:
     store = _open_store(run)
     try:
         journaled = _index_of(store)
+        _check_nothing_left_to_supersede(run, store)
         projection = store.journal.entries() if store.journal else []
         replayed = store.journal.replay() if store.journal else []
     finally:
@@ -447,6 +449,26 @@ def _verify_recovery(run: _Run) -> int:
         return observer.check_claims(store)
     finally:
         store.close()
+
+
+def _check_nothing_left_to_supersede(run: _Run, store: SsdStore) -> None:
+    """No two entries of a namespace hold the same tokens, and no entry is a
+    strict prefix of a trimmable one that can be trimmed that far: a removal
+    is not directory-fsynced, so startup must redo what a power loss undid.
+    Checked pairwise, independently of the store's prefix index."""
+    entries = [store.entry(entry_id) for entry_id in store.entry_ids()]
+    for entry in entries:
+        for other in entries:
+            if other is entry or other.namespace != entry.namespace or other.tokens.size < entry.tokens.size:
+                continue
+            same = other.tokens.size == entry.tokens.size
+            if not np.array_equal(other.tokens[: entry.tokens.size], entry.tokens):
+                continue
+            if same or (other.trimmable and other.minimum_reusable_offset <= entry.tokens.size):
+                run.observer.violate("nothing_left_to_supersede",
+                                     f"entry {entry.entry_id} ({entry.tokens.size} tokens) is "
+                                     f"{'a duplicate of' if same else 'superseded by'} {other.entry_id} after startup")
+                return
 
 
 def _check_fresh_scan(run: _Run, journaled: list[Any]) -> None:

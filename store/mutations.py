@@ -20,6 +20,7 @@ MUTATIONS = {
     "trust-failed-fsync": "a failed fsync of an entry file is ignored and the write reported stored",
     "skip-header-check": "restore and the startup scan trust every byte they read (no checksums)",
     "ack-before-rename": "a write is reported stored before its file is renamed into place",
+    "skip-startup-supersession": "startup does not redo a supersession whose unlink a power loss undid",
 }
 
 _active: frozenset[str] = frozenset()

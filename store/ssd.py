@@ -35,7 +35,7 @@ import numpy as np
 
 from kvcellar.errors import CorruptEntry, DiskError, StoreError, UnsupportedFormat
 from kvcellar.store import events as ev
-from kvcellar.store import kvfile
+from kvcellar.store import kvfile, mutations
 from kvcellar.store.disk import DirEntry, Disk, RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal
 from kvcellar.store.prefix_index import PrefixIndex
@@ -157,7 +157,8 @@ class SsdStore:
             journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
             trusted = store._scan(journaled)
             store._reconcile_journal(journaled, trusted)
-            store._supersede_all()
+            if not mutations.active("skip-startup-supersession"):
+                store._supersede_all()
             store._evict_over_cap()
         except BaseException:
             store.close()
