@@ -1,5 +1,6 @@
 """Benchmark: how fast the simulator runs. Simulated runs per second over a
-seed sweep (default workload, mixed faults), and crash points per second over
+seed sweep (default workload, mixed faults; each seed draws its lane), the
+same seeds forced onto each lane, and crash points per second over
 the exhaustive crash-point enumeration of the small workloads, each a full
 run: workload, crash, recovery, invariant checks.
 
@@ -24,13 +25,28 @@ from kvcellar.simulations.workload import SMALL_SHAPES
 DOCS_BEGIN, DOCS_END = docs_markers("simulation")
 
 
-def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> dict[str, Any]:
-    progress.print(f"sweeping {seeds} seeds (default workload, mixed faults)")
+# Forced lanes over the same seeds: what a run costs on each (1 = the serial lane).
+LANE_ROWS = {"serial": 1, "batch": 4}
+
+
+def _timed_sweep(plan: SweepPlan) -> tuple[Any, float]:
     started = time.perf_counter()
-    sweep = run_sweep(SweepPlan(seed=0, runs=seeds, faults="mixed"))
-    sweep_s = time.perf_counter() - started
+    outcome = run_sweep(plan)
+    return outcome, time.perf_counter() - started
+
+
+def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> dict[str, Any]:
+    progress.print(f"sweeping {seeds} seeds (default workload, mixed faults, each seed's own lane)")
+    sweep, sweep_s = _timed_sweep(SweepPlan(seed=0, runs=seeds, faults="mixed"))
     results = [result for result, _ in sweep.results]
-    crash_runs, crash_s, failures = 0, 0.0, len(sweep.failures)
+    failures = len(sweep.failures)
+    lane_runs_per_s = {}
+    for lane, rows in LANE_ROWS.items():
+        progress.print(f"the same seeds, all on the {lane} lane")
+        forced, forced_s = _timed_sweep(SweepPlan(seed=0, runs=seeds, faults="mixed", batch_rows=rows))
+        failures += len(forced.failures)
+        lane_runs_per_s[lane] = round(seeds / forced_s, 2)
+    crash_runs, crash_s = 0, 0.0
     for index, name in enumerate(crash_workloads):
         progress.print(f"every crash point of the {name} workload")
         started = time.perf_counter()
@@ -40,6 +56,9 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> 
         failures += len(outcome.failures)
     return {
         "seeds": seeds, "sweep_s": round(sweep_s, 3), "runs_per_s": round(seeds / sweep_s, 2),
+        "batch_lane_seeds": sum(1 for r in results if r.batch_rows > 1),
+        "runs_per_s_by_lane": lane_runs_per_s,
+        "shared_decode_steps": sum(count for r in results for rows, count in r.decode_steps_by_rows.items() if rows > 1),
         "disk_ops_per_run": round(sum(r.disk_ops for r in results) / max(1, len(results)), 1),
         "requests_per_run": round(sum(r.requests for r in results) / max(1, len(results)), 1),
         "crash_point_runs": crash_runs, "crash_s": round(crash_s, 3),
@@ -60,6 +79,10 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "|---|---|",
         f"| seeds swept (default workload, mixed faults) | {result['seeds']} in {result['sweep_s']} s |",
         f"| simulated runs per second | {result['runs_per_s']} |",
+        f"| seeds that drew the batch lane / decode steps rows shared | {result['batch_lane_seeds']} / "
+        f"{result['shared_decode_steps']} |",
+        *(f"| runs per second, the same seeds all on the {lane} lane | {rate} |"
+          for lane, rate in result["runs_per_s_by_lane"].items()),
         f"| disk operations / requests per run | {result['disk_ops_per_run']} / {result['requests_per_run']} |",
         f"| crash-point runs ({', '.join(result['crash_workloads'])}) | {result['crash_point_runs']} in "
         f"{result['crash_s']} s |",
@@ -68,7 +91,9 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "",
         "Each run is the real store, actors, prompt cache and journal on `SimDisk` under a MockClock: "
         "workload, crashes, recovery and every invariant checker. A crash point is one full run that "
-        "crashes at that disk operation.",
+        "crashes at that disk operation. The forced-lane rows run the same seeds, so their ratio is what the "
+        "batch lane costs a run; on a shared 2-CPU VM repeated runs of this command have differed by up to a "
+        "third, so compare figures within one run.",
     ])
 
 
