@@ -39,6 +39,7 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> 
     progress.print(f"sweeping {seeds} seeds (default workload, mixed faults, each seed's own lane)")
     sweep, sweep_s = _timed_sweep(SweepPlan(seed=0, runs=seeds, faults="mixed"))
     results = [result for result, _ in sweep.results]
+    lanes = sweep.lane_counts()
     failures = len(sweep.failures)
     lane_runs_per_s = {}
     for lane, rows in LANE_ROWS.items():
@@ -56,9 +57,8 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> 
         failures += len(outcome.failures)
     return {
         "seeds": seeds, "sweep_s": round(sweep_s, 3), "runs_per_s": round(seeds / sweep_s, 2),
-        "batch_lane_seeds": sum(1 for r in results if r.batch_rows > 1),
-        "runs_per_s_by_lane": lane_runs_per_s,
-        "shared_decode_steps": sum(count for r in results for rows, count in r.decode_steps_by_rows.items() if rows > 1),
+        "batch_lane_seeds": lanes["batch_lane_runs"], "runs_per_s_by_lane": lane_runs_per_s,
+        "shared_decode_steps": lanes["shared_decode_steps"],
         "disk_ops_per_run": round(sum(r.disk_ops for r in results) / max(1, len(results)), 1),
         "requests_per_run": round(sum(r.requests for r in results) / max(1, len(results)), 1),
         "crash_point_runs": crash_runs, "crash_s": round(crash_s, 3),

@@ -100,14 +100,6 @@ JOURNAL_ROWS = (
 )
 
 
-def lane_counts(results: list[Any]) -> dict[str, int]:
-    """Runs on each lane, and batch-lane decode steps that more than one row shared."""
-    return {"serial_lane_runs": sum(r.batch_rows == 1 for r in results),
-            "batch_lane_runs": sum(r.batch_rows > 1 for r in results),
-            "shared_decode_steps": sum(steps for r in results for rows, steps in r.decode_steps_by_rows.items()
-                                       if rows > 1)}
-
-
 def _print_summary(outcome: SweepOutcome, console: Console) -> None:
     results = [result for result, _ in outcome.results]
     table = Table(title="simulation summary")
@@ -116,7 +108,7 @@ def _print_summary(outcome: SweepOutcome, console: Console) -> None:
     rows = [
         ("runs", len(results)), ("crash-point runs", outcome.crash_points),
         ("failed runs", len(outcome.failures)),
-        *((name.replace("_", " "), value) for name, value in lane_counts(results).items()),
+        *((name.replace("_", " "), value) for name, value in outcome.lane_counts().items()),
         ("requests", sum(r.requests for r in results)), ("flushes", sum(r.flushes for r in results)),
         ("durable flushes", sum(r.durable_flushes for r in results)),
         ("durable prefixes checked", sum(r.claims_checked for r in results)),
@@ -185,7 +177,7 @@ def _summary_json(plan: SweepPlan, outcome: SweepOutcome) -> dict[str, Any]:
         "failed": len(failures), "failures": failures[:20], "journal_digest": outcome.journal_digest(),
         "disk_digest": results[0].disk_digest if len(results) == 1 else None,
         "requests": sum(r.requests for r in results), "durable_flushes": sum(r.durable_flushes for r in results),
-        "claims_checked": sum(r.claims_checked for r in results), **lane_counts(results),
+        "claims_checked": sum(r.claims_checked for r in results), **outcome.lane_counts(),
         "elapsed_s": round(outcome.elapsed_s, 3),
         "runs_per_s": round(len(results) / outcome.elapsed_s, 2) if outcome.elapsed_s else None,
         "exit_code": outcome.exit_code(),

@@ -109,6 +109,14 @@ class SweepOutcome:
             return EXIT_CRASH
         return 0
 
+    def lane_counts(self) -> dict[str, int]:
+        """Runs on each lane, and batch-lane decode steps that more than one row shared."""
+        results = [result for result, _ in self.results]
+        return {"serial_lane_runs": sum(r.batch_rows == 1 for r in results),
+                "batch_lane_runs": sum(r.batch_rows > 1 for r in results),
+                "shared_decode_steps": sum(steps for r in results for rows, steps in r.decode_steps_by_rows.items()
+                                           if rows > 1)}
+
     def journal_digest(self) -> str:
         """The single run's journal digest, or a digest over all runs' in order."""
         if len(self.results) == 1:
