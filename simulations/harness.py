@@ -295,29 +295,30 @@ async def _phase(run: _Run, steps: list[Step], index: int, *, last: bool) -> tup
     """Open the system, run steps from `index` until a restart, a crash or the
     end; returns ("restart" | "crashed" | "end", next index)."""
     run.phase_puts_from = len(run.observer.puts)
+    system = None
     try:
         async with open_system(_config(run)) as system:
             run.observer.attach(system)
-            try:
-                while index < len(steps):
-                    step = steps[index]
-                    index += 1
-                    if isinstance(step, Restart):
-                        run.restarts += 1
-                        await _graceful_shutdown(run, system)
-                        return "restart", index
-                    await _step(run, system, step)
-                if last:
-                    await _liveness(run, system)
-                await _graceful_shutdown(run, system)
-                return "end", index
-            finally:
-                if system.scheduler is not None:
-                    run.decode_steps_by_rows.update(system.scheduler.decode_steps_by_rows)
+            while index < len(steps):
+                step = steps[index]
+                index += 1
+                if isinstance(step, Restart):
+                    run.restarts += 1
+                    await _graceful_shutdown(run, system)
+                    return "restart", index
+                await _step(run, system, step)
+            if last:
+                await _liveness(run, system)
+            await _graceful_shutdown(run, system)
+            return "end", index
     except BaseException as error:  # the injected crash arrives wrapped in groups
         if _crashed(error):
             return "crashed", index
         raise
+    finally:
+        # The Scheduler's counts outlive the system, crashed or not.
+        if system is not None and system.scheduler is not None:
+            run.decode_steps_by_rows.update(system.scheduler.decode_steps_by_rows)
 
 
 async def _graceful_shutdown(run: _Run, system: Any) -> None:
