@@ -7,10 +7,10 @@ with it fits `kv_budget_bytes`: rows times the largest row's projected KV bytes
 (prompt plus `max_tokens` under the KV scheme), because mlx-lm left-pads every
 row of the merged caches to the longest one, so a short row beside a long one
 costs as much memory as the long one. The rest wait in FIFO order, and the
-head of the queue is never overtaken. A row larger than the whole budget runs alone once nothing
-else is active, so it waits rather than starving. Admission is
-work-conserving: while anything waits, some row is active, so a batch never
-ends with work queued.
+head of the queue is never overtaken. A row larger than the whole budget
+runs alone once nothing else is active, so it waits rather than starving.
+Admission is work-conserving: while anything waits, some row is active, so a
+batch never ends with work queued.
 
 One batch is one engine job (`engine/batch.py`, `BatchLoop`) holding the
 Gateway's lane from its first admitted row until none remain (`LANE_BATCH`):
