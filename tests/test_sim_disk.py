@@ -549,33 +549,38 @@ def test_every_crash_point_of_kvfile_save_leaves_no_entry_or_the_whole_entry():
     assert outcomes == {True, False}
 
 
-def _store_directories_durable(disk: SimDisk, root: PurePosixPath) -> None:
-    _durable_dir(disk, root / FINGERPRINT / namespace_dir_name(""))
+STORE_ROOT = ROOT / "cache"
+
+
+def _open_store(disk: SimDisk, **options) -> SsdStore:
+    return SsdStore.open(Path(STORE_ROOT), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock(), **options)
+
+
+def _store_directories_durable(disk: SimDisk) -> None:
+    _durable_dir(disk, STORE_ROOT / FINGERPRINT / namespace_dir_name(""))
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_the_store_restores_bit_identical_tensors_after_a_power_loss(seed):
     disk = SimDisk(rng=random.Random(seed))
-    root = ROOT / "cache"
-    _store_directories_durable(disk, root)
+    _store_directories_durable(disk)
     caches = _caches(seed)
-    store = SsdStore.open(Path(root), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock())
+    store = _open_store(disk)
     assert store.store(TOKENS, caches) is not None
     disk.crash(random.Random(seed))
-    reopened = SsdStore.open(Path(root), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock())
+    reopened = _open_store(disk)
     match = reopened.find(TOKENS + [1])
     assert match is not None and match.usable_tokens == len(TOKENS)
     restored = reopened.restore(match)
     assert _tensors(restored) == _tensors(caches)
     with pytest.raises(DirectoryLocked):
-        SsdStore.open(Path(root), FINGERPRINT, disk=disk, journal=False)
+        _open_store(disk)
     reopened.close()
 
 
 def test_an_exported_store_image_reads_back_through_the_real_disk(tmp_path):
     disk = SimDisk()
-    root = ROOT / "cache"
-    store = SsdStore.open(Path(root), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock())
+    store = _open_store(disk)
     entry_id = store.store(TOKENS, _caches(3))
     store.close()
     disk.export_to(tmp_path)
@@ -587,10 +592,10 @@ def test_a_committed_entry_in_fresh_directories_survives_a_power_loss():
     """The store must fsync the parents of the directories it creates."""
     for seed in range(20):
         disk = SimDisk(rng=random.Random(seed))
-        store = SsdStore.open(Path(ROOT / "cache"), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock())
+        store = _open_store(disk)
         assert store.store(TOKENS, _caches(seed)) is not None
         disk.crash(random.Random(seed))
-        reopened = SsdStore.open(Path(ROOT / "cache"), FINGERPRINT, disk=disk, journal=False)
+        reopened = _open_store(disk)
         assert reopened.find(TOKENS + [1]) is not None, f"seed {seed}: the committed entry is gone"
         reopened.close()
 
@@ -603,10 +608,6 @@ class _NoPendingDirectoryChangePersists(random.Random):
 
     def random(self) -> float:
         return 0.999999
-
-
-def _open_store(disk: SimDisk, **options) -> SsdStore:
-    return SsdStore.open(Path(ROOT / "cache"), FINGERPRINT, disk=disk, journal=False, clock_ns=TickClock(), **options)
 
 
 def test_a_supersession_lost_to_a_power_loss_is_redone_at_the_next_startup():
