@@ -18,15 +18,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvcellar.actors.gateway import AdmissionClosed
 from kvcellar.actors.system import System
 from kvcellar.engine.generation import GenerationDone
-from kvcellar.http.metrics import prometheus_text
+from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, parse_job
 
 log = logging.getLogger("kvcellar.http")
@@ -78,8 +79,10 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     async def stats(_: Request) -> Response:
         return JSONResponse(system.stats())
 
+    registry = metrics_registry(system.stats)
+
     async def metrics(_: Request) -> Response:
-        return PlainTextResponse(prometheus_text(system.stats()), media_type="text/plain; version=0.0.4")
+        return Response(render_metrics(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def flush(_: Request) -> Response:
         verdict = attrs.asdict(await system.flush())

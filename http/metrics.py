@@ -1,40 +1,211 @@
-"""`/stats` as Prometheus text exposition (version 0.0.4)."""
+"""`/metrics`: `System.stats()` as Prometheus exposition through prometheus_client.
+
+Every metric is declared below with its type and a HELP line: monotonic counts
+are counters (prometheus_client appends `_total`), sizes and queue depths are
+gauges, units end the name (`_bytes`, `_seconds`, `_tokens`). The scheduler's
+`batch_size_history` is one counter family with a `rows` label. The collector
+reads `stats()` on every scrape and holds no state of its own; `stats()` reads
+in-memory counters, so a scrape does no disk I/O on the Trio thread.
+
+A numeric `/stats` field that is not declared here is still exported, as a
+gauge whose HELP says so (`UNDESCRIBED_HELP`); tests keep that list empty.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
 
-_COUNTER_WORDS = ("hits", "misses", "restores", "spills", "evictions", "supersessions", "demotions",
-                  "puts", "dropped", "failed", "failures", "quarantined", "oversize", "cold_hits", "cold_refused",
-                  "batches", "admitted", "completed", "cancelled", "rejected")
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+UNDESCRIBED_HELP = "not yet described in kvcellar/http/metrics.py; exported as a gauge"
+
+StatsSource = Callable[[], Mapping[str, Any]]
 
 
-def _metric_name(*parts: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(("kvcellar",) + parts))
+@attrs.frozen(kw_only=True)
+class MetricSpec:
+    """One `/stats` field: `stats[section][field] * scale` as metric `name`."""
+
+    section: str
+    field: str
+    kind: Literal["counter", "gauge"]
+    name: str
+    help: str
+    scale: float = 1.0
 
 
-def _samples(prefix: tuple[str, ...], value: Any) -> list[tuple[str, float]]:
-    if isinstance(value, dict):
-        out: list[tuple[str, float]] = []
+def _counter(section: str, field: str, help: str, *, name: str = "") -> MetricSpec:
+    return MetricSpec(section=section, field=field, kind="counter", name=name or f"kvcellar_{section}_{field}",
+                      help=help)
+
+
+def _gauge(section: str, field: str, help: str, *, name: str = "", scale: float = 1.0) -> MetricSpec:
+    return MetricSpec(section=section, field=field, kind="gauge", name=name or f"kvcellar_{section}_{field}",
+                      help=help, scale=scale)
+
+
+_RAM, _GATEWAY, _SSD, _SCHEDULER = "prompt_cache", "gateway", "ssd_cache", "scheduler"
+
+SPECS: tuple[MetricSpec, ...] = (
+    _gauge(_RAM, "entries", "Entries the RAM prompt cache holds."),
+    _gauge(_RAM, "bytes", "Logical KV bytes the RAM prompt cache holds (rows in use, no slack)."),
+    _gauge(_RAM, "max_bytes", "Byte cap of the RAM prompt cache."),
+    _counter(_RAM, "hits", "Requests for which the RAM tier held a usable prefix."),
+    _counter(_RAM, "misses", "Requests for which the RAM tier held no usable prefix."),
+    _counter(_RAM, "cold_hits", "Prefixes served from the SSD tier (longer than any RAM candidate)."),
+    _counter(_RAM, "cold_refused", "SSD entries restored but refused because they could not be cut to the prefix."),
+    _counter(_RAM, "puts", "Finished generations taken into the RAM tier as entries."),
+    _counter(_RAM, "evictions", "RAM entries evicted to stay under the byte cap (each spilled first)."),
+    _counter(_RAM, "supersessions", "RAM entries dropped because a newer entry covers them."),
+    _counter(_RAM, "spills", "Snapshots the RAM tier handed to the spill queue."),
+    _counter(_RAM, "spill_failures", "Snapshots the spill queue refused; their entries left RAM without a copy."),
+    _counter(_RAM, "demotions", "RAM entries spilled and dropped after being idle."),
+    _counter(_RAM, "oversize", "Generations larger than the RAM cap, spilled instead of held."),
+    _gauge(_GATEWAY, "busy", "1 while the engine runs a request or background step, else 0."),
+    _gauge(_GATEWAY, "waiting", "Requests queued at the gateway for the engine."),
+    _gauge(_GATEWAY, "background_waiting", "Background steps (snapshots, demotions) waiting for an idle engine."),
+    _gauge(_GATEWAY, "admitting", "1 while new requests are admitted, 0 once shutdown began."),
+    _gauge(_SSD, "entries", "Entries the SSD tier indexes."),
+    _gauge(_SSD, "bytes", "Bytes of the SSD tier's entry files."),
+    _gauge(_SSD, "max_bytes", "Byte cap of the SSD tier (absent when unbounded)."),
+    _counter(_SSD, "restores", "Entries read back from the SSD tier."),
+    _counter(_SSD, "spills", "Entries written to the SSD tier."),
+    _gauge(_SSD, "restore_ms_last", "Duration of the latest SSD restore.",
+           name="kvcellar_ssd_cache_last_restore_seconds", scale=0.001),
+    _counter(_SSD, "demotions", "Idle RAM entries demoted towards the SSD tier."),
+    _gauge(_SSD, "pending_snapshots", "Prefixes not yet durable, including ones waiting on a debounce timer."),
+    _gauge(_SSD, "pending_spills", "Snapshots in the spill queue (queued or being written)."),
+    _gauge(_SSD, "pending_spill_bytes", "Bytes of the snapshots in the spill queue."),
+    _counter(_SSD, "dropped_spills", "Snapshots the spill queue dropped (full, or shut down)."),
+    _counter(_SSD, "failed_spills", "Snapshots whose SSD write failed."),
+    _gauge(_SSD, "longest_durable_prefix_tokens", "Tokens of the longest entry durable on the SSD tier."),
+    _counter(_SSD, "quarantined", "SSD entry files moved to quarantine as unreadable or mismatched."),
+    _gauge(_SCHEDULER, "batch_size", "Most rows the scheduler runs in one batch (1 on the serial lane).",
+           name="kvcellar_scheduler_rows_max"),
+    _gauge(_SCHEDULER, "kv_budget_bytes", "KV byte budget for the active rows of a batch."),
+    _gauge(_SCHEDULER, "rows_active", "Requests currently generating."),
+    _gauge(_SCHEDULER, "waiting", "Requests waiting to be admitted into a batch."),
+    _gauge(_SCHEDULER, "kv_bytes_active", "Padded KV bytes projected for the active rows.",
+           name="kvcellar_scheduler_kv_active_bytes"),
+    _gauge(_SCHEDULER, "kv_bytes_peak", "Highest projected KV bytes of the active rows since start.",
+           name="kvcellar_scheduler_kv_peak_bytes"),
+    _gauge(_SCHEDULER, "admitting", "1 while the scheduler admits new rows, 0 once shutdown began."),
+    _counter(_SCHEDULER, "batches", "Batch jobs started on the engine."),
+    _counter(_SCHEDULER, "admitted", "Requests admitted into a batch."),
+    _counter(_SCHEDULER, "rejected", "Requests rejected because the server was shutting down."),
+    _counter(_SCHEDULER, "completed", "Batch rows that finished normally."),
+    _counter(_SCHEDULER, "cancelled", "Batch rows cancelled (client gone)."),
+    _counter(_SCHEDULER, "failed", "Batch rows that ended with an error."),
+)
+
+# Fields exported by their own families below, or text that is no number.
+_STRUCTURED = {(_SSD, "journal"), (_SCHEDULER, "batch_size_history")}
+
+
+class StatsCollector(Collector):
+    """Typed families over `stats()`, read afresh on every scrape."""
+
+    def __init__(self, stats: StatsSource) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield from described_families(stats)
+        yield journal_degraded_family(_section(stats, _SSD).get("journal"))
+        yield batch_decode_steps_family(_section(stats, _SCHEDULER).get("batch_size_history"))
+        yield _serving_info_family(stats)
+        yield from undescribed_families(stats)
+
+
+def metrics_registry(stats: StatsSource) -> CollectorRegistry:
+    """A private registry (not prometheus_client's global one) for one app."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats))
+    return registry
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
+    """The exposition, to be served as `prometheus_client.CONTENT_TYPE_LATEST`."""
+    return generate_latest(registry)
+
+
+def described_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    for spec in SPECS:
+        value = _number(_section(stats, spec.section).get(spec.field))
+        if value is None:
+            continue
+        family_type = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+        yield family_type(spec.name, spec.help, value=value * spec.scale)
+
+
+def journal_degraded_family(journal: Any) -> GaugeMetricFamily:
+    """`journal` is "ok"/"degraded" or {"state": "ok"|"degraded"|"off", "reason": ...}."""
+    state = journal.get("state") if isinstance(journal, Mapping) else journal
+    return GaugeMetricFamily(
+        "kvcellar_journal_degraded",
+        "1 when the SSD journal is degraded (writes failed; the next start reconciles), else 0 "
+        "(healthy, off, or no SSD tier).",
+        value=1.0 if state == "degraded" else 0.0)
+
+
+def batch_decode_steps_family(history: Any) -> CounterMetricFamily:
+    """`batch_size_history` ({"1": 40, "4": 120}) as one family labelled by `rows`."""
+    family = CounterMetricFamily(
+        "kvcellar_scheduler_decode_steps",
+        "Decode steps the batch lane took, by the number of rows the batch held at that step.",
+        labels=["rows"])
+    if isinstance(history, Mapping):
+        for rows, steps in sorted(history.items(), key=lambda item: int(item[0])):
+            family.add_metric([str(rows)], float(steps))
+    return family
+
+
+def _serving_info_family(stats: Mapping[str, Any]) -> InfoMetricFamily:
+    return InfoMetricFamily(
+        "kvcellar_serving", "How this server serves: the KV scheme and the scheduler lane (batch or serial).",
+        value={"kv_scheme": str(stats.get("kv_scheme", "")),
+               "lane": str(_section(stats, _SCHEDULER).get("lane", ""))})
+
+
+def undescribed_families(stats: Mapping[str, Any]) -> Iterator[GaugeMetricFamily]:
+    """Numeric fields no spec names, so a new `/stats` field is never silently lost."""
+    declared = {(spec.section, spec.field) for spec in SPECS} | _STRUCTURED
+    declared_names = {spec.name for spec in SPECS}
+    for path, value in _numeric_leaves((), stats):
+        if path[:2] in declared:
+            continue
+        name = re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(("kvcellar",) + path))
+        if name not in declared_names:
+            yield GaugeMetricFamily(name, f"/stats {'.'.join(path)}: {UNDESCRIBED_HELP}.", value=value)
+
+
+def _numeric_leaves(prefix: tuple[str, ...], value: Any) -> Iterator[tuple[tuple[str, ...], float]]:
+    if isinstance(value, Mapping):
         for key, inner in sorted(value.items()):
-            out.extend(_samples(prefix + (str(key),), inner))
-        return out
-    if isinstance(value, bool):
-        return [(_metric_name(*prefix), 1.0 if value else 0.0)]
-    if isinstance(value, (int, float)):
-        return [(_metric_name(*prefix), float(value))]
-    return []
+            yield from _numeric_leaves(prefix + (str(key),), inner)
+        return
+    number = _number(value)
+    if number is not None:
+        yield prefix, number
 
 
-def prometheus_text(stats: dict[str, Any]) -> str:
-    """Every numeric (or boolean) field of `stats`, one gauge or counter each."""
-    lines = []
-    for name, value in _samples((), stats):
-        if any(name.endswith(word) for word in _COUNTER_WORDS):
-            kind, name = "counter", f"{name}_total"
-        else:
-            kind = "gauge"
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {value:g}" if value == int(value) else f"{name} {value}")
-    return "\n".join(lines) + "\n"
+def _section(stats: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    section = stats.get(name)
+    return section if isinstance(section, Mapping) else {}
+
+
+def _number(value: Any) -> float | None:
+    # bool is an int: True/False export as 1/0; text and None are no sample.
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    return None
+
+
+__all__ = ["SPECS", "UNDESCRIBED_HELP", "MetricSpec", "StatsCollector", "batch_decode_steps_family",
+           "described_families", "journal_degraded_family", "metrics_registry", "render_metrics",
+           "undescribed_families"]

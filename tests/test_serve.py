@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def _free_port() -> int:
@@ -163,10 +165,13 @@ def test_stats_and_metrics_expose_the_tiers(server):
     assert scheduler["batch_size"] == 8 and scheduler["kv_budget_bytes"] == 500_000_000
     for field in ("rows_active", "waiting", "batch_size_history", "kv_bytes_active", "kv_bytes_peak", "completed"):
         assert field in scheduler, field
-    metrics = httpx.get(f"{server.base}/metrics", timeout=5).text
-    assert "# TYPE kvcellar_prompt_cache_entries gauge" in metrics
-    assert "kvcellar_prompt_cache_hits_total" in metrics and "kvcellar_ssd_cache_entries" in metrics
-    assert "# TYPE kvcellar_scheduler_rows_active gauge" in metrics and "kvcellar_scheduler_completed_total" in metrics
+    response = httpx.get(f"{server.base}/metrics", timeout=5)
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    types = {family.name: family.type for family in text_string_to_metric_families(response.text)}
+    assert types["kvcellar_prompt_cache_entries"] == "gauge" and types["kvcellar_prompt_cache_hits"] == "counter"
+    assert types["kvcellar_ssd_cache_entries"] == "gauge" and types["kvcellar_ssd_cache_pending_spills"] == "gauge"
+    assert types["kvcellar_scheduler_rows_active"] == "gauge" and types["kvcellar_scheduler_completed"] == "counter"
+    assert types["kvcellar_scheduler_decode_steps"] == "counter" and types["kvcellar_journal_degraded"] == "gauge"
 
 
 def test_eight_concurrent_clients_all_complete_with_the_same_greedy_output(server):
