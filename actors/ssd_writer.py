@@ -203,5 +203,6 @@ class SsdWriter:
             else:
                 log.warning("SSD write failed: %s", e)
             return WriteFailed(write_id=effect.write_id, reason=str(e))
-        self.store.finish_store(pending)
+        # Indexing unlinks what the entry supersedes or evicts: file I/O, off the Trio thread.
+        await self.run_blocking(self.store.finish_store, pending)
         return Committed(write_id=effect.write_id)

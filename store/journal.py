@@ -10,8 +10,15 @@ projections (`replay`).
 Durability: WAL with `synchronous=NORMAL`. A committed event survives a
 process crash; a power loss may drop the last few, which the next startup's
 reconciliation against the files puts right (each correction is an event).
-A journal that cannot be written degrades to "not journaled": one warning,
-no more appends, serving continues.
+A journal that cannot be written (a real SQLite or I/O error) degrades to
+"not journaled": one ERROR line, no more appends, serving continues, and the
+next start rebuilds the projection by reconciliation.
+
+Ownership: one runner owns the connection (`JournalThread` in a server, a
+single thread applying appends in submission order; `InlineRunner` in the
+simulator and for reading). Callers on the Trio and engine threads only queue
+appends, so no two transactions overlap on the connection and nobody waits on
+a commit.
 
 Schema (version 1, `PRAGMA user_version`):
     events(seq INTEGER PRIMARY KEY AUTOINCREMENT, time_ns, actor, kind, entry_id, payload BLOB)
@@ -21,12 +28,13 @@ Schema (version 1, `PRAGMA user_version`):
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import cbor2
@@ -37,6 +45,8 @@ from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store import events as ev
 
 log = logging.getLogger("kvcellar.journal")
+
+T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 JOURNAL_FILE_NAME = "journal.sqlite"
@@ -155,39 +165,120 @@ class JournalDurability(Protocol):
         """Called after each commit; keeps `connection.serialize()`."""
 
 
+class JournalRunner(Protocol):
+    """The owner of a journal's connection: runs every piece of work on the
+    connection, one at a time, in submission order. `submit` never waits;
+    `call` waits for its own result (and so for everything submitted before)."""
+
+    def submit(self, work: Callable[[], None]) -> None: ...
+
+    def call(self, work: Callable[[], T], timeout_s: float | None = None) -> T: ...
+
+    def close(self) -> None: ...
+
+
+class InlineRunner:
+    """Runs work at once on the caller's thread: the simulator (one thread,
+    deterministic) and read-only inspection. The same seam as `JournalThread`."""
+
+    def submit(self, work: Callable[[], None]) -> None:
+        work()
+
+    def call(self, work: Callable[[], T], timeout_s: float | None = None) -> T:
+        return work()
+
+    def close(self) -> None:
+        pass
+
+
+class JournalThread:
+    """One thread that owns the connection and applies appends in order
+    (`concurrent.futures.ThreadPoolExecutor` with one worker is exactly a FIFO
+    single owner). The Trio thread and the engine thread only enqueue, so
+    neither waits on a SQLite commit and no two transactions ever overlap on
+    the connection."""
+
+    def __init__(self, name: str = "kvcellar-journal") -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, work: Callable[[], None]) -> None:
+        try:
+            self._executor.submit(_logged(work))
+        except RuntimeError:
+            log.debug("journal work after close dropped")
+
+    def call(self, work: Callable[[], T], timeout_s: float | None = None) -> T:
+        try:
+            return self._executor.submit(work).result(timeout_s)
+        except concurrent.futures.TimeoutError as e:
+            raise JournalError(f"the journal did not answer within {timeout_s} s") from e
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def _logged(work: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            work()
+        except Exception:
+            log.exception("journal work failed")
+
+    return run
+
+
 class Journal:
     """The journal of one fingerprint directory. Open with `Journal.open`
-    (read-write, migrating) or `Journal.open_readonly` (inspection)."""
+    (read-write, migrating) or `Journal.open_readonly` (inspection).
+
+    Ownership: the connection belongs to the runner (`JournalThread` in a
+    server: one thread applies every append in order). Appends are queued and
+    return at once; reads (`entries`, `events`, `replay`) run on the runner
+    after everything queued before them; `wait_applied` waits for the queue.
+    A queued append that a crash loses is like a commit a power loss drops:
+    the next startup's reconciliation restores the projection from the files.
+    """
 
     def __init__(self, db: sqlite_utils.Database | None, path: Path, clock_ns: Callable[[], int],
-                 durability: JournalDurability | None = None) -> None:
+                 durability: JournalDurability | None = None, runner: JournalRunner | None = None,
+                 reason: str | None = None) -> None:
         self._db = db
         self.path = path
         self._clock_ns = clock_ns
-        self.degraded = db is None
         self._durability = durability
+        self._runner: JournalRunner = runner or InlineRunner()
+        self.degraded_reason: str | None = reason if db is None else None
+
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_reason is not None
+
+    def state(self) -> dict[str, Any]:
+        """`{"state": "ok" | "degraded", "reason": ...}` (for `/stats`)."""
+        return {"state": "degraded" if self.degraded else "ok", "reason": self.degraded_reason}
 
     @classmethod
-    def open(cls, path: Path, *, clock_ns: Callable[[], int] = time.time_ns) -> Journal:
-        """Open or create the journal; a journal that cannot be opened is
-        returned degraded (logged), never raised: serving must not depend on it."""
+    def open(cls, path: Path, *, clock_ns: Callable[[], int] = time.time_ns,
+             runner: JournalRunner | None = None) -> Journal:
+        """Open or create the journal on `runner` (inline by default; a server
+        passes a `JournalThread`); a journal that cannot be opened is returned
+        degraded (an ERROR line), never raised: serving must not depend on it."""
+        runner = runner or InlineRunner()
         try:
-            connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-            db = sqlite_utils.Database(connection)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            _migrate(db)
+            db = runner.call(lambda: _connect(path))
         except (sqlite3.Error, JournalError) as e:
-            log.warning("journal %s cannot be opened, continuing without a journal: %s", path, e)
-            return cls(None, path, clock_ns)
-        return cls(db, path, clock_ns)
+            log.error("journal %s cannot be opened, continuing without a journal: %s", path, e)
+            return cls(None, path, clock_ns, runner=runner, reason=f"cannot be opened: {e}")
+        return cls(db, path, clock_ns, runner=runner)
 
     @classmethod
     def open_in_memory(cls, path: Path, durability: JournalDurability, *,
                        clock_ns: Callable[[], int] = time.time_ns) -> Journal:
         """A journal in an in-memory database whose durable image `durability`
         keeps (the simulator's model of SQLite's atomic commit: a crash keeps
-        exactly the committed transactions). Starts from `durability.image()`."""
+        exactly the committed transactions). Starts from `durability.image()`.
+        Runs inline: the simulator has one thread, and appends cross the same
+        `JournalRunner` seam as in a server."""
         connection = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         image = durability.image()
         if image:
@@ -218,44 +309,53 @@ class Journal:
             raise JournalError(f"{path}: not a kvcellar journal")
         return cls(db, path, time.time_ns)
 
-    def append(self, event: ev.Event, *, actor: str = "ssd") -> int | None:
-        """Append one event and apply it to the projections in one transaction.
-        Returns its sequence number, or None when the journal is degraded."""
-        seqs = self.append_many([event], actor=actor)
-        return seqs[0] if seqs else None
+    def append(self, event: ev.Event, *, actor: str = "ssd") -> None:
+        """Queue one event; it is applied to the projections in its own transaction."""
+        self.append_many([event], actor=actor)
 
-    def append_many(self, events: list[ev.Event], *, actor: str = "ssd") -> list[int]:
-        """Append events and apply them in ONE transaction (all or none): a
-        startup reconciliation of thousands of corrections commits once."""
+    def append_many(self, events: list[ev.Event], *, actor: str = "ssd") -> None:
+        """Queue events to be appended and applied in ONE transaction (all or
+        none): a startup reconciliation of thousands of corrections commits
+        once. The time and payload are taken now, on the caller's thread, so
+        the record says when it happened; the runner applies them in order."""
         if self._db is None or not events:
-            return []
+            return
+        rows = [(self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event), event)
+                for event in events]
+        self._runner.submit(lambda: self._apply(rows))
+
+    def _apply(self, rows: list[tuple[int, str, str, str, bytes, ev.Event]]) -> None:
+        """On the runner: one transaction. Only a real SQLite error degrades."""
+        if self._db is None:
+            return
         if self._durability is not None:
             self._durability.before_transaction()
         try:
             with self._db.conn:
                 self._db.execute("BEGIN IMMEDIATE")
-                seqs = []
-                for event in events:
-                    cursor = self._db.execute(
+                for time_ns, actor, kind, entry_id, payload, event in rows:
+                    self._db.execute(
                         "INSERT INTO events (time_ns, actor, kind, entry_id, payload) VALUES (?, ?, ?, ?, ?)",
-                        [self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event)],
+                        [time_ns, actor, kind, entry_id, payload],
                     )
                     apply_event(self._db, event)
-                    seqs.append(int(cursor.lastrowid))
             if self._durability is not None:
                 self._durability.committed(self._db.conn)
-            return seqs
         except sqlite3.Error as e:
-            log.warning("journal %s cannot be written, continuing without a journal: %s", self.path, e)
+            log.error("journal %s cannot be written, continuing without a journal "
+                      "(the next start rebuilds it from the files): %s", self.path, e)
             self._db = None
-            self.degraded = True
-            return []
+            self.degraded_reason = f"cannot be written: {e}"
+
+    def wait_applied(self, timeout_s: float | None = None) -> None:
+        """Wait until every append queued before this call has been applied.
+        Raises `JournalError` past `timeout_s`."""
+        self._runner.call(lambda: None, timeout_s)
 
     def events(self, *, after_seq: int = 0, until_seq: int | None = None, kind: str | None = None,
                entry_id: str | None = None) -> Iterator[JournalEvent]:
-        """Stored events in sequence order, optionally filtered."""
-        if self._db is None:
-            return
+        """Stored events in sequence order, optionally filtered (read on the
+        runner after every queued append, decoded on the caller's thread)."""
         clauses, params = ["seq > ?"], [after_seq]
         if until_seq is not None:
             clauses.append("seq <= ?")
@@ -267,15 +367,14 @@ class Journal:
             clauses.append("entry_id = ?")
             params.append(entry_id)
         query = f"SELECT seq, time_ns, actor, kind, entry_id, payload FROM events WHERE {' AND '.join(clauses)} ORDER BY seq"
-        for seq, time_ns, actor, kind_, entry, payload in self._db.execute(query, params).fetchall():
+        rows = self._runner.call(lambda: self._db.execute(query, params).fetchall() if self._db is not None else [])
+        for seq, time_ns, actor, kind_, entry, payload in rows:
             yield JournalEvent(seq=seq, time_ns=time_ns, actor=actor, kind=kind_, entry_id=entry,
                                event=decode_event(kind_, payload))
 
     def entries(self) -> list[dict[str, Any]]:
         """The stored `entries` projection, ordered by entry id."""
-        if self._db is None:
-            return []
-        return _entry_rows(self._db)
+        return self._runner.call(lambda: _entry_rows(self._db) if self._db is not None else [])
 
     def replay(self, *, until_seq: int | None = None) -> list[dict[str, Any]]:
         """The `entries` projection rebuilt from the events alone (up to `until_seq`)."""
@@ -286,9 +385,28 @@ class Journal:
         return _entry_rows(scratch)
 
     def close(self) -> None:
-        if self._db is not None:
-            self._db.conn.close()
-            self._db = None
+        """Apply what is queued, close the connection, stop the runner."""
+        def close_connection() -> None:
+            if self._db is not None:
+                self._db.conn.close()
+                self._db = None
+
+        self._runner.call(close_connection)
+        self._runner.close()
+
+
+def _connect(path: Path) -> sqlite_utils.Database:
+    """On the runner: open, set WAL, migrate."""
+    connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+    db = sqlite_utils.Database(connection)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    try:
+        _migrate(db)
+    except BaseException:
+        connection.close()
+        raise
+    return db
 
 
 def _entry_rows(db: sqlite_utils.Database) -> list[dict[str, Any]]:

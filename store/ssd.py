@@ -14,6 +14,16 @@ the old one intact. Startup scans headers only into an in-memory index (one
 check, and reconciles the journal against the scan (each correction is an
 event). `find` is index-only. Every failure degrades to "no hit" or "not
 stored": the tier never takes serving down.
+
+Threads: the store is called from the engine thread (`restore`, `prepare_store`),
+the Trio thread (`find`, `covers`, `stats`) and the writer's worker thread
+(`finish_store`). Its lock guards the in-memory index and counters only and is
+never held across file I/O: a restore reads its file outside the lock and
+re-checks under it that the entry is still indexed; removals are decided
+under the lock and unlinked after it. Every journal event about an indexed
+entry is queued in the same critical section as the index change or check it
+describes, so the journal's order is the index's order (queuing never waits:
+the journal's own thread commits).
 """
 
 from __future__ import annotations
@@ -37,8 +47,9 @@ from kvcellar.errors import CorruptEntry, DiskError, StoreError, UnsupportedForm
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile, mutations
 from kvcellar.store.disk import DirEntry, Disk, RealDisk
-from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal
+from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalThread
 from kvcellar.store.prefix_index import PrefixIndex
+from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
 log = logging.getLogger("kvcellar.ssd")
 
@@ -99,7 +110,8 @@ class SsdCounters:
 
 
 class SsdStore:
-    """The cold tier of one serving fingerprint. Thread-safe (one lock)."""
+    """The cold tier of one serving fingerprint. Thread-safe: one lock over
+    the in-memory index, never held across file I/O (see the module doc)."""
 
     def __init__(self, root_dir: Path, fingerprint: str, *, max_bytes: int | None, disk: Disk,
                  fingerprint_fields: dict[str, str], quarantine_max_bytes: int, verify: bool,
@@ -153,13 +165,13 @@ class SsdStore:
             if journal:
                 journal_path = store.directory / JOURNAL_FILE_NAME
                 store.journal = (journal_opener(journal_path) if journal_opener is not None
-                                 else Journal.open(journal_path, clock_ns=clock_ns))
+                                 else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread()))
             journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
             trusted = store._scan(journaled)
             store._reconcile_journal(journaled, trusted)
             if not mutations.active("skip-startup-supersession"):
                 store._supersede_all()
-            store._evict_over_cap()
+            store._unlink_removed(store._evict_over_cap())
         except BaseException:
             store.close()
             raise
@@ -183,14 +195,14 @@ class SsdStore:
         self._durable_dirs.add(path)
 
     def close(self) -> None:
-        """Close the journal and release the directory lock."""
+        """Close the journal (applying what it has queued) and release the directory lock."""
         with self._lock:
-            if self.journal is not None:
-                self.journal.close()
-                self.journal = None
-            if self._lock_handle is not None:
-                self.disk.unlock(self._lock_handle)
-                self._lock_handle = None
+            journal, self.journal = self.journal, None
+            lock_handle, self._lock_handle = self._lock_handle, None
+        if journal is not None:
+            journal.close()
+        if lock_handle is not None:
+            self.disk.unlock(lock_handle)
 
     def _event(self, event: ev.Event) -> None:
         if self.journal is not None:
@@ -310,8 +322,10 @@ class SsdStore:
     # -- quarantine ----------------------------------------------------------
 
     def _quarantine(self, path: Path, entry_id: str, reason: str) -> None:
-        """Move a bad file aside (kept for inspection), then keep quarantine under its cap."""
-        self.counters.quarantined += 1
+        """Move a bad file aside (kept for inspection), then keep quarantine under
+        its cap. Called without the lock: the file is no longer indexed."""
+        with self._lock:
+            self.counters.quarantined += 1
         log.warning("quarantining %s: %s", path, reason)
         quarantine_dir = self.directory / QUARANTINE_DIR_NAME
         target = quarantine_dir / f"{self._clock_ns()}-{path.parent.name}-{path.name}"
@@ -389,54 +403,73 @@ class SsdStore:
 
         Returns None ("no hit") when the entry is gone, unreadable or fails a
         check; a failing file is quarantined. Touches the file's mtime (LRU).
+        The file is read outside the lock (a multi-GB restore must not stall
+        `find`, `covers` or `stats` on the Trio thread); files are never
+        rewritten in place and an unlinked file stays readable through an open
+        descriptor, so what is read is a committed entry or nothing.
         """
         with self._lock:
             entry = self._entries.get(match.entry_id)
-            if entry is None or match.usable_tokens > entry.tokens.size:
-                return None
-            started_ns = self._timer_ns()
-            try:
-                loaded = kvfile.load(entry.path, verify=self.verify, disk=self.disk)
-            except (CorruptEntry, UnsupportedFormat) as e:
-                self._drop_bad_entry(entry, str(e))
-                return None
-            except DiskError as e:
+        if entry is None or match.usable_tokens > entry.tokens.size:
+            return None
+        started_ns = self._timer_ns()
+        try:
+            loaded = kvfile.load(entry.path, verify=self.verify, disk=self.disk)
+        except (CorruptEntry, UnsupportedFormat) as e:
+            self._drop_bad_entry(entry, str(e))
+            return None
+        except DiskError as e:
+            with self._lock:
+                if entry.entry_id not in self._entries:
+                    return None  # evicted or superseded since find: a miss, not a failure
                 self.counters.restore_failures += 1
-                log.warning("cannot restore %s: %s", entry.path, e)
-                return None
-            if not np.array_equal(np.asarray(loaded.tokens, dtype=np.uint32), entry.tokens):
-                self._drop_bad_entry(entry, "tokens differ from the indexed header")
-                return None
-            caches = _trimmed(loaded.caches, entry.tokens.size - match.usable_tokens)
-            self._touch(entry, match.usable_tokens)
-            restore_ms = (self._timer_ns() - started_ns) / 1e6
+            log.warning("cannot restore %s: %s", entry.path, e)
+            return None
+        if not np.array_equal(np.asarray(loaded.tokens, dtype=np.uint32), entry.tokens):
+            self._drop_bad_entry(entry, "tokens differ from the indexed header")
+            return None
+        caches = _trimmed(loaded.caches, int(entry.tokens.size), match.usable_tokens)
+        if caches is None:
+            return None  # below what the entry can serve: a miss, never wrong rows
+        self._touch(entry, match.usable_tokens)
+        restore_ms = (self._timer_ns() - started_ns) / 1e6
+        with self._lock:
             self.counters.restores += 1
             self.counters.restore_ms_last = restore_ms
-            self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
-                                         restore_ms=round(restore_ms, 3)))
-            return caches
+            if entry.entry_id in self._entries:
+                self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
+                                             restore_ms=round(restore_ms, 3)))
+        return caches
 
     def _drop_bad_entry(self, entry: IndexedEntry, reason: str) -> None:
-        self.counters.restore_failures += 1
-        self._unindex(entry.entry_id)
+        with self._lock:
+            if self._unindex(entry.entry_id) is None:
+                return  # already removed by another thread
+            self.counters.restore_failures += 1
         self._quarantine(entry.path, entry.entry_id, reason)
 
     def _newest_mtime_ns(self) -> int:
         """Now by the store's clock, but never older than any entry, so the
-        most recent store or hit is always the last to be evicted."""
+        most recent store or hit is always the last to be evicted. Under the lock."""
         self._mtime_max_ns = max(self._clock_ns(), self._mtime_max_ns + 1)
         return self._mtime_max_ns
 
     def _touch(self, entry: IndexedEntry, usable_tokens: int) -> None:
-        mtime_ns = self._newest_mtime_ns()
+        with self._lock:
+            if entry.entry_id not in self._entries:
+                return
+            mtime_ns = self._newest_mtime_ns()
         try:
             self.disk.utime(entry.path, mtime_ns)
         except DiskError as e:
             log.debug("cannot touch %s: %s", entry.path, e)
             return
-        entry.mtime_ns = mtime_ns
-        self.counters.hits += 1
-        self._event(ev.EntryHit(entry_id=entry.entry_id, mtime_ns=mtime_ns, usable_tokens=usable_tokens))
+        with self._lock:
+            if entry.entry_id not in self._entries:
+                return
+            entry.mtime_ns = max(entry.mtime_ns, mtime_ns)
+            self.counters.hits += 1
+            self._event(ev.EntryHit(entry_id=entry.entry_id, mtime_ns=mtime_ns, usable_tokens=usable_tokens))
 
     # -- store ---------------------------------------------------------------
 
@@ -490,26 +523,29 @@ class SsdStore:
             self._write_failed(pending.namespace, pending.tokens.size, str(error), error.errno)
 
     def finish_store(self, pending: PendingStore) -> str:
-        """Index a committed write, then supersede and evict; returns the entry id."""
+        """Index a committed write, then supersede and evict; returns the entry
+        id. File I/O (the mtime, the unlinks of what it replaces) happens
+        outside the lock, so call it off the Trio thread."""
         header = pending.writer.planned_header
         path = pending.writer.path
+        # LRU order comes from the store's clock, not the file system's, so
+        # it is the same in simulations and under coarse timestamps.
         with self._lock:
-            # LRU order comes from the store's clock, not the file system's, so
-            # it is the same in simulations and under coarse timestamps.
             mtime_ns = self._newest_mtime_ns()
-            try:
-                self.disk.utime(path, mtime_ns)
-            except DiskError as e:
-                log.debug("cannot set the mtime of %s: %s", path, e)
-            entry = IndexedEntry(entry_id=pending.entry_id, namespace=pending.namespace, path=path,
-                                 tokens=pending.tokens, bytes=header.file_bytes, mtime_ns=mtime_ns,
-                                 trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset)
+        try:
+            self.disk.utime(path, mtime_ns)
+        except DiskError as e:
+            log.debug("cannot set the mtime of %s: %s", path, e)
+        entry = IndexedEntry(entry_id=pending.entry_id, namespace=pending.namespace, path=path,
+                             tokens=pending.tokens, bytes=header.file_bytes, mtime_ns=mtime_ns,
+                             trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset)
+        with self._lock:
             self._index(entry)
             self.counters.spills += 1
             self._event(ev.EntryStored(entry=self._fields(entry)))
-            self._supersede(entry)
-            self._evict_over_cap()
-            return entry.entry_id
+            removed = self._supersede(entry) + self._evict_over_cap()
+        self._unlink_removed(removed)
+        return entry.entry_id
 
     def _write_failed(self, ns: str, token_count: int, reason: str, errno: int | None) -> None:
         self.counters.write_failures += 1
@@ -525,43 +561,56 @@ class SsdStore:
         duplicates the newest stays, as when it was stored."""
         for entry in sorted(self._entries.values(), key=lambda e: (e.mtime_ns, e.entry_id), reverse=True):
             if entry.entry_id in self._entries:
-                self._supersede(entry)
+                self._unlink_removed(self._supersede(entry))
 
-    def _supersede(self, entry: IndexedEntry) -> None:
+    def _supersede(self, entry: IndexedEntry) -> list[Path]:
+        """Unindex what `entry` replaces (under the lock); returns the files to unlink."""
         index = self._indexes[entry.namespace]
+        removed: list[Path] = []
         for other_id in index.exact(entry.tokens):
             if other_id != entry.entry_id:
-                self._remove(other_id, ev.EntrySuperseded(entry_id=other_id, by_entry_id=entry.entry_id,
-                                                          reason="duplicate"))
+                removed += self._remove(other_id, ev.EntrySuperseded(entry_id=other_id, by_entry_id=entry.entry_id,
+                                                                     reason="duplicate"))
         if not entry.trimmable:
-            return
+            return removed
         for ancestor_id in index.strict_prefix_ancestors(entry.tokens):
             ancestor = self._entries[ancestor_id]
             # A descendant can stand in for an ancestor only if it can be trimmed that far.
             if entry.minimum_reusable_offset <= ancestor.tokens.size:
-                self._remove(ancestor_id, ev.EntrySuperseded(entry_id=ancestor_id, by_entry_id=entry.entry_id,
-                                                             reason="prefix"))
+                removed += self._remove(ancestor_id, ev.EntrySuperseded(entry_id=ancestor_id,
+                                                                        by_entry_id=entry.entry_id, reason="prefix"))
+        return removed
 
-    def _remove(self, entry_id: str, event: ev.Event) -> None:
+    def _remove(self, entry_id: str, event: ev.Event) -> list[Path]:
+        """Unindex and journal a removal (under the lock); the caller unlinks the path."""
         entry = self._unindex(entry_id)
         if entry is None:
-            return
-        try:
-            self.disk.unlink(entry.path)
-        except DiskError as e:
-            log.warning("cannot remove %s: %s", entry.path, e)
+            return []
         if isinstance(event, ev.EntrySuperseded):
             self.counters.supersessions += 1
         else:
             self.counters.evictions += 1
         self._event(event)
+        return [entry.path]
 
-    def _evict_over_cap(self) -> None:
+    def _unlink_removed(self, paths: list[Path]) -> None:
+        """Outside the lock. A restore that already opened one of these files
+        keeps reading it; one that opens it later finds it gone (a miss)."""
+        for path in paths:
+            try:
+                self.disk.unlink(path)
+            except DiskError as e:
+                log.warning("cannot remove %s: %s", path, e)
+
+    def _evict_over_cap(self) -> list[Path]:
+        """Unindex the oldest entries until under the cap (under the lock); returns the files to unlink."""
+        removed: list[Path] = []
         if self.max_bytes is None:
-            return
+            return removed
         while self._bytes_total > self.max_bytes and self._entries:
             oldest = min(self._entries.values(), key=lambda e: (e.mtime_ns, e.entry_id))
-            self._remove(oldest.entry_id, ev.EntryEvicted(entry_id=oldest.entry_id, bytes=oldest.bytes))
+            removed += self._remove(oldest.entry_id, ev.EntryEvicted(entry_id=oldest.entry_id, bytes=oldest.bytes))
+        return removed
 
     # -- introspection -------------------------------------------------------
 
@@ -576,14 +625,25 @@ class SsdStore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counters = attrs.asdict(self.counters)
+            journal = self.journal.state() if self.journal is not None else {"state": "off", "reason": "no journal"}
             return {"entries": len(self._entries), "bytes": self._bytes_total, "max_bytes": self.max_bytes,
-                    **counters, "journal": "degraded" if self.journal is None or self.journal.degraded else "ok"}
+                    **counters, "journal": journal}
 
 
-def _trimmed(caches: list[Any], tokens_to_drop: int) -> list[Any]:
-    if tokens_to_drop > 0:
-        for cache in caches:
-            cache.trim(tokens_to_drop)
+def _trimmed(caches: list[Any], entry_tokens: int, usable_tokens: int) -> list[Any] | None:
+    """The loaded caches trimmed to `usable_tokens`, or None when they cannot
+    serve that prefix: untrimmable, or below the minimum reusable offset their
+    own state shows (a moving front; a header from before that bound was
+    recorded understates it, and `cache.trim` would clamp or keep stale rows)."""
+    if usable_tokens >= entry_tokens:
+        return caches
+    bound = entry_minimum_reusable_offset(caches, entry_tokens)
+    if not caches_trimmable(caches) or usable_tokens < bound:
+        log.warning("entry of %d tokens cannot serve a %d-token prefix (minimum reusable offset %d)",
+                    entry_tokens, usable_tokens, bound)
+        return None
+    for cache in caches:
+        cache.trim(entry_tokens - usable_tokens)
     return caches
 
 

@@ -19,14 +19,12 @@ def _fields(entry_id: str, tokens: int = 10) -> ev.EntryFields:
 def test_append_updates_projection_in_the_same_transaction_and_replay_matches(tmp_path):
     clock = iter(range(1000, 2000)).__next__
     journal = Journal.open(tmp_path / "j.sqlite", clock_ns=clock)
-    seqs = [
-        journal.append(ev.EntryStored(entry=_fields("a"))),
-        journal.append(ev.EntryStored(entry=_fields("b", 20))),
-        journal.append(ev.EntryHit(entry_id="a", mtime_ns=99, usable_tokens=9)),
-        journal.append(ev.EntryRestored(entry_id="a", usable_tokens=9, restore_ms=1.5)),
-        journal.append(ev.EntrySuperseded(entry_id="b", by_entry_id="a", reason="duplicate")),
-    ]
-    assert seqs == [1, 2, 3, 4, 5]
+    journal.append(ev.EntryStored(entry=_fields("a")))
+    journal.append(ev.EntryStored(entry=_fields("b", 20)))
+    journal.append(ev.EntryHit(entry_id="a", mtime_ns=99, usable_tokens=9))
+    journal.append(ev.EntryRestored(entry_id="a", usable_tokens=9, restore_ms=1.5))
+    journal.append(ev.EntrySuperseded(entry_id="b", by_entry_id="a", reason="duplicate"))
+    assert [record.seq for record in journal.events()] == [1, 2, 3, 4, 5]
     rows = journal.entries()
     assert [(r["entry_id"], r["hits"], r["restores"], r["mtime_ns"]) for r in rows] == [("a", 1, 1, 99)]
     assert journal.replay() == rows
@@ -41,9 +39,11 @@ def test_reopening_keeps_events_and_a_readonly_view_sees_them(tmp_path):
     path = tmp_path / "j.sqlite"
     journal = Journal.open(path)
     journal.append(ev.EntryStored(entry=_fields("a")))
+    journal.wait_applied()
     reader = Journal.open_readonly(path)
     assert [r["entry_id"] for r in reader.entries()] == ["a"]
     journal.append(ev.EntryEvicted(entry_id="a", bytes=1000))
+    journal.wait_applied()
     assert reader.entries() == []
     reader.close()
     journal.close()
@@ -60,8 +60,9 @@ def test_a_newer_schema_is_refused_for_reading_and_degrades_for_writing(tmp_path
     with pytest.raises(JournalError, match="newer"):
         Journal.open_readonly(path)
     journal = Journal.open(path)
-    assert journal.degraded
-    assert journal.append(ev.TempReaped(path="x")) is None
+    assert journal.degraded and journal.state()["state"] == "degraded" and "newer" in journal.state()["reason"]
+    journal.append(ev.TempReaped(path="x"))
+    assert list(journal.events()) == []
 
 
 @pytest.mark.parametrize("content", [b"", b"this is not sqlite at all" * 100])
@@ -87,10 +88,12 @@ def test_write_failure_degrades_once_and_stops_journaling(tmp_path, caplog):
     journal = Journal.open(tmp_path / "j.sqlite")
     journal.append(ev.EntryStored(entry=_fields("a")))
     journal._db.conn.close()
-    assert journal.append(ev.EntryStored(entry=_fields("b"))) is None
+    journal.append(ev.EntryStored(entry=_fields("b")))
     assert journal.degraded
-    assert journal.append(ev.EntryStored(entry=_fields("c"))) is None
-    assert sum("cannot be written" in record.message for record in caplog.records) == 1
+    journal.append(ev.EntryStored(entry=_fields("c")))
+    lines = [record for record in caplog.records if "cannot be written" in record.message]
+    assert len(lines) == 1 and lines[0].levelname == "ERROR"
+    assert journal.state() == {"state": "degraded", "reason": journal.degraded_reason}
 
 
 def test_events_carry_canonical_payloads_so_identical_histories_are_identical_bytes(tmp_path):

@@ -332,7 +332,7 @@ def test_an_unwritable_journal_degrades_and_serving_continues(llama, tmp_path):
     journal_path = tmp_path / FINGERPRINT / "journal.sqlite"
     journal_path.mkdir(parents=True)
     store = SsdStore.open(tmp_path, FINGERPRINT)
-    assert store.stats()["journal"] == "degraded"
+    assert store.stats()["journal"]["state"] == "degraded"
     assert store.store(BASE, _prefill(llama, BASE)[0]) is not None
     assert store.find(BASE + [1]) is not None
     store.close()
