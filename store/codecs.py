@@ -6,6 +6,8 @@ rotating ring, which is persisted raw with its ring index because reordering
 it into time order is not bit-exact. Rebuilt plain, quantized and chunked KV
 land in a capacity rounded up past `offset` to the next 256-row step, so the
 first decode step after a restore updates in place instead of concatenating.
+Each record carries its cache's minimum reusable offset; a rebuilt cache that
+cannot derive that bound from its own state declares it again.
 """
 
 from __future__ import annotations
@@ -213,7 +215,23 @@ start of a zero-filled buffer of `capacity_rows` rows (axis -2) when given."""
 def _rebuild_one(record: CacheRecord, read: TensorReader) -> Any:
     signature = record.signature
     if signature.startswith(sig.LIST_PREFIX):
+        # Each member keeps its own recorded bound; the list's is their maximum.
         return mlx_cache.CacheList(*(_rebuild_one(child, read) for child in record.children))
+    return _keep_recorded_bound(record, _rebuild_member(record, read))
+
+
+def _keep_recorded_bound(record: CacheRecord, cache: Any) -> Any:
+    """Declare on the rebuilt cache the minimum reusable offset its record
+    holds when the cache would not derive it itself (a bound declared after
+    an irreversible transition); a moving front or an untrimmable cache
+    derives its own from the rebuilt state."""
+    if record.minimum_reusable_offset > sig.minimum_reusable_offset(cache, record.offset):
+        cache.minimum_reusable_offset = record.minimum_reusable_offset
+    return cache
+
+
+def _rebuild_member(record: CacheRecord, read: TensorReader) -> Any:
+    signature = record.signature
     if signature == sig.SIGNATURE_SSM:
         return _rebuild_arrays(record, read)
     if signature.startswith(sig.QUANT_PREFIX):

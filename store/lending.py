@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.errors import UsageError
-from kvcellar.store.signature import cache_signature
+from kvcellar.store.signature import cache_signature, declared_minimum_reusable_offset, minimum_reusable_offset
 
 
 def _rows_view(array: mx.array | None, rows: int) -> mx.array | None:
@@ -61,11 +61,32 @@ def _lend_attention(cache: Any, drop_tokens: int) -> Any:
     return lent
 
 
+def _keep_declared_bound(cache: Any, lent: Any) -> Any:
+    """Carry a declared minimum reusable offset over to the borrower: the
+    transition that raised it happened to the rows the borrower now holds."""
+    declared = declared_minimum_reusable_offset(cache)
+    if declared is not None:
+        lent.minimum_reusable_offset = declared
+    return lent
+
+
+def _refuse_trim_below_bound(cache: Any, signature: str, drop_tokens: int) -> None:
+    if not drop_tokens:
+        return
+    if not cache.is_trimmable():
+        raise UsageError(f"{signature} cache cannot drop {drop_tokens} tokens")
+    bound = minimum_reusable_offset(cache, cache.offset)
+    if cache.offset - drop_tokens < bound:
+        raise UsageError(f"{signature} cache cannot drop {drop_tokens} of {cache.offset} tokens: "
+                         f"it serves no prefix shorter than {bound}")
+
+
 def lend_cache(cache: Any, drop_tokens: int = 0) -> Any:
     """A new cache object over views of `cache`'s arrays, its last
-    `drop_tokens` tokens trimmed. Raises `UsageError` when asked to trim a
-    cache that cannot be trimmed (the caller's bug: the usable-prefix rule
-    never asks for it)."""
+    `drop_tokens` tokens trimmed, keeping any declared minimum reusable
+    offset. Raises `UsageError` when asked to trim a cache that cannot be
+    trimmed, or below its minimum reusable offset (the caller's bug: the
+    usable-prefix rule never asks for it)."""
     signature = cache_signature(cache)
     if type(cache) is mlx_cache.CacheList:
         return mlx_cache.CacheList(*(lend_cache(child, drop_tokens) for child in cache.caches))
@@ -76,10 +97,9 @@ def lend_cache(cache: Any, drop_tokens: int = 0) -> Any:
         # Recurrent layers replace their slots instead of writing into them, so
         # sharing the slot arrays in a new list cannot alias.
         lent.cache = list(cache.cache)
-        return lent
-    if drop_tokens and not cache.is_trimmable():
-        raise UsageError(f"{signature} cache cannot drop {drop_tokens} tokens")
-    return _lend_attention(cache, drop_tokens)
+        return _keep_declared_bound(cache, lent)
+    _refuse_trim_below_bound(cache, signature, drop_tokens)
+    return _keep_declared_bound(cache, _lend_attention(cache, drop_tokens))
 
 
 def lend_caches(caches: Sequence[Any], drop_tokens: int = 0) -> list[Any]:

@@ -9,9 +9,12 @@ not a route", spec §2.4).
 
 Minimum reusable offset (spec, "Minimum reusable offsets"): the shortest
 prefix of an entry that still has a valid representation. A trimmable cache
-serves any prefix (0); an untrimmable one only its full length. A cache may
-declare a larger bound after an irreversible transition by carrying a
-`minimum_reusable_offset` attribute.
+serves any prefix (0); an untrimmable one only its full length. A cache with
+a moving front (`ChunkedKVCache`, whose rows before `start_position` are
+gone) serves only prefixes from the first attention-chunk boundary at or past
+`start_position`. A cache may declare a larger bound after an irreversible
+transition by carrying a `minimum_reusable_offset` attribute; lending and
+restoring keep it.
 """
 
 from __future__ import annotations
@@ -79,8 +82,9 @@ def cache_signature(cache: Any) -> str:
 def is_trimmable(cache: Any) -> bool:
     """Whether the cache can drop its last tokens and still be valid.
 
-    Plain, quantized and chunked KV always can; a rotating ring only before it
-    wraps (`offset < max_size`); recurrent state (`ssm`) never; a `CacheList`
+    Plain, quantized and chunked KV always can (chunked KV only down to its
+    moving front, `moving_front_bound`); a rotating ring only before it wraps
+    (`offset < max_size`); recurrent state (`ssm`) never; a `CacheList`
     only if all of its members can. Raises like `cache_signature`.
     """
     signature = cache_signature(cache)
@@ -91,15 +95,40 @@ def is_trimmable(cache: Any) -> bool:
     return bool(cache.is_trimmable())
 
 
+def moving_front_bound(cache: Any) -> int:
+    """The shortest prefix a cache whose front moves can still serve (0 for
+    any other cache).
+
+    `ChunkedKVCache` (llama4's chunked attention) drops the rows before
+    `start_position`. A query at position p attends to the keys of its own
+    chunk, `[p // chunk_size * chunk_size, p]`, so a prefix of u tokens is
+    sound only when that chunk start of u is at or past `start_position`:
+    u >= `start_position` rounded up to the chunk size. (Reusing from
+    `start_position` itself would silently drop the chunk's earlier rows from
+    the attention.) The cache's own `offset` always meets this bound, because
+    mlx-lm keeps the last `chunk_size` rows before every step.
+    """
+    if type(cache) is not mlx_cache.ChunkedKVCache or cache.start_position <= 0:
+        return 0
+    chunk_size = int(cache.chunk_size)
+    return -(-int(cache.start_position) // chunk_size) * chunk_size
+
+
+def declared_minimum_reusable_offset(cache: Any) -> int | None:
+    """The bound a cache declares by its `minimum_reusable_offset` attribute, if any."""
+    declared = getattr(cache, "minimum_reusable_offset", None)
+    return None if declared is None else int(declared)
+
+
 def minimum_reusable_offset(cache: Any, token_count: int) -> int:
     """The shortest prefix length this cache can serve, for an entry of
     `token_count` tokens (recurrent state has no offset of its own)."""
     if type(cache) is mlx_cache.CacheList:
         bounds = [minimum_reusable_offset(child, token_count) for child in cache.caches]
         return max(bounds, default=0)
-    floor = 0 if is_trimmable(cache) else token_count
-    declared = getattr(cache, "minimum_reusable_offset", None)
-    return max(floor, int(declared)) if declared is not None else floor
+    floor = max(0 if is_trimmable(cache) else token_count, moving_front_bound(cache))
+    declared = declared_minimum_reusable_offset(cache)
+    return max(floor, declared) if declared is not None else floor
 
 
 def caches_trimmable(caches: Sequence[Any]) -> bool:
