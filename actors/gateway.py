@@ -32,6 +32,7 @@ import trio
 
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent
 from kvcellar.engine.engine import EngineThread
+from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.errors import KvCellarError
 from kvcellar.store.events import register_event
 
@@ -206,6 +207,18 @@ class GatewayCore:
 # -- shell ----------------------------------------------------------------------
 
 
+def _completion_tokens(counted: int, item: Any) -> int:
+    """The sampled tokens so far: a `TokenDelta` of a real token counts one (the
+    closing text, `token_id` -1, counts none) and the `GenerationDone` states
+    the total. Other items (the batch job's steps) count nothing here: the
+    Scheduler journals each row's own count."""
+    if isinstance(item, GenerationDone):
+        return item.completion_tokens
+    if isinstance(item, TokenDelta) and item.token_id >= 0:
+        return counted + 1
+    return counted
+
+
 class AdmissionClosed(KvCellarError):
     """Raised to a request that arrives after shutdown began. Nobody's fault;
     the client should retry elsewhere or later (HTTP 503)."""
@@ -294,7 +307,7 @@ class Gateway:
         label = "generate" if lane == LANE_SERIAL else lane
         try:
             async for item in self.engine.stream(job, cancelled, label=label):
-                produced += 1
+                produced = _completion_tokens(produced, item)
                 yield item
             outcome = "completed"
         finally:

@@ -5,6 +5,13 @@ and not), `GET /v1/models`, `GET /health`, `GET /stats`, `GET /metrics`
 (Prometheus text), `POST /admin/cache/flush` (200 when durable, 503 with
 the evidence otherwise). A client that goes away mid-generation cancels it
 between two steps; its reusable cache is still put back.
+
+Failures are named, never a bare 500 (`failure_body`): a `BadRequest` is a
+400 naming its field; a request the server cannot take now (shutting down, its
+batch aborted, the engine stopped, the store's disk failing) is a 503; only an
+error kvcellar cannot name is a 500, and it is logged with its traceback. A
+stream that fails after its headers went out ends with one
+`data: {"error": {...}}` event and then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -25,10 +32,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvcellar.actors.gateway import AdmissionClosed
+from kvcellar.actors.scheduler import BatchAborted
 from kvcellar.actors.system import System
+from kvcellar.engine.engine import EngineStopped
 from kvcellar.engine.generation import GenerationDone
+from kvcellar.errors import KvCellarError, StoreError, UsageError
 from kvcellar.http.metrics import metrics_registry, render_metrics
-from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, parse_job
+from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
 
 log = logging.getLogger("kvcellar.http")
 
@@ -40,10 +50,39 @@ class HttpSettings:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
 
 
+def error_body(message: str, *, param: str | None = None, error_type: str = "invalid_request_error",
+               ) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
+
+
 def error_response(status: int, message: str, *, param: str | None = None,
                    error_type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": None}},
-                        status_code=status)
+    return JSONResponse(error_body(message, param=param, error_type=error_type), status_code=status)
+
+
+# Errors the server can name and whose fault they are: the client's (400) or
+# the moment's (503: retry later or elsewhere). Checked in order.
+_CLIENT_ERRORS = (BadRequest, UsageError)
+_UNAVAILABLE_ERRORS = (AdmissionClosed, BatchAborted, EngineStopped, StoreError)
+
+
+def failure_body(error: Exception) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI-style body for an error raised while serving."""
+    if isinstance(error, _CLIENT_ERRORS):
+        return 400, error_body(str(error), param=getattr(error, "param", None))
+    if isinstance(error, _UNAVAILABLE_ERRORS):
+        log.warning("request failed, answered 503: %s: %s", type(error).__name__, error)
+        return 503, error_body(str(error), error_type="server_unavailable")
+    if isinstance(error, KvCellarError):
+        log.error("request failed on a kvcellar error: %s: %s", type(error).__name__, error, exc_info=error)
+        return 500, error_body(f"{type(error).__name__}: {error}", error_type="server_error")
+    log.error("request failed on an unexpected error", exc_info=error)
+    return 500, error_body(f"internal error ({type(error).__name__}); see the server log", error_type="server_error")
+
+
+def _failure_response(error: Exception) -> JSONResponse:
+    status, body = failure_body(error)
+    return JSONResponse(body, status_code=status)
 
 
 def _bearer_ok(request: Request, secret: str | None) -> bool:
@@ -88,24 +127,24 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         verdict = attrs.asdict(await system.flush())
         return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
 
+    tokenizer_lane = TokenizerLane()
+
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
-            body = json.loads((await request.body()).decode("utf-8"))
-            job = parse_job(body, loaded, chat=chat, max_tokens_default=settings.max_tokens_default)
-        except UnicodeDecodeError:
-            return error_response(400, "the request body is not valid UTF-8")
-        except json.JSONDecodeError as e:
-            return error_response(400, f"the request body is not valid JSON: {e}")
+            job = await tokenizer_lane.parse_body(await request.body(), loaded, chat=chat,
+                                                  max_tokens_default=settings.max_tokens_default)
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
+        except Exception as e:
+            return _failure_response(e)
         if not system.admitting:
             return error_response(503, "the server is shutting down", error_type="server_unavailable")
         if job.stream:
             return StreamingResponse(_sse(system, job, model_id), media_type="text/event-stream")
         try:
             return JSONResponse(await _complete(system, job, model_id))
-        except AdmissionClosed as e:
-            return error_response(503, str(e), error_type="server_unavailable")
+        except Exception as e:
+            return _failure_response(e)
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, chat=True)
@@ -179,6 +218,8 @@ async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterat
                     yield event([], usage=_usage(job, item, item.completion_tokens))
             elif item.text:
                 yield event([choice(item.text, None)])
-    except AdmissionClosed as e:
-        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_unavailable'}})}\n\n"
+    except Exception as e:
+        # The headers went out with 200: the failure is the stream's last event.
+        _, body = failure_body(e)
+        yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"

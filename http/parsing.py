@@ -1,14 +1,26 @@
 """Parsing OpenAI-style request bodies into generation requests.
 
 Every field is validated before anything reaches the engine; a bad one is a
-`BadRequest` naming the field (a 400 with an OpenAI-style error body).
+`BadRequest` naming the field (a 400 with an OpenAI-style error body): also a
+chat template that refuses the messages (param `messages`) and a content part
+that is not text (param `messages[i].content[j]`; this server serves text
+models only, so an image or audio part is refused rather than dropped).
+
+`parse_body` decodes the JSON, renders the chat template and tokenizes: work
+that grows with the prompt, so the HTTP routes run it through
+`TokenizerLane.parse_body` on a worker thread and the Trio thread never blocks
+on it. The tokenizer is not MLX, so any thread may encode; the lane (a
+capacity limiter of 1) keeps the HTTP side's encodes one at a time.
 """
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from typing import Any
 
 import attrs
+import trio
 
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.generation import GenerationRequest
@@ -71,6 +83,24 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _text_parts(parts: list[Any], index: int) -> str:
+    """The text of a content given as a list of parts; any part that is not
+    text (`image_url`, `input_audio`, ...) is refused, naming it."""
+    texts = []
+    for part_index, part in enumerate(parts):
+        param = f"messages[{index}].content[{part_index}]"
+        if not isinstance(part, dict):
+            raise BadRequest(f"{param} must be an object", param=param)
+        kind = part.get("type", "text")
+        if kind != "text":
+            raise BadRequest(f"{param} is a {kind!r} part; this server serves a text-only model and "
+                             "accepts only 'text' parts", param=param)
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"{param} needs a string 'text'", param=param)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -81,11 +111,25 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{index}] needs a string 'role'", param=f"messages[{index}].role")
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            content = _text_parts(content, index)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{index}].content must be a string", param=f"messages[{index}].content")
         parsed.append({"role": message["role"], "content": content})
     return parsed
+
+
+def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The model's chat template over the messages. A template may refuse them
+    on purpose (`raise_exception('System role not supported')`) or fail on
+    them: either way the messages are what the client must change."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:
+        raise BadRequest(f"the model's chat template cannot render these messages: {e}",
+                         param="messages") from e
+    if not isinstance(text, str):
+        raise BadRequest("the model's chat template did not render text", param="messages")
+    return text
 
 
 def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT,
@@ -100,7 +144,7 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
         raise BadRequest("only 'n' = 1 is supported", param="n")
     tokenizer = loaded.tokenizer
     if chat:
-        text = tokenizer.apply_chat_template(_messages(body), add_generation_prompt=True, tokenize=False)
+        text = _render_chat(tokenizer, _messages(body))
     else:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
@@ -129,6 +173,32 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
     request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_strings(body))
     return CompletionJob(request=request, stream=stream, include_usage=bool(stream_options.get("include_usage")),
                          chat=chat)
+
+
+def parse_body(raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT,
+               model_names: frozenset[str] = frozenset()) -> CompletionJob:
+    """Decode a raw request body and validate it into a job; raises `BadRequest`."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise BadRequest("the request body is not valid UTF-8") from e
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from e
+    return parse_job(body, loaded, chat=chat, max_tokens_default=max_tokens_default, model_names=model_names)
+
+
+class TokenizerLane:
+    """The worker-thread lane for `parse_body`. One at a time: the Hugging Face
+    tokenizer is not documented as safe for concurrent encodes."""
+
+    def __init__(self) -> None:
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def parse_body(self, raw: bytes, loaded: LoadedModel, *, chat: bool,
+                         max_tokens_default: int = MAX_TOKENS_DEFAULT) -> CompletionJob:
+        """`parse_body` on a worker thread; `BadRequest` comes back as raised."""
+        work = partial(parse_body, raw, loaded, chat=chat, max_tokens_default=max_tokens_default)
+        return await trio.to_thread.run_sync(work, limiter=self._limiter)
 
 
 def _model_names(loaded: LoadedModel) -> frozenset[str]:
