@@ -157,10 +157,14 @@ class InlineEngine:
     # Jobs run on the Trio thread: one that waits for work would stall the tasks that send it.
     blocking_waits = False
 
-    def __init__(self, loaded: LoadedModel, *, token_cost_s: float = 0.01) -> None:
+    def __init__(self, loaded: LoadedModel, *, token_cost_s: float = 0.01,
+                 delay_s: Callable[[], float] | None = None) -> None:
         self._loaded = loaded
         self._turn = trio.Lock()
         self.token_cost_s = token_cost_s
+        # The seed's share of each job's and step's time (`BoundarySchedule`),
+        # so they complete at points of the Trio schedule the seed chooses.
+        self._delay_s = delay_s or (lambda: 0.0)
         self.stopped = False
 
     async def start(self) -> LoadedModel:
@@ -172,8 +176,10 @@ class InlineEngine:
     async def call(self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True,
                    label: str = "call") -> Any:
         async with self._turn:
-            await trio.sleep(self.token_cost_s)
-            return job(self._loaded if needs_model else None)
+            await trio.sleep(self.token_cost_s + self._delay_s())
+            result = job(self._loaded if needs_model else None)
+            await trio.sleep(self._delay_s())
+            return result
 
     async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *,
                      label: str = "stream"):
@@ -184,7 +190,7 @@ class InlineEngine:
                     yield item
                     if cancelled.is_set():
                         break
-                    await trio.sleep(self.token_cost_s)
+                    await trio.sleep(self.token_cost_s + self._delay_s())
             finally:
                 items.close()
                 cancelled.set()

@@ -40,6 +40,7 @@ from kvcellar.store import mutations
 from kvcellar.store.journal import Journal, decode_event
 from kvcellar.store.ssd import SsdStore
 from kvcellar.simulations import determinism
+from kvcellar.simulations.boundary import BoundaryChecks, BoundarySchedule, SeededBlocking
 from kvcellar.simulations.fake_engine import InlineEngine, fake_loaded_model
 from kvcellar.simulations.observer import Observer
 from kvcellar.simulations.sim_disk import FaultConfig, SimDisk, SimulatedCrash
@@ -142,8 +143,9 @@ class JournalImage:
     """The journal's durable state: the database image after its last commit.
     Each transaction is a disk operation of the simulation (a crash point)."""
 
-    def __init__(self, disk: SimDisk, follow: Callable[[Any], None]) -> None:
+    def __init__(self, disk: SimDisk, follow: Callable[[Any], None], on_transaction: Callable[[], None]) -> None:
         self.disk = disk
+        self._on_transaction = on_transaction
         self.durable: bytes | None = None
         self.commits = 0
         self._follow = follow
@@ -154,6 +156,7 @@ class JournalImage:
         return self.durable
 
     def before_transaction(self) -> None:
+        self._on_transaction()
         self.disk.crash_point("journal commit")
 
     def committed(self, connection: sqlite3.Connection) -> None:
@@ -181,6 +184,8 @@ class _Run:
     disk: SimDisk
     journal: JournalImage
     observer: Observer
+    boundary: BoundaryChecks
+    schedule: BoundarySchedule
     loaded: Any
     clock: Any
     rng: random.Random
@@ -200,20 +205,17 @@ class _Run:
         return EPOCH_NS + int(self.clock.current_time() * 1e9)
 
 
-async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
-    await trio.lowlevel.checkpoint()
-    return fn(*args)
-
-
 def _open_store(run: _Run, *, journal: bool = True) -> SsdStore:
     def new_entry_id() -> str:
         return f"{next(run.entry_numbers):032x}"
 
+    index_lock, journal_runner = run.boundary.new_store_seams()
     return SsdStore.open(
         CACHE_DIR, FINGERPRINT, run.options.ssd_max_bytes, run.disk, verify=True, journal=journal,
-        clock_ns=run.clock_ns, journal_opener=lambda path: Journal.open_in_memory(path, run.journal,
-                                                                                  clock_ns=run.clock_ns),
-        new_entry_id=new_entry_id, timer_ns=run.clock_ns, owner=f"simulated server, seed {run.options.seed}")
+        clock_ns=run.clock_ns, journal_opener=lambda path: Journal.open_in_memory(
+            path, run.journal, clock_ns=run.clock_ns, runner=journal_runner),
+        new_entry_id=new_entry_id, timer_ns=run.clock_ns, owner=f"simulated server, seed {run.options.seed}",
+        index_lock=index_lock)
 
 
 def _config(run: _Run) -> SystemConfig:
@@ -221,7 +223,8 @@ def _config(run: _Run) -> SystemConfig:
         model_dir=Path("/sim/model"), ssd_dir=CACHE_DIR, ssd_max_bytes=run.options.ssd_max_bytes,
         prompt_cache_bytes=run.options.prompt_cache_bytes, spill_queue_bytes=256 * 1024, write_behind=True,
         demote_idle_s=6.0, debounce_s=0.5, busy_rearm_s=1.0, prefill_step_tokens=64, shutdown_timeout_s=60.0,
-        engine=InlineEngine(run.loaded), clock_s=run.clock.current_time, run_blocking=_inline,
+        engine=InlineEngine(run.loaded, delay_s=run.schedule.delay_s), clock_s=run.clock.current_time,
+        run_blocking=SeededBlocking(run.schedule),
         store_opener=lambda config, scheme: _open_store(run), batch_rows_max=run.lane.rows,
         kv_budget_bytes=run.lane.kv_budget_bytes)
 
@@ -383,8 +386,12 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
                    clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9))
     loaded = _loaded_model(options)
     observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
+    boundary = BoundaryChecks(observer.violate)
+    disk.on_operation = boundary.disk_operation
     run = _Run(options=options, lane=lane_for_seed(options.seed, options.batch_rows), disk=disk,
-               journal=JournalImage(disk, observer.follow), observer=observer, loaded=loaded, clock=clock,
+               journal=JournalImage(disk, observer.follow, boundary.journal_transaction), observer=observer,
+               boundary=boundary, schedule=BoundarySchedule(random.Random(f"boundary-{options.seed}")),
+               loaded=loaded, clock=clock,
                rng=random.Random(f"crash-{options.seed}"), conversations={},
                system_prompt=system_prompt(options.seed, options.shape))
     steps = build_workload(options.seed, options.shape)

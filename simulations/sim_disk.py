@@ -166,6 +166,8 @@ class SimDisk:
         self.crash_at_op: int | None = None
         self.ops_done = 0
         self.trace: list[tuple[str, str | None]] | None = [] if trace else None
+        # Told of every `Disk` call (not crash points): the simulator's ownership checks.
+        self.on_operation: Callable[[str, str | None], None] | None = None
         self.crashes = 0
         self._mutex = threading.RLock()
         self._crashed = False
@@ -191,6 +193,8 @@ class SimDisk:
         self.ops_done = number
         if self.trace is not None:
             self.trace.append((name, subject))
+        if self.on_operation is not None and name != "crash_point":
+            self.on_operation(name, subject)
 
     @staticmethod
     def _describe(name: str, args: tuple[Any, ...]) -> str | None:

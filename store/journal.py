@@ -43,6 +43,7 @@ import sqlite_utils
 from kvcellar.errors import StoreError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store import events as ev
+from kvcellar.store import mutations
 
 log = logging.getLogger("kvcellar.journal")
 
@@ -273,21 +274,25 @@ class Journal:
 
     @classmethod
     def open_in_memory(cls, path: Path, durability: JournalDurability, *,
-                       clock_ns: Callable[[], int] = time.time_ns) -> Journal:
+                       clock_ns: Callable[[], int] = time.time_ns, runner: JournalRunner | None = None) -> Journal:
         """A journal in an in-memory database whose durable image `durability`
         keeps (the simulator's model of SQLite's atomic commit: a crash keeps
         exactly the committed transactions). Starts from `durability.image()`.
-        Runs inline: the simulator has one thread, and appends cross the same
-        `JournalRunner` seam as in a server."""
+        `runner` is the simulator's owner (inline by default): appends cross
+        the same `JournalRunner` seam as in a server."""
         connection = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         image = durability.image()
         if image:
             connection.deserialize(image)
         db = sqlite_utils.Database(connection)
-        journal = cls(db, path, clock_ns, durability)
-        durability.before_transaction()
-        _migrate(db)
-        durability.committed(connection)
+        journal = cls(db, path, clock_ns, durability, runner)
+
+        def migrate() -> None:
+            durability.before_transaction()
+            _migrate(db)
+            durability.committed(connection)
+
+        journal._runner.call(migrate)
         return journal
 
     @classmethod
@@ -322,6 +327,9 @@ class Journal:
             return
         rows = [(self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event), event)
                 for event in events]
+        if mutations.active("journal-unowned-append"):
+            self._apply(rows)
+            return
         self._runner.submit(lambda: self._apply(rows))
 
     def _apply(self, rows: list[tuple[int, str, str, str, bytes, ev.Event]]) -> None:

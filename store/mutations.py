@@ -21,6 +21,10 @@ MUTATIONS = {
     "skip-header-check": "restore and the startup scan trust every byte they read (no checksums)",
     "ack-before-rename": "a write is reported stored before its file is renamed into place",
     "skip-startup-supersession": "startup does not redo a supersession whose unlink a power loss undid",
+    "restore-holds-index-lock": "a restore reads its file while holding the store's index lock (the Trio thread's "
+                                "find, covers and stats then wait on disk)",
+    "journal-unowned-append": "a journal append runs its transaction on the caller's thread instead of the "
+                              "journal's owner (the shared-connection race)",
 }
 
 _active: frozenset[str] = frozenset()

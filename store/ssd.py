@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,8 @@ class SsdStore:
     def __init__(self, root_dir: Path, fingerprint: str, *, max_bytes: int | None, disk: Disk,
                  fingerprint_fields: dict[str, str], quarantine_max_bytes: int, verify: bool,
                  clock_ns: Callable[[], int], new_entry_id: Callable[[], str] | None = None,
-                 timer_ns: Callable[[], int] = time.perf_counter_ns) -> None:
+                 timer_ns: Callable[[], int] = time.perf_counter_ns,
+                 index_lock: AbstractContextManager[Any] | None = None) -> None:
         self.root_dir = Path(root_dir)
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
@@ -126,7 +128,8 @@ class SsdStore:
         self.quarantine_max_bytes = quarantine_max_bytes
         self._fingerprint_fields = {**fingerprint_fields, "digest": fingerprint}
         self._clock_ns = clock_ns
-        self._lock = threading.RLock()
+        # Guards the index and counters only; never held across file I/O.
+        self._lock: AbstractContextManager[Any] = index_lock or threading.RLock()
         self._entries: dict[str, IndexedEntry] = {}
         self._indexes: dict[str, PrefixIndex] = {}
         self._bytes_total = 0
@@ -146,18 +149,22 @@ class SsdStore:
              journal: bool = True, clock_ns: Callable[[], int] = time.time_ns,
              journal_opener: Callable[[Path], Journal] | None = None,
              new_entry_id: Callable[[], str] | None = None,
-             timer_ns: Callable[[], int] = time.perf_counter_ns, owner: str | None = None) -> SsdStore:
+             timer_ns: Callable[[], int] = time.perf_counter_ns, owner: str | None = None,
+             index_lock: AbstractContextManager[Any] | None = None) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
         Raises `DirectoryLocked` when another process holds the directory and
         `DiskError` when the directory cannot be created or locked.
         `journal_opener(path)` replaces `Journal.open` (the simulator's
         in-memory journal); `new_entry_id` and `timer_ns` replace uuid4 and
-        the restore timer, `owner` the lock file's text (its determinism).
+        the restore timer, `owner` the lock file's text (its determinism),
+        `index_lock` the index's lock (the simulator's, which checks that no
+        disk operation happens while it is held).
         """
         store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
                     fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
-                    verify=verify, clock_ns=clock_ns, new_entry_id=new_entry_id, timer_ns=timer_ns)
+                    verify=verify, clock_ns=clock_ns, new_entry_id=new_entry_id, timer_ns=timer_ns,
+                    index_lock=index_lock)
         store._make_durable_dirs(store.directory, store.root_dir.parent)
         owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
@@ -414,7 +421,7 @@ class SsdStore:
             return None
         started_ns = self._timer_ns()
         try:
-            loaded = kvfile.load(entry.path, verify=self.verify, disk=self.disk)
+            loaded = self._load(entry)
         except (CorruptEntry, UnsupportedFormat) as e:
             self._drop_bad_entry(entry, str(e))
             return None
@@ -440,6 +447,12 @@ class SsdStore:
                 self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
                                              restore_ms=round(restore_ms, 3)))
         return caches
+
+    def _load(self, entry: IndexedEntry) -> kvfile.Entry:
+        if mutations.active("restore-holds-index-lock"):
+            with self._lock:
+                return kvfile.load(entry.path, verify=self.verify, disk=self.disk)
+        return kvfile.load(entry.path, verify=self.verify, disk=self.disk)
 
     def _drop_bad_entry(self, entry: IndexedEntry, reason: str) -> None:
         with self._lock:
