@@ -20,7 +20,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import attrs
@@ -109,7 +110,9 @@ def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:
 
 
 class PromptCache:
-    """The RAM prompt cache. Not thread-safe: the engine thread owns it."""
+    """The RAM prompt cache. Not thread-safe: the engine thread owns it. Other
+    threads read only `stats()`: an immutable snapshot the owner publishes
+    (one reference swap) at the end of each public call that changes it."""
 
     def __init__(self, max_bytes: int = MAX_BYTES_DEFAULT, *, cold_tier: ColdTier | None = None,
                  spill_sink: SpillSink | None = None, on_put: Callable[[str, tuple[int, ...]], None] | None = None,
@@ -127,6 +130,8 @@ class PromptCache:
         self._ticks = itertools.count(1)
         self.bytes_total = 0
         self.counters = PromptCacheCounters()
+        self._published: Mapping[str, Any] = MappingProxyType({})
+        self._publish()
 
     @property
     def enabled(self) -> bool:
@@ -140,7 +145,12 @@ class PromptCache:
     def take(self, prompt: Sequence[int], ns: str = "") -> TakeResult:
         """Borrow the longest usable prefix of `prompt` in `ns` (capped at
         `len(prompt) - 1`), from RAM or, when strictly longer, from the cold tier."""
-        query = np.asarray(prompt, dtype=np.uint32)
+        try:
+            return self._take(np.asarray(prompt, dtype=np.uint32), ns)
+        finally:
+            self._publish()
+
+    def _take(self, query: np.ndarray, ns: str) -> TakeResult:
         ram = self._ram_candidate(query, ns)
         if ram is None:
             self.counters.misses += 1
@@ -199,8 +209,12 @@ class PromptCache:
         spilled instead; a disabled cache holds nothing)."""
         if not self.enabled:
             return False
-        token_array = np.asarray(tokens, dtype=np.uint32)
-        caches = list(caches)
+        try:
+            return self._put(np.asarray(tokens, dtype=np.uint32), list(caches), ns)
+        finally:
+            self._publish()
+
+    def _put(self, token_array: np.ndarray, caches: list[Any], ns: str) -> bool:
         entry = _RamEntry(
             entry_id=f"r{next(self._ids)}", namespace=ns, tokens=token_array, caches=caches,
             bytes=self._bill(caches, token_array.size), trimmable=caches_trimmable(caches),
@@ -289,6 +303,7 @@ class PromptCache:
             self._spill(entry, "demote")
             self._drop(entry.entry_id)
             self.counters.demotions += 1
+        self._publish()
         return len(idle)
 
     def snapshot_exact(self, tokens: Sequence[int], ns: str = "") -> SpillSnapshot | None:
@@ -304,5 +319,9 @@ class PromptCache:
                              caches=snapshot_caches(entry.caches), bytes=entry.bytes, reason="write-behind")
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._entries), "bytes": self.bytes_total, "max_bytes": self.max_bytes,
-                **attrs.asdict(self.counters)}
+        """The last published snapshot: safe from any thread."""
+        return dict(self._published)
+
+    def _publish(self) -> None:
+        self._published = MappingProxyType({"entries": len(self._entries), "bytes": self.bytes_total,
+                                            "max_bytes": self.max_bytes, **attrs.asdict(self.counters)})
