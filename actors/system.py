@@ -37,7 +37,7 @@ from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedMode
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.errors import UsageError
 from kvcellar.store.disk import Disk
-from kvcellar.store.fingerprint import compute_fingerprint
+from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.prompt_cache import MAX_BYTES_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
@@ -74,6 +74,9 @@ class SystemConfig:
     clock_s: Callable[[], float] | None = attrs.field(default=None, eq=False)
     run_blocking: Callable[..., Any] | None = attrs.field(default=None, eq=False)
     store_opener: Callable[[SystemConfig, KvScheme], SsdStore | None] | None = attrs.field(default=None, eq=False)
+    # Digests of weight and tokenizer files kept across starts (`serve` passes
+    # one persisted under the user cache); None hashes every file each start.
+    shard_digest_memo: ShardDigestMemo | None = attrs.field(default=None, eq=False)
     # Rows of the batch lane; 1 keeps every request on the serial lane.
     batch_rows_max: int = 1
     kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
@@ -200,14 +203,25 @@ class System:
                 "rows_active": int(gateway["lane"] == "generating"), "waiting": gateway["waiting"]}
 
 
-def _open_store(config: SystemConfig, scheme: KvScheme) -> SsdStore | None:
+async def _open_store(config: SystemConfig, scheme: KvScheme) -> tuple[SsdStore | None, str]:
+    """The SSD tier of this serving fingerprint and the tokenizer hash its
+    entries' headers carry; (None, "") without the tier."""
     if config.ssd_dir is None:
-        return None
+        return None, ""
     if config.prompt_cache_bytes <= 0:
         raise UsageError("the SSD tier needs the RAM tier: a prompt-cache size of 0 cannot be combined with it")
-    fingerprint = compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key)
-    return SsdStore.open(config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, config.disk,
-                         fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify)
+    memo = config.shard_digest_memo if config.shard_digest_memo is not None else ShardDigestMemo(None)
+    bytes_hashed_before, started_s = memo.bytes_hashed, time.perf_counter()
+    # Hashing reads every weight byte on a cold memo: a worker thread's job, not the Trio thread's.
+    run_blocking = config.run_blocking or trio.to_thread.run_sync
+    fingerprint = await run_blocking(
+        lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo))
+    log.info("serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
+             fingerprint.digest, time.perf_counter() - started_s, memo.bytes_hashed - bytes_hashed_before,
+             memo.path or "(in RAM only)")
+    store = SsdStore.open(config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, config.disk,
+                          fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify)
+    return store, fingerprint.tokenizer_sha256
 
 
 @asynccontextmanager
@@ -218,10 +232,13 @@ async def open_system(config: SystemConfig) -> AsyncIterator[System]:
     try:
         loaded = await engine.start()
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
-        store = (config.store_opener or _open_store)(config, scheme)
+        if config.store_opener is not None:
+            store, tokenizer_hash = config.store_opener(config, scheme), ""
+        else:
+            store, tokenizer_hash = await _open_store(config, scheme)
         try:
             async with trio.open_nursery() as nursery:
-                system = await _start_actors(nursery, config, engine, loaded, scheme, store)
+                system = await _start_actors(nursery, config, engine, loaded, scheme, store, tokenizer_hash)
                 try:
                     yield system
                     await system.shutdown()
@@ -235,7 +252,7 @@ async def open_system(config: SystemConfig) -> AsyncIterator[System]:
 
 
 async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: EngineThread, loaded: LoadedModel,
-                        scheme: KvScheme, store: SsdStore | None) -> System:
+                        scheme: KvScheme, store: SsdStore | None, tokenizer_hash: str) -> System:
     journal = store.journal if store is not None else None
     token = trio.lowlevel.current_trio_token()
     gateway = Gateway(engine, journal=journal)
@@ -249,7 +266,8 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: Eng
         prefill_step_tokens=config.prefill_step_tokens, journal=journal)
     if store is None:
         return system
-    writer = SsdWriter(store, gateway.run_when_idle, journal=journal, run_blocking=config.run_blocking)
+    writer = SsdWriter(store, gateway.run_when_idle, journal=journal, tokenizer_hash=tokenizer_hash,
+                       run_blocking=config.run_blocking)
     queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
     queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)

@@ -14,6 +14,7 @@ from kvcellar.errors import UsageError
 log = logging.getLogger("kvcellar.serve")
 
 SHUTDOWN_TIMEOUT_ENV = "KVCELLAR_SHUTDOWN_TIMEOUT_S"
+SHARD_DIGEST_MEMO_DIR_NAME = "shard-digests"
 GB = 10**9
 
 
@@ -38,6 +39,19 @@ def resolve_model_dir(model: str | None) -> Path:
             raise UsageError(f"{model!r} is not a local directory and is not in the local Hugging Face cache "
                              f"(kvcellar never downloads at start-up): {e}") from e
     raise UsageError(f"--model {model!r}: no such directory")
+
+
+def shard_digest_memo_dir(environ=os.environ) -> Path:
+    """Where `serve` keeps its weight and tokenizer file digests across starts:
+    `<cache>/shard-digests`, `<cache>` being `$KVCELLAR_CACHE_DIR` when set,
+    else the platform's user cache directory for kvcellar (as for the demo model)."""
+    import platformdirs
+
+    from kvcellar.engine.demo_models import CACHE_DIR_ENV_VAR
+
+    base_dir = environ.get(CACHE_DIR_ENV_VAR)
+    cache_dir = Path(base_dir) if base_dir else platformdirs.user_cache_path("kvcellar")
+    return cache_dir / SHARD_DIGEST_MEMO_DIR_NAME
 
 
 def shutdown_timeout_s(environ=os.environ) -> float:
@@ -94,6 +108,7 @@ def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: floa
     from kvcellar.actors.system import SystemConfig
     from kvcellar.http.app import HttpSettings
     from kvcellar.http.server import serve_forever
+    from kvcellar.store.fingerprint import ShardDigestMemo
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ssd_dir is not None and prompt_cache_gb == 0:
@@ -111,6 +126,8 @@ def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: floa
         kv_budget_bytes=int(kv_budget_gb * GB),
         prefill_step_tokens=prefill_step_size,
         shutdown_timeout_s=shutdown_timeout_s(),
+        # Only the SSD tier's directory name needs the fingerprint, so only it reads the memo.
+        shard_digest_memo=ShardDigestMemo(shard_digest_memo_dir()) if ssd_dir is not None else None,
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)

@@ -1,15 +1,22 @@
-"""The serving fingerprint: which model, tokenizer, template, KV scheme and MLX
-build a stored KV entry belongs to.
+"""The serving fingerprint: which model, tokenizer, template, KV scheme, MLX
+and mlx-lm build and device a stored KV entry belongs to.
 
 The digest names the SSD directory entries live in, so any change selects
 another directory; old directories stay intact and are never touched here.
 
-Weight identity is the SHA-256 of every shard byte. `ShardDigestMemo` keeps
-those digests keyed by resolved path and the file's stat revision (device,
-inode, size, nanosecond mtime and ctime), so an unchanged shard is not re-read
-and any write (even a same-size one with its mtime restored, which still moves
-ctime) or a changed symlink target is a miss. The memo stores only digests;
-missing, malformed or unwritable memo storage only costs a re-read.
+Weight identity is the SHA-256 of every shard byte; tokenizer identity the
+SHA-256 of every file that changes tokenization or chat rendering
+(`TOKENIZER_FILE_NAMES` and `additional_chat_templates/*.jinja`). The device
+is the default device's kind and its chip (Metal GPU name and architecture,
+or the CPU model): kernels differ per chip, and so may the KV rows.
+
+`ShardDigestMemo` keeps file digests keyed by resolved path and the file's
+stat revision (device, inode, size, nanosecond mtime and ctime), so an
+unchanged file is not re-read and any write (even a same-size one with its
+mtime restored, which still moves ctime) or a changed symlink target is a
+miss. Shards and tokenizer files both go through it, so a restart with
+nothing changed hashes no byte. The memo stores only digests; missing,
+malformed or unwritable memo storage only costs a re-read.
 
 The model directory and the memo file use plain `os`/`pathlib`, not the
 store's `Disk`: they are not KV entries and need no simulated durability.
@@ -19,13 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
+import platform
 import re
 import secrets
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -45,6 +55,15 @@ HASH_CHUNK_BYTES = 8 * 1024 * 1024
 # an identical ctime (coarse kernel timestamps); such a digest is not memoised.
 RACY_WINDOW_NS = 100_000_000
 DIGEST_HEX_CHARS = 32
+# Files a tokenizer loader (transformers, sentencepiece, tiktoken-style BPE)
+# reads to tokenize or to render a chat; whichever are present are hashed.
+TOKENIZER_FILE_NAMES = (
+    "added_tokens.json", "chat_template.jinja", "chat_template.json", "merges.txt", "sentencepiece.bpe.model",
+    "special_tokens_map.json", "spiece.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+    "vocab.json", "vocab.txt",
+)
+ADDITIONAL_CHAT_TEMPLATES_DIR = "additional_chat_templates"
+CPUINFO_PATH = Path("/proc/cpuinfo")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -54,11 +73,17 @@ class ServingFingerprint:
 
     config_sha256: str
     weights_sha256: str
+    # Every tokenizer file; also what `.kvc` headers carry as `tokenizer_hash`.
     tokenizer_sha256: str
+    # The template in effect (a subset of the above, named for inspection).
     chat_template_sha256: str
     kv_scheme_key: str
     mlx_version: str
+    mlx_lm_version: str
+    # "cpu" or "gpu": the default device kernels run on.
     device: str
+    # The chip behind it: the Metal GPU's name and architecture, or the CPU model.
+    device_architecture: str
 
     @property
     def digest(self) -> str:
@@ -204,13 +229,17 @@ def _optional_file_sha256(path: Path) -> str:
 
 def _chat_template_sha256(model_dir: Path) -> str:
     """A separate `chat_template.jinja` wins over `tokenizer_config.json`'s
-    `chat_template`, as in transformers; a list of named templates is hashed
-    as canonical JSON."""
+    `chat_template`, as in transformers, which wins over the legacy
+    `chat_template.json`; a list of named templates is hashed as canonical JSON."""
     if jinja_sha256 := _optional_file_sha256(model_dir / "chat_template.jinja"):
         return jinja_sha256
-    config_path = model_dir / "tokenizer_config.json"
-    tokenizer_config = _read_json(config_path) if config_path.is_file() else {}
-    template = tokenizer_config.get("chat_template") if isinstance(tokenizer_config, dict) else None
+    template = None
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        config_path = model_dir / name
+        loaded = _read_json(config_path) if config_path.is_file() else {}
+        template = loaded.get("chat_template") if isinstance(loaded, dict) else None
+        if template is not None:
+            break
     if template is None:
         return ""
     if isinstance(template, str):
@@ -218,16 +247,73 @@ def _chat_template_sha256(model_dir: Path) -> str:
     return _sha256_bytes(canonical_config_bytes({"chat_template": template}))
 
 
+def tokenizer_files(model_dir: Path) -> list[tuple[str, Path]]:
+    """The tokenizer and chat template files present in `model_dir`, as
+    (name relative to `model_dir`, path), sorted by name."""
+    found = [(name, model_dir / name) for name in TOKENIZER_FILE_NAMES if (model_dir / name).is_file()]
+    extra_dir = model_dir / ADDITIONAL_CHAT_TEMPLATES_DIR
+    if extra_dir.is_dir():
+        found += [(f"{ADDITIONAL_CHAT_TEMPLATES_DIR}/{path.name}", path)
+                  for path in extra_dir.glob("*.jinja") if path.is_file()]
+    return sorted(found)
+
+
+def _tokenizer_sha256(model_dir: Path, memo: ShardDigestMemo) -> str:
+    """The SHA-256 of the (name, file SHA-256) list of `tokenizer_files`; ""
+    when there are none (a model without a tokenizer of its own)."""
+    files = tokenizer_files(model_dir)
+    if not files:
+        return ""
+    return _sha256_bytes(to_cbor([[name, memo.digest(path)] for name, path in files]))
+
+
+def mlx_lm_version() -> str:
+    """The installed mlx-lm version: its model code shapes every KV row."""
+    try:
+        return importlib.metadata.version("mlx-lm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _cpu_model(cpuinfo_path: Path) -> str:
+    """Linux's /proc/cpuinfo "model name", else what `platform` knows."""
+    try:
+        for line in cpuinfo_path.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def describe_device_architecture(device: Any = None, *, device_info: Callable[[Any], dict[str, Any]] | None = None,
+                                 cpuinfo_path: Path = CPUINFO_PATH) -> str:
+    """The chip the default device runs on: "<GPU name> (<architecture>)" for
+    a GPU (the Metal GPU on macOS, from `mx.device_info`), "<CPU model>
+    (<machine>)" for the CPU. Reads device metadata only; runs no kernel."""
+    device = device if device is not None else mx.default_device()
+    if device.type == mx.DeviceType.gpu:
+        info = (device_info or mx.device_info)(device)
+        name = str(info.get("device_name") or "unknown GPU")
+        architecture = info.get("architecture")
+        return f"{name} ({architecture})" if architecture else name
+    return f"{_cpu_model(cpuinfo_path)} ({platform.machine() or 'unknown'})"
+
+
 def compute_fingerprint(
-    model_dir: Path, *, kv_scheme_key: str = "bf16", memo: ShardDigestMemo | None = None
+    model_dir: Path, *, kv_scheme_key: str = "bf16", memo: ShardDigestMemo | None = None,
+    device_architecture: str | None = None,
 ) -> ServingFingerprint:
     """The serving fingerprint of the model in `model_dir`; `memo` (RAM-only
-    when omitted) spares re-reading unchanged shards.
+    when omitted) spares re-reading unchanged shards and tokenizer files;
+    `device_architecture` replaces `describe_device_architecture()`.
 
     Raises `ModelError` (the operator's fault, or a damaged directory) when
     `model_dir` has no `config.json` or no `*.safetensors` shard, when
-    `config.json` or `tokenizer_config.json` is not valid JSON (or the config
-    is not an object), or when a model file cannot be read.
+    `config.json`, `tokenizer_config.json` or `chat_template.json` is not
+    valid JSON (or the config is not an object), or when a model file cannot
+    be read.
     """
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
@@ -240,7 +326,7 @@ def compute_fingerprint(
     try:
         config = _read_json(config_path)
         shards = [[path.name, memo.digest(path)] for path in shard_paths]
-        tokenizer_sha256 = _optional_file_sha256(model_dir / "tokenizer.json")
+        tokenizer_sha256 = _tokenizer_sha256(model_dir, memo)
         chat_template_sha256 = _chat_template_sha256(model_dir)
     except OSError as e:
         raise ModelError(f"cannot read the model files in {model_dir}: {e}") from e
@@ -253,5 +339,8 @@ def compute_fingerprint(
         chat_template_sha256=chat_template_sha256,
         kv_scheme_key=kv_scheme_key,
         mlx_version=mx.__version__,
+        mlx_lm_version=mlx_lm_version(),
         device=mx.default_device().type.name,
+        device_architecture=(device_architecture if device_architecture is not None
+                             else describe_device_architecture()),
     )

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.engine.demo_models import create_model
+from kvcellar.engine.engine import SamplingParams
+from kvcellar.engine.generation import GenerationRequest
 from kvcellar.errors import ModelError
+from kvcellar.store import kvfile
 from kvcellar.store.fingerprint import (
     MEMO_FILE_NAME,
     RACY_WINDOW_NS,
@@ -22,6 +29,8 @@ from kvcellar.store.fingerprint import (
     ShardDigestMemo,
     canonical_config_bytes,
     compute_fingerprint,
+    describe_device_architecture,
+    tokenizer_files,
 )
 from kvcellar.serialization import to_cbor
 
@@ -48,6 +57,12 @@ def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _hashed_bytes(model_dir: Path) -> int:
+    """What a cold memo reads: every shard and every tokenizer file."""
+    return (sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+            + sum(path.stat().st_size for _, path in tokenizer_files(model_dir)))
+
+
 def test_digest_is_stable_and_fields_are_plain_strings(model_dir):
     first = compute_fingerprint(model_dir)
     second = compute_fingerprint(model_dir)
@@ -57,6 +72,36 @@ def test_digest_is_stable_and_fields_are_plain_strings(model_dir):
     assert set(fields) == {a.name for a in ServingFingerprint.__attrs_attrs__}
     assert all(isinstance(value, str) for value in fields.values())
     assert fields["kv_scheme_key"] == "bf16" and fields["device"] in {"cpu", "gpu"}
+
+
+def test_fingerprint_names_the_mlx_lm_version_and_the_device_architecture(model_dir):
+    fingerprint = compute_fingerprint(model_dir)
+    assert fingerprint.mlx_lm_version == importlib.metadata.version("mlx-lm")
+    assert fingerprint.mlx_version == mx.__version__
+    assert fingerprint.device_architecture == describe_device_architecture() != ""
+    other_chip = compute_fingerprint(model_dir, device_architecture="Another Chip (arm64)")
+    assert other_chip.digest != fingerprint.digest
+    assert {name for name, value in other_chip.as_dict().items()
+            if fingerprint.as_dict()[name] != value} == {"device_architecture"}
+
+
+def test_device_architecture_names_the_cpu_model_or_the_gpu(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: Acme\nmodel name\t: Acme Turbo 9000 @ 3.1GHz\n\nprocessor\t: 1\n")
+    described = describe_device_architecture(mx.Device(mx.DeviceType.cpu), cpuinfo_path=cpuinfo)
+    assert described.startswith("Acme Turbo 9000 @ 3.1GHz (") and described.endswith(")")
+    fallback = describe_device_architecture(mx.Device(mx.DeviceType.cpu), cpuinfo_path=tmp_path / "absent")
+    assert fallback and "(" in fallback
+
+    queried = []
+
+    def metal_info(device):
+        queried.append(device)
+        return {"device_name": "Apple M3 Max", "architecture": "applegpu_g15s", "memory_size": 1 << 36}
+
+    gpu = mx.Device(mx.DeviceType.gpu)
+    assert describe_device_architecture(gpu, device_info=metal_info) == "Apple M3 Max (applegpu_g15s)"
+    assert queried == [gpu]
 
 
 def test_config_key_order_and_whitespace_do_not_change_the_digest(model_dir):
@@ -90,25 +135,46 @@ def _change_tokenizer(model_dir: Path) -> None:
     path.write_text(path.read_text() + " ")
 
 
+def _change_special_tokens(model_dir: Path) -> None:
+    path = model_dir / "special_tokens_map.json"
+    special_tokens = json.loads(path.read_text())
+    special_tokens["bos_token"] = "<|im_start|>"
+    path.write_text(json.dumps(special_tokens))
+
+
+def _add_additional_template(model_dir: Path) -> None:
+    (model_dir / "additional_chat_templates").mkdir()
+    (model_dir / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+
+
+TOKENIZER = "tokenizer_sha256"
+TEMPLATE = "chat_template_sha256"
+# Each change, and the fields it must change (every other field stays put).
 CHANGES = {
-    "config": (_change_config, "config_sha256"),
-    "weight byte": (lambda d: _flip_last_byte(d / WEIGHTS), "weights_sha256"),
-    "extra shard": (lambda d: (d / "extra.safetensors").write_bytes(b"x"), "weights_sha256"),
-    "tokenizer.json": (_change_tokenizer, "tokenizer_sha256"),
-    "chat template": (_change_tokenizer_config_template, "chat_template_sha256"),
-    "chat_template.jinja": (_add_jinja_template, "chat_template_sha256"),
+    "config": (_change_config, {"config_sha256"}),
+    "weight byte": (lambda d: _flip_last_byte(d / WEIGHTS), {"weights_sha256"}),
+    "extra shard": (lambda d: (d / "extra.safetensors").write_bytes(b"x"), {"weights_sha256"}),
+    "tokenizer.json": (_change_tokenizer, {TOKENIZER}),
+    "special_tokens_map.json": (_change_special_tokens, {TOKENIZER}),
+    "tokenizer.model": (lambda d: (d / "tokenizer.model").write_bytes(b"sentencepiece"), {TOKENIZER}),
+    "merges.txt": (lambda d: (d / "merges.txt").write_text("#version: 0.2\na b\n"), {TOKENIZER}),
+    # tokenizer_config.json's template wins over the legacy file, which still counts as a tokenizer file.
+    "chat_template.json": (lambda d: (d / "chat_template.json").write_text('{"chat_template": "x"}'), {TOKENIZER}),
+    "additional chat template": (_add_additional_template, {TOKENIZER}),
+    "chat template": (_change_tokenizer_config_template, {TOKENIZER, TEMPLATE}),
+    "chat_template.jinja": (_add_jinja_template, {TOKENIZER, TEMPLATE}),
 }
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
-def test_each_input_changes_only_its_field_and_the_digest(model_dir, change):
-    mutate, field = CHANGES[change]
+def test_each_input_changes_only_its_fields_and_the_digest(model_dir, change):
+    mutate, fields = CHANGES[change]
     before = compute_fingerprint(model_dir)
     mutate(model_dir)
     after = compute_fingerprint(model_dir)
     assert after.digest != before.digest
     changed = {name for name, value in after.as_dict().items() if before.as_dict()[name] != value}
-    assert changed == {field}
+    assert changed == fields
 
 
 def test_kv_scheme_key_changes_the_digest(model_dir):
@@ -121,7 +187,7 @@ def test_memo_hit_from_a_fresh_memo_reads_no_shard_bytes(model_dir, tmp_path):
     memo_dir = tmp_path / "cache" / "artifact-identities"
     first_memo = ShardDigestMemo(memo_dir)
     first = compute_fingerprint(model_dir, memo=first_memo)
-    assert first_memo.bytes_hashed == (model_dir / WEIGHTS).stat().st_size
+    assert first_memo.bytes_hashed == _hashed_bytes(model_dir)
     assert (memo_dir / MEMO_FILE_NAME).is_file()
     assert [p.name for p in memo_dir.iterdir()] == [MEMO_FILE_NAME]
 
@@ -244,8 +310,8 @@ def test_model_errors_name_the_directory(tmp_path, model_dir):
 
 
 def test_optional_tokenizer_files_may_be_absent(model_dir):
-    (model_dir / "tokenizer.json").unlink()
-    (model_dir / "tokenizer_config.json").unlink()
+    for _, path in tokenizer_files(model_dir):
+        path.unlink()
     fingerprint = compute_fingerprint(model_dir)
     assert fingerprint.tokenizer_sha256 == "" and fingerprint.chat_template_sha256 == ""
 
@@ -273,3 +339,55 @@ def test_canonical_config_bytes_ignores_key_order(config, seed):
     reordered = _reordered(config, seed)
     assert canonical_config_bytes(reordered) == canonical_config_bytes(config)
     assert canonical_config_bytes(config).isascii()
+
+
+def _system_config(model_dir: Path, tmp_path: Path, memo: ShardDigestMemo) -> SystemConfig:
+    return SystemConfig(model_dir=model_dir, ssd_dir=tmp_path / "ssd", shard_digest_memo=memo, debounce_s=0.05,
+                        busy_rearm_s=0.05, demote_idle_s=0, shutdown_timeout_s=60)
+
+
+async def _generate(system, prompt: tuple[int, ...]) -> None:
+    request = GenerationRequest(prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_tokens=4))
+    async for _ in system.generate(request):
+        pass
+
+
+def test_a_second_system_start_hashes_no_byte_and_entries_carry_the_tokenizer_hash(model_dir, tmp_path):
+    _settle()
+    memo_dir = tmp_path / "cache" / "shard-digests"
+    expected = compute_fingerprint(model_dir)
+    assert expected.tokenizer_sha256
+    prompt = tuple((7 * i + 5) % 1000 + 3 for i in range(48))
+    first_memo, second_memo = ShardDigestMemo(memo_dir), None
+
+    async def main():
+        nonlocal second_memo
+        async with open_system(_system_config(model_dir, tmp_path, first_memo)) as system:
+            assert system.store.fingerprint == expected.digest
+            await _generate(system, prompt)
+            assert (await system.flush()).durable
+        # A fresh memo object: only what the first start persisted can spare the reads.
+        second_memo = ShardDigestMemo(memo_dir)
+        async with open_system(_system_config(model_dir, tmp_path, second_memo)) as restarted:
+            assert restarted.store.fingerprint == expected.digest
+            assert len(restarted.store.entry_ids()) >= 1
+
+    trio.run(main)
+    assert first_memo.bytes_hashed == _hashed_bytes(model_dir)
+    assert second_memo.bytes_hashed == 0
+    entry_paths = sorted((tmp_path / "ssd" / expected.digest).glob("*/*.kvc"))
+    assert entry_paths
+    for path in entry_paths:
+        header = kvfile.read_header(path)
+        assert header.tokenizer_hash == expected.tokenizer_sha256
+        assert header.fingerprint["device_architecture"] == expected.device_architecture
+        assert header.fingerprint["mlx_lm_version"] == expected.mlx_lm_version
+
+
+def test_serve_keeps_the_memo_under_the_kvcellar_cache_directory(tmp_path):
+    import platformdirs
+
+    from kvcellar.http.serve_cli import shard_digest_memo_dir
+
+    assert shard_digest_memo_dir({"KVCELLAR_CACHE_DIR": str(tmp_path)}) == tmp_path / "shard-digests"
+    assert shard_digest_memo_dir({}) == platformdirs.user_cache_path("kvcellar") / "shard-digests"
