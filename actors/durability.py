@@ -41,6 +41,13 @@ Decisions where the spec is open:
 - A `Flush` arriving while one runs is queued; all queued flushes share the
   next run (its scope is taken after every one of them was asked), and each
   gets its own verdict.
+- A flush always answers by its caller's deadline. Past it the shell answers
+  with `timed_out_verdict` (not durable, reason "timeout", the evidence so
+  far: a read, no transition) and tells the core `FlushTimedOut`: a queued
+  flush is withdrawn; a running one goes on for its other callers and the
+  journal (`flush.timeout` now, its `flush.verdict` when the run ends), but
+  gets no second answer. A `FlushTimedOut` for a flush already answered
+  (its verdict raced the deadline) is stale and ignored.
 - The debounce does not extend: repeated puts of one key within the window
   coalesce into the attempt due 1 s after the first, so a key put over and
   over is still written.
@@ -126,6 +133,14 @@ class Flush:
 
 
 @attrs.frozen(kw_only=True)
+class FlushTimedOut:
+    """The caller of flush `flush_id` stopped waiting (it was answered with
+    `timed_out_verdict`)."""
+
+    flush_id: int
+
+
+@attrs.frozen(kw_only=True)
 class QueueDrained:
     """The spill queue was idle once after `DrainQueue(flush_id)`."""
 
@@ -140,7 +155,8 @@ class CoverageChecked:
     covered: frozenset[RecordKey]
 
 
-DurabilityMessage = Dirty | TimerFired | AttemptResult | AttemptDeferred | Flush | QueueDrained | CoverageChecked
+DurabilityMessage = (Dirty | TimerFired | AttemptResult | AttemptDeferred | Flush | FlushTimedOut | QueueDrained
+                     | CoverageChecked)
 
 
 # -- effects (besides the runtime's ArmTimer, CancelTimer, JournalEvent) ------
@@ -177,7 +193,8 @@ class FlushVerdict:
     `dropped`/`failed`: attempts that settled so during the flush;
     `missing_uncovered`: scope records gone from RAM and not covered;
     `dirty_keys_count`: every record not yet durable, in scope or not.
-    `timed_out` is set only by the shell, for a flush it stopped waiting for."""
+    `timed_out`: the answer of `timed_out_verdict`, for a flush whose caller
+    stopped waiting; the evidence is what was known at that moment."""
 
     flush_id: int
     durable: bool
@@ -194,6 +211,18 @@ class FlushVerdict:
     @property
     def missing(self) -> int:
         return self.missing_uncovered
+
+    @property
+    def reason(self) -> str:
+        """Why it is not durable: "timeout", else the first of "failed",
+        "dropped", "missing", "pending" that is not zero; "" when durable."""
+        if self.durable:
+            return ""
+        if self.timed_out:
+            return "timeout"
+        counts = {"failed": self.failed, "dropped": self.dropped, "missing": self.missing_uncovered,
+                  "pending": self.pending}
+        return next((name for name, count in counts.items() if count), "pending")
 
 
 # -- journal events -----------------------------------------------------------
@@ -262,6 +291,25 @@ class FlushVerdictRecorded:
     elapsed_s: float
 
 
+@register_event
+@attrs.frozen(kw_only=True)
+class FlushTimedOutRecorded:
+    """The caller of `flush_id` stopped waiting; the evidence at that moment.
+    `begun`: its run had begun (it goes on, and its `flush.verdict` follows);
+    otherwise it was still queued and is withdrawn."""
+
+    kind: ClassVar[str] = "flush.timeout"
+    flush_id: int
+    begun: bool
+    pending: int
+    dropped: int
+    failed: int
+    missing_uncovered: int
+    dirty_keys_count: int
+    forced: int
+    elapsed_s: float
+
+
 # -- the core -----------------------------------------------------------------
 
 class DurabilityState(enum.Enum):
@@ -291,7 +339,7 @@ TRANSITIONS: dict[DurabilityState, frozenset[DurabilityState]] = {
     _S.FLUSH_RECHECK: frozenset({_S.FLUSH_FORCING}) | _ENDS,
 }
 
-_ALWAYS = frozenset({Dirty, TimerFired, Flush})
+_ALWAYS = frozenset({Dirty, TimerFired, Flush, FlushTimedOut})
 # Which messages each state accepts; anything else is a protocol bug. No attempt
 # is in flight while draining or re-checking, and forced attempts are never deferred.
 ACCEPTS: dict[DurabilityState, frozenset[type]] = {
@@ -331,6 +379,7 @@ class _FlushRun:
     flush_ids: tuple[int, ...]
     began_s: float
     scope: frozenset[RecordKey]
+    timed_out: set[int] = attrs.Factory(set)  # flush ids whose caller was answered "timeout"
     forced_versions: set[int] = attrs.Factory(set)
     rechecked_versions: set[int] = attrs.Factory(set)
     awaiting_recheck: dict[RecordKey, int] = attrs.Factory(dict)
@@ -358,6 +407,7 @@ class DurabilityCounters:
     rechecked_covered: int = 0
     flushes: int = 0
     durable_flushes: int = 0
+    timed_out_flushes: int = 0
 
 
 class DurabilityCore:
@@ -377,7 +427,8 @@ class DurabilityCore:
         self._in_flight = 0
         self._run: _FlushRun | None = None
         self._queued_flushes: list[int] = []
-        self._known_flushes: set[int] = set()
+        self._known_flushes: set[int] = set()  # asked and not yet answered
+        self._asked_s: dict[int, float] = {}
 
     # -- dispatch and transitions ----------------------------------------------
 
@@ -394,6 +445,8 @@ class DurabilityCore:
             return self._on_deferred(msg, now)
         if isinstance(msg, Flush):
             return self._on_flush(msg, now)
+        if isinstance(msg, FlushTimedOut):
+            return self._on_flush_timed_out(msg, now)
         if isinstance(msg, QueueDrained):
             self._check_run(msg.flush_id)
             return self._force_next(now)
@@ -514,6 +567,7 @@ class DurabilityCore:
         if msg.flush_id in self._known_flushes:
             raise IllegalTransition(f"durability: flush {msg.flush_id} asked twice (state {self.state.name})")
         self._known_flushes.add(msg.flush_id)
+        self._asked_s[msg.flush_id] = now
         if self._run is not None:
             self._queued_flushes.append(msg.flush_id)
             return []
@@ -589,9 +643,12 @@ class DurabilityCore:
             verdict = self._verdict(run, flush_id, now)
             self.counters.durable_flushes += verdict.durable
             self._known_flushes.discard(flush_id)
+            self._asked_s.pop(flush_id, None)
             fields = attrs.asdict(verdict)
             del fields["timed_out"]
-            effects += [verdict, JournalEvent(event=FlushVerdictRecorded(**fields))]
+            # A timed-out flush was answered already: its outcome is journaled only.
+            answer = [] if flush_id in run.timed_out else [verdict]
+            effects += [*answer, JournalEvent(event=FlushVerdictRecorded(**fields))]
         self._run = None
         if self._queued_flushes:
             queued, self._queued_flushes = tuple(self._queued_flushes), []
@@ -612,13 +669,38 @@ class DurabilityCore:
                             forced=run.forced, rechecked_covered=run.rechecked_covered,
                             elapsed_s=now - run.began_s, timed_out=timed_out)
 
-    def provisional_verdict(self, flush_id: int, now: float) -> FlushVerdict:
-        """A not-durable verdict for a flush the caller stopped waiting for,
-        with the evidence so far (the flush itself goes on and is journaled)."""
+    def timed_out_verdict(self, flush_id: int, now: float) -> FlushVerdict:
+        """The answer for a flush whose caller stops waiting now: not durable,
+        with the evidence so far (a read; the core is unchanged). A flush not
+        begun (queued, or not yet received) is judged on every record."""
         run = self._run if self._run is not None and flush_id in self._run.flush_ids else None
         if run is None:
             run = _FlushRun(flush_ids=(flush_id,), began_s=now, scope=frozenset(self._records))
-        return self._verdict(run, flush_id, now, timed_out=True)
+        return attrs.evolve(self._verdict(run, flush_id, now, timed_out=True),
+                            elapsed_s=now - self._asked_s.get(flush_id, now))
+
+    def _on_flush_timed_out(self, msg: FlushTimedOut, now: float) -> list[Any]:
+        flush_id = msg.flush_id
+        if flush_id not in self._known_flushes:
+            return []  # stale: its verdict was produced before the caller's deadline passed
+        run = self._run if self._run is not None and flush_id in self._run.flush_ids else None
+        if run is not None and flush_id in run.timed_out:
+            return []
+        verdict = self.timed_out_verdict(flush_id, now)
+        if run is not None:
+            run.timed_out.add(flush_id)
+        else:
+            # Asked, unanswered and not in the run: queued. Withdrawn, so no run starts for nobody.
+            self._queued_flushes.remove(flush_id)
+            self._known_flushes.discard(flush_id)
+            self._asked_s.pop(flush_id, None)
+        self.counters.timed_out_flushes += 1
+        event = FlushTimedOutRecorded(flush_id=flush_id, begun=run is not None, pending=verdict.pending,
+                                      dropped=verdict.dropped, failed=verdict.failed,
+                                      missing_uncovered=verdict.missing_uncovered,
+                                      dirty_keys_count=verdict.dirty_keys_count, forced=verdict.forced,
+                                      elapsed_s=verdict.elapsed_s)
+        return [JournalEvent(event=event)]
 
     # -- views -----------------------------------------------------------------
 

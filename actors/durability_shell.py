@@ -6,7 +6,9 @@ effects: a `StartAttempt` becomes a task that checks coverage and snapshots
 the RAM entry in one `run_when_idle` engine turn, then submits the snapshot to
 the spill queue outside that turn; `DrainQueue` waits for the queue to go
 idle; `CheckCoverage` asks the committed SSD index; a `FlushVerdict` wakes the
-`flush()` caller it answers.
+`flush()` caller it answers. A caller whose deadline passes is answered at
+once from the core's evidence (`timed_out_verdict`), then the core is told
+(`FlushTimedOut`), so the answer never waits on the actor's mailbox.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import trio
 
 from kvcellar.actors.durability import (
     BUSY_REARM_S_DEFAULT, DEBOUNCE_S_DEFAULT, RETRY_MAX_S_DEFAULT, RETRY_S_DEFAULT, SUBMIT_OUTCOMES, AttemptDeferred,
-    AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore, Flush, FlushVerdict,
-    QueueDrained, RecordKey, StartAttempt,
+    AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore, Flush, FlushTimedOut,
+    FlushVerdict, QueueDrained, RecordKey, StartAttempt,
 )
 from kvcellar.actors.runtime import ActorShell, Journal
 from kvcellar.store.prompt_cache import SpillSnapshot
@@ -105,11 +107,12 @@ class DurabilityCoordinator:
     async def flush(self, timeout_s: float | None = None) -> FlushVerdict:
         """Force every put made before this call to the SSD tier and say whether
         it is durable (spec §5.6). A flush asked while one runs is answered
-        after it, by the next run. Past `timeout_s` the answer is a not-durable
-        verdict with `timed_out` and the evidence so far; the flush itself goes
-        on and its verdict is journaled."""
+        after it, by the next run. Past `timeout_s` (None: no bound) the answer
+        is a not-durable verdict with `timed_out` and the evidence so far; a
+        flush that had begun goes on, and its outcome is journaled."""
         flush_id = next(self._flush_ids)
         waiter = self._waiters[flush_id] = _FlushWaiter()
+        asked_s = trio.current_time()
         try:
             await self._actor.send(Flush(flush_id=flush_id))
             with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
@@ -118,8 +121,17 @@ class DurabilityCoordinator:
             self._waiters.pop(flush_id, None)
         if waiter.verdict is not None:
             return waiter.verdict
-        log.warning("flush %d not answered within %s s", flush_id, timeout_s)
-        return self.core.provisional_verdict(flush_id, trio.current_time())
+        # Answered from the core's state as it is now, without a checkpoint in
+        # between; the message then withdraws a queued flush and journals the
+        # timeout. Sent through the mailbox, so it follows our `Flush`.
+        now = trio.current_time()
+        verdict = attrs.evolve(self.core.timed_out_verdict(flush_id, now), elapsed_s=now - asked_s)
+        self._send(FlushTimedOut(flush_id=flush_id))
+        log.warning("flush %d not answered within %s s: not durable (%d pending, %d dropped, %d failed, "
+                    "%d missing, %d dirty in all); begun, it goes on in the background", flush_id, timeout_s,
+                    verdict.pending, verdict.dropped, verdict.failed, verdict.missing_uncovered,
+                    verdict.dirty_keys_count)
+        return verdict
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()

@@ -17,6 +17,7 @@ reason is logged at start and shown in `stats()["scheduler"]`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -84,19 +85,26 @@ class SystemConfig:
 
 @attrs.frozen(kw_only=True)
 class FlushResult:
-    """The flush verdict with its evidence (spec §5.6)."""
+    """The flush verdict with its evidence (spec §5.6). `reason` says why it
+    is not durable ("" when it is): "timeout" (the bound passed; the evidence
+    is what was known then), "no SSD tier", "write-behind off" (puts are not
+    tracked, so no put can be vouched for; the spill queue was drained), or
+    the first of "failed", "dropped", "missing", "pending" that is not zero.
+    `pending`: records of the flush's scope still dirty (with write-behind
+    off: spills still queued); `dropped`/`failed`: writes that settled so
+    during the flush; `missing`: prefixes gone from RAM and not covered on
+    SSD; `pending_spills`: snapshots queued or being written at the answer."""
 
     durable: bool
+    reason: str = ""
     pending: int
     dropped: int
     failed: int
     missing: int
+    pending_spills: int = 0
     entries: int
     longest_durable_prefix_tokens: int
     note: str = ""
-
-
-_NOT_SHUT_DOWN = object()
 
 
 class System:
@@ -115,7 +123,8 @@ class System:
         self.serial_reason = ""
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
-        self._shutdown_verdict: Any = _NOT_SHUT_DOWN
+        self._shutdown_verdict: FlushResult | None = None
+        self._shutdown_done: trio.Event | None = None
 
     @property
     def admitting(self) -> bool:
@@ -139,40 +148,88 @@ class System:
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
             yield item
 
-    async def flush(self) -> FlushResult:
-        """Persist everything dirty; `durable` says whether all of it is on disk."""
+    async def flush(self, timeout_s: float | None = None) -> FlushResult:
+        """Persist everything dirty and say whether all of it is on disk. It
+        always answers, by `timeout_s` (None: no bound): past it with
+        `reason="timeout"` and the evidence so far, while a begun flush goes
+        on in the background (journaled)."""
         if self.store is None:
-            return FlushResult(durable=True, pending=0, dropped=0, failed=0, missing=0, entries=0,
-                               longest_durable_prefix_tokens=0, note="no SSD tier: nothing to persist")
+            return FlushResult(durable=False, reason="no SSD tier", pending=0, dropped=0, failed=0, missing=0,
+                               entries=0, longest_durable_prefix_tokens=0,
+                               note="no SSD tier (serve with --ssd-cache DIR): nothing survives a restart")
         if self.durability is None:
-            return FlushResult(durable=False, pending=0, dropped=0, failed=0, missing=0,
-                               entries=len(self.store.entry_ids()),
-                               longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
-                               note=f"write-behind is off ({WRITE_BEHIND_ENV}=0): RAM entries reach the SSD "
-                                    "tier only when evicted, so nothing is tracked as dirty")
-        verdict = await self.durability.flush()
-        return FlushResult(durable=verdict.durable, pending=verdict.pending, dropped=verdict.dropped,
-                           failed=verdict.failed, missing=verdict.missing, entries=len(self.store.entry_ids()),
-                           longest_durable_prefix_tokens=self.store.longest_entry_tokens())
+            return await self._flush_spills_only(timeout_s)
+        verdict = await self.durability.flush(timeout_s)
+        note = "a flush that had begun goes on in the background (journaled)" if verdict.timed_out else ""
+        return FlushResult(durable=verdict.durable, reason=verdict.reason, pending=verdict.pending,
+                           dropped=verdict.dropped, failed=verdict.failed, missing=verdict.missing,
+                           pending_spills=self._pending_spills(), entries=len(self.store.entry_ids()),
+                           longest_durable_prefix_tokens=self.store.longest_entry_tokens(), note=note)
+
+    async def _flush_spills_only(self, timeout_s: float | None) -> FlushResult:
+        """Write-behind off: drain what the spill queue holds (evictions,
+        demotions), bounded by `timeout_s`, and say what became of it. Never
+        durable: puts are not tracked, so RAM entries are not vouched for."""
+        assert self.queue is not None and self.store is not None
+        before = self.queue.stats()
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as bound:
+            await self.queue.wait_idle()
+        after = self.queue.stats()
+        stored, dropped, failed = (after[name] - before[name] for name in ("stored", "dropped", "failed"))
+        pending = self._pending_spills()
+        drain = "did not drain in time" if bound.cancelled_caught else "was drained"
+        note = (f"write-behind is off ({WRITE_BEHIND_ENV}=0): RAM entries reach the SSD tier only when evicted "
+                f"or demoted, so no put is tracked as dirty; the spill queue {drain}: {stored} stored, "
+                f"{dropped} dropped, {failed} failed, {pending} pending")
+        return FlushResult(durable=False, reason="timeout" if bound.cancelled_caught else "write-behind off",
+                           pending=pending, dropped=dropped, failed=failed, missing=0, pending_spills=pending,
+                           entries=len(self.store.entry_ids()),
+                           longest_durable_prefix_tokens=self.store.longest_entry_tokens(), note=note)
+
+    def _pending_spills(self) -> int:
+        # `held` also counts snapshots whose Enqueue the queue's core has not read yet.
+        return self.queue.stats()["held"] if self.queue is not None else 0
 
     async def shutdown(self) -> FlushResult | None:
-        """Stop admission, drain active requests, then flush, bounded by the
-        timeout (None when it ran out). Once is enough: later calls return
-        the first verdict."""
-        if self._shutdown_verdict is not _NOT_SHUT_DOWN:
+        """Stop admission, drain active requests, flush, then write the spills
+        still queued, all bounded by `shutdown_timeout_s`; the verdict always
+        comes (reason "timeout" past the bound). Whatever is not durable by
+        then is counted in one WARNING: its queued spills are dropped when the
+        system closes. Once is enough: later (and concurrent) calls return the
+        first verdict; None only if that first call was cancelled."""
+        if self._shutdown_done is not None:
+            await self._shutdown_done.wait()
             return self._shutdown_verdict
-        await self.gateway.stop_admission()
-        if self.scheduler is not None:
-            await self.scheduler.stop_admission()
-        self._shutdown_verdict = None
-        with trio.move_on_after(self.config.shutdown_timeout_s):
+        self._shutdown_done = trio.Event()
+        try:
+            await self.gateway.stop_admission()
             if self.scheduler is not None:
-                await self.scheduler.drain()
-            await self.gateway.drain()
-            self._shutdown_verdict = await self.flush()
-        if self._shutdown_verdict is None:
-            log.warning("shutdown flush did not finish within %.0f s", self.config.shutdown_timeout_s)
-        return self._shutdown_verdict
+                await self.scheduler.stop_admission()
+            deadline = trio.current_time() + self.config.shutdown_timeout_s
+            with trio.move_on_at(deadline):
+                if self.scheduler is not None:
+                    await self.scheduler.drain()
+                await self.gateway.drain()
+            verdict = await self.flush(timeout_s=max(0.0, deadline - trio.current_time()))
+            if self.queue is not None and self._pending_spills():
+                # Spills queued after the flush's drain (an idle demotion) or left by a timeout.
+                with trio.move_on_at(deadline):
+                    await self.queue.wait_idle()
+            self._warn_not_durable(verdict)
+            self._shutdown_verdict = verdict
+            return verdict
+        finally:
+            self._shutdown_done.set()
+
+    def _warn_not_durable(self, verdict: FlushResult) -> None:
+        if verdict.reason == "timeout":
+            log.warning("shutdown flush did not finish within %g s", self.config.shutdown_timeout_s)
+        dirty = self.durability.stats()["pending_snapshots"] if self.durability is not None else 0
+        spills = self._pending_spills()
+        if dirty or spills:
+            spill_bytes = self.queue.stats()["pending_bytes"] if self.queue is not None else 0
+            log.warning("shutdown: %d prefixes were not made durable: %d write-behind records still dirty, "
+                        "%d queued spills (%d bytes) dropped unwritten", dirty + spills, dirty, spills, spill_bytes)
 
     def stats(self) -> dict[str, Any]:
         ssd: dict[str, Any] = {}

@@ -2,9 +2,11 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming
 and not), `GET /v1/models`, `GET /health`, `GET /stats`, `GET /metrics`
-(Prometheus text), `POST /admin/cache/flush` (200 when durable, 503 with
-the evidence otherwise). A client that goes away mid-generation cancels it
-between two steps; its reusable cache is still put back.
+(Prometheus text), `POST /admin/cache/flush` (optional `timeout_s`, default
+60, in the query or a JSON body; 200 when durable, 503 with the reason and
+the evidence otherwise, a timeout included). A client that goes away
+mid-generation cancels it between two steps; its reusable cache is still put
+back.
 
 Failures are named, never a bare 500 (`failure_body`): a `BadRequest` is a
 400 naming its field; a request the server cannot take now (shutting down, its
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -85,6 +88,41 @@ def _failure_response(error: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+FLUSH_TIMEOUT_S_DEFAULT = 60.0
+
+
+def flush_timeout_s(query_value: str | None, body: bytes) -> float:
+    """The flush route's `timeout_s`, from the query string or a JSON body
+    `{"timeout_s": ...}` (not both); 60 s when neither has it. Raises
+    `BadRequest` naming `timeout_s` (or the body) for anything else than one
+    finite number of seconds > 0."""
+    values: list[Any] = []
+    if query_value is not None:
+        try:
+            values.append(float(query_value))
+        except ValueError:
+            raise BadRequest(f"timeout_s={query_value!r} is not a number of seconds", param="timeout_s") from None
+    if body.strip():
+        try:
+            parsed = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadRequest(f"the flush body is not valid JSON: {e}") from e
+        if not isinstance(parsed, dict):
+            raise BadRequest('the flush body must be a JSON object such as {"timeout_s": 5}')
+        unknown = sorted(set(parsed) - {"timeout_s"})
+        if unknown:
+            raise BadRequest(f"the flush body has no field {unknown[0]!r}", param=unknown[0])
+        if "timeout_s" in parsed:
+            values.append(parsed["timeout_s"])
+    if len(values) > 1:
+        raise BadRequest("timeout_s is given both in the query string and in the body", param="timeout_s")
+    timeout_s = values[0] if values else FLUSH_TIMEOUT_S_DEFAULT
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) \
+            or timeout_s <= 0:
+        raise BadRequest(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}", param="timeout_s")
+    return float(timeout_s)
+
+
 def _bearer_ok(request: Request, secret: str | None) -> bool:
     if not secret:
         return True
@@ -123,8 +161,14 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     async def metrics(_: Request) -> Response:
         return Response(render_metrics(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def flush(_: Request) -> Response:
-        verdict = attrs.asdict(await system.flush())
+    async def flush(request: Request) -> Response:
+        # 200 only when durable; every other verdict ("timeout", "no SSD tier",
+        # "write-behind off", faults) is a 503 carrying its reason and evidence.
+        try:
+            timeout_s = flush_timeout_s(request.query_params.get("timeout_s"), await request.body())
+        except BadRequest as e:
+            return error_response(400, str(e), param=e.param)
+        verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
         return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
 
     tokenizer_lane = TokenizerLane()

@@ -17,8 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcellar.actors.durability import (
     OUTCOMES, AttemptDeferred, AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore,
-    DurabilitySettled, DurabilityState, Flush, FlushBegun, FlushVerdict, QueueDrained,
-    RecordKey, RecordStatus, StartAttempt, tokens_hash,
+    DurabilitySettled, DurabilityState, Flush, FlushBegun, FlushTimedOut, FlushTimedOutRecorded, FlushVerdict,
+    FlushVerdictRecorded, QueueDrained, RecordKey, RecordStatus, StartAttempt, tokens_hash,
 )
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
@@ -36,8 +36,9 @@ FLUSHING = {DurabilityState.FLUSH_SETTLING, DurabilityState.FLUSH_DRAINING, Dura
 
 class CoreMachine(RuleBasedStateMachine):
     """Drives `DurabilityCore` with random puts, timer fires (stale ones too),
-    attempt outcomes, flushes and coverage answers, playing the runtime and the
-    shell, and checks every effect against the spec's rules."""
+    attempt outcomes, flushes, flush timeouts (stale ones too) and coverage
+    answers, playing the runtime and the shell, and checks every effect
+    against the spec's rules."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +57,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.owed: dict[int, dict[RecordKey, int]] = {}  # per flush: the latest versions put before its run began
         self.faults: dict[int, dict[str, int]] = {}  # per flush: dropped/failed answers since its run began
         self.scope: dict[int, frozenset[RecordKey]] = {}  # per flush: the keys with a record at its run's begin
+        self.timed_out: set[int] = set()  # flushes answered "timeout" (never answered again)
+        self.withdrawn: set[int] = set()  # timed out while queued: their run never begins
+        self.late: dict[int, FlushVerdictRecorded] = {}  # the journaled outcomes of timed-out begun flushes
 
     # -- playing the runtime and the shell ----------------------------------------
 
@@ -82,7 +86,10 @@ class CoreMachine(RuleBasedStateMachine):
             self.check_verdict(effect)
         elif isinstance(effect, JournalEvent) and isinstance(effect.event, DurabilitySettled):
             self.settled(effect.event)
+        elif isinstance(effect, JournalEvent) and isinstance(effect.event, FlushVerdictRecorded):
+            self.recorded(effect.event)
         elif isinstance(effect, JournalEvent) and isinstance(effect.event, FlushBegun):
+            assert not set(effect.event.flush_ids) & self.withdrawn, "a withdrawn flush never begins"
             self.running = effect.event.flush_ids
             scope = frozenset(view.key for view in self.core.records())
             for flush_id in self.running:
@@ -98,6 +105,23 @@ class CoreMachine(RuleBasedStateMachine):
             key = next(k for k in KEYS if k.namespace == event.namespace and tokens_hash(k.tokens) == event.tokens_hash)
             self.satisfied[key] = max(self.satisfied.get(key, 0), event.version)
 
+    def recorded(self, event: FlushVerdictRecorded) -> None:
+        """Every flush of a run journals its outcome, a timed-out one included
+        (it went on in the background): a durable one keeps its promise."""
+        flush_id = event.flush_id
+        assert flush_id in self.running
+        if flush_id in self.timed_out:
+            assert flush_id not in self.late
+            self.late[flush_id] = event
+            if event.durable:
+                for key, version in self.owed[flush_id].items():
+                    assert self.satisfied.get(key, 0) >= version, f"late durable, but {key} v{version} unstored"
+        else:
+            assert flush_id in self.verdicts, "the answer precedes the journaled outcome"
+            assert event.durable == self.verdicts[flush_id].durable
+        if flush_id == self.running[-1]:
+            self.running = ()
+
     def start_attempt(self, effect: StartAttempt, state: DurabilityState) -> None:
         assert effect.key not in self.attempts, "at most one attempt in flight per key"
         if effect.forced:
@@ -110,6 +134,7 @@ class CoreMachine(RuleBasedStateMachine):
     def check_verdict(self, verdict: FlushVerdict) -> None:
         flush_id = verdict.flush_id
         assert flush_id in self.asked and flush_id not in self.verdicts, "one verdict per flush"
+        assert flush_id not in self.timed_out, "a flush answered 'timeout' is not answered again"
         self.verdicts[flush_id] = verdict
         faults = self.faults[flush_id]
         assert (verdict.dropped, verdict.failed) == (faults["dropped"], faults["failed"])
@@ -119,10 +144,12 @@ class CoreMachine(RuleBasedStateMachine):
         assert (verdict.pending, verdict.missing_uncovered) == (len(left) - missing, missing)
         if verdict.durable:
             assert verdict.pending == verdict.dropped == verdict.failed == verdict.missing_uncovered == 0
+            assert verdict.reason == ""
             for key, version in self.owed[flush_id].items():
                 assert self.satisfied.get(key, 0) >= version, f"durable, but {key} v{version} was never stored"
-        if flush_id == self.running[-1]:
-            self.running = ()
+        else:
+            assert verdict.reason in ("failed", "dropped", "missing", "pending")
+            assert getattr(verdict, verdict.reason) > 0
 
     # -- rules -----------------------------------------------------------------
 
@@ -162,12 +189,50 @@ class CoreMachine(RuleBasedStateMachine):
         if outcome == "missing" and was_current:
             assert view.status is RecordStatus.MISSING
 
-    @precondition(lambda self: len(self.asked) - len(self.verdicts) < 2)  # room for the other rules
+    def unanswered(self) -> list[int]:
+        return sorted(self.asked - set(self.verdicts) - self.timed_out)
+
+    @precondition(lambda self: len(self.unanswered()) < 2)  # room for the other rules
     @rule()
     def flush(self) -> None:
         flush_id = next(self.flush_ids)
         self.asked.add(flush_id)
         self.deliver(Flush(flush_id=flush_id))
+
+    @precondition(lambda self: self.unanswered())
+    @rule(data=st.data())
+    def time_out(self, data: st.DataObject) -> None:
+        """A caller's deadline passes: answered at once from the evidence, then
+        the core is told; a queued flush is withdrawn, a begun one goes on."""
+        flush_id = data.draw(st.sampled_from(self.unanswered()))
+        begun = flush_id in self.running
+        answer = self.core.timed_out_verdict(flush_id, self.now)
+        assert answer.timed_out and not answer.durable and answer.reason == "timeout"
+        scope = self.scope[flush_id] if begun else frozenset(view.key for view in self.core.records())
+        left = [view for view in self.core.records() if view.key in scope]
+        missing = sum(view.status is RecordStatus.MISSING for view in left)
+        assert (answer.pending, answer.missing_uncovered) == (len(left) - missing, missing)
+        if begun:
+            faults = self.faults[flush_id]
+            assert (answer.dropped, answer.failed) == (faults["dropped"], faults["failed"])
+        state, records = self.core.state, self.core.records()
+        effects = self.core.handle(FlushTimedOut(flush_id=flush_id), self.now)
+        assert (self.core.state, self.core.records()) == (state, records), "a timeout changes no record or state"
+        events = [e.event for e in effects]
+        assert len(events) == 1 and isinstance(events[0], FlushTimedOutRecorded), effects
+        assert events[0].begun == begun and events[0].pending == answer.pending
+        self.timed_out.add(flush_id)
+        if not begun:
+            self.withdrawn.add(flush_id)
+
+    @precondition(lambda self: self.verdicts or self.timed_out)
+    @rule(data=st.data())
+    def stale_time_out(self, data: st.DataObject) -> None:
+        """A deadline that passed as the verdict came, or a second timeout: ignored."""
+        flush_id = data.draw(st.sampled_from(sorted(set(self.verdicts) | self.timed_out)))
+        stats = self.core.stats()
+        assert self.core.handle(FlushTimedOut(flush_id=flush_id), self.now) == []
+        assert self.core.stats() == stats
 
     @precondition(lambda self: self.drain is not None)
     @rule()
@@ -232,7 +297,9 @@ class CoreMachine(RuleBasedStateMachine):
             else:
                 break
         assert self.core.state is DurabilityState.RUNNING
-        assert set(self.verdicts) == self.asked, "every flush gets exactly one verdict"
+        assert set(self.verdicts) | self.timed_out == self.asked, "every flush is answered"
+        assert not set(self.verdicts) & self.timed_out, "and only once"
+        assert set(self.late) == self.timed_out - self.withdrawn, "a begun flush that timed out still ends"
 
 
 TestCoreMachine = CoreMachine.TestCase
@@ -574,10 +641,78 @@ def test_flush_timeout_answers_not_durable_with_evidence() -> None:
         ports.ram.add(A)
         coordinator.dirty(*A)
         verdict = await coordinator.flush(timeout_s=3.0)
-        assert verdict.timed_out and not verdict.durable and verdict.pending == 1
+        assert verdict.timed_out and not verdict.durable and verdict.reason == "timeout"
+        assert (verdict.pending, verdict.forced, verdict.dirty_keys_count) == (1, 1, 1)
+        assert verdict.elapsed_s == pytest.approx(3.0)
         assert trio.current_time() == pytest.approx(3.0)
 
     run_shell(body, FakePorts(write_s=100.0))
+
+
+def test_a_timed_out_flush_goes_on_in_the_background_and_journals_its_outcome() -> None:
+    async def body(coordinator: DurabilityCoordinator, ports: FakePorts) -> None:
+        ports.ram.add(A)
+        coordinator.dirty(*A)
+        await sleep_until(1.5)  # the debounced write runs from 1.0 to 11.0
+        verdict = await coordinator.flush(timeout_s=0.001)
+        assert verdict.reason == "timeout" and verdict.pending == 1 and verdict.forced == 0
+        await sleep_until(12.0)
+        stats = coordinator.stats()
+        assert (stats["state"], stats["pending_snapshots"], stats["timed_out_flushes_total"]) == ("running", 0, 1)
+        again = await coordinator.flush(timeout_s=0.001)
+        assert again.durable and again.reason == ""
+
+    ports, journal = run_shell(body, FakePorts(write_s=10.0))
+    assert len(ports.submits) == 1
+    flushes = [(e.kind, e.flush_id) for e in journal.events if e.kind in ("flush.timeout", "flush.verdict")]
+    assert flushes == [("flush.timeout", 1), ("flush.verdict", 1), ("flush.verdict", 2)]
+    timeout = next(e for e in journal.events if e.kind == "flush.timeout")
+    assert timeout.begun and timeout.pending == 1
+    assert next(e for e in journal.events if e.kind == "flush.verdict").durable
+
+
+def test_a_queued_flush_that_times_out_is_withdrawn() -> None:
+    async def body(coordinator: DurabilityCoordinator, ports: FakePorts) -> None:
+        ports.ram.add(A)
+        coordinator.dirty(*A)
+        verdicts: list[FlushVerdict] = []
+
+        async def flush(timeout_s: float | None) -> None:
+            verdicts.append(await coordinator.flush(timeout_s=timeout_s))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush, None)  # forces A: writing from 0 until 10
+            await sleep_until(1.0)
+            coordinator.dirty(*B)
+            nursery.start_soon(flush, 2.0)  # queued behind the first; gives up at 3.0
+        first, second = sorted(verdicts, key=lambda v: v.flush_id)
+        assert first.durable and not second.durable and second.reason == "timeout"
+        assert second.elapsed_s == pytest.approx(2.0) and second.pending == 2  # A writing and B: every record
+        assert coordinator.stats()["queued_flushes"] == 0
+
+    _, journal = run_shell(body, FakePorts(write_s=10.0))
+    assert [e.flush_ids for e in journal.events if e.kind == "flush.begin"] == [(1,)]
+    timeout = next(e for e in journal.events if e.kind == "flush.timeout")
+    assert (timeout.flush_id, timeout.begun) == (2, False)
+
+
+def test_a_timeout_of_zero_answers_at_once() -> None:
+    async def body(coordinator: DurabilityCoordinator, ports: FakePorts) -> None:
+        ports.ram.add(A)
+        coordinator.dirty(*A)
+        verdict = await coordinator.flush(timeout_s=0)
+        assert verdict.reason == "timeout" and verdict.pending == 1 and trio.current_time() == 0.0
+
+    run_shell(body, FakePorts(write_s=10.0))
+
+
+def test_a_timeout_arriving_after_the_verdict_is_stale() -> None:
+    core = DurabilityCore()
+    core.handle(Flush(flush_id=1), 0.0)
+    effects = core.handle(QueueDrained(flush_id=1), 0.0)
+    assert [e for e in effects if isinstance(e, FlushVerdict)][0].durable
+    stats = core.stats()
+    assert core.handle(FlushTimedOut(flush_id=1), 1.0) == [] and core.stats() == stats
 
 
 def test_journal_events_are_registered_and_round_trip() -> None:
@@ -589,6 +724,10 @@ def test_journal_events_are_registered_and_round_trip() -> None:
     _, journal = run_shell(body)
     assert set(journal.kinds()) == {"durability.dirty", "durability.attempt", "durability.settled", "flush.begin",
                                     "flush.verdict"}
+    timeout = FlushTimedOutRecorded(flush_id=1, begun=True, pending=1, dropped=0, failed=0, missing_uncovered=0,
+                                    dirty_keys_count=1, forced=0, elapsed_s=0.5)
+    assert EVENT_TYPES["flush.timeout"] is FlushTimedOutRecorded
+    assert from_cbor(to_cbor(timeout), FlushTimedOutRecorded) == timeout
     for event in journal.events:
         assert EVENT_TYPES[event.kind] is type(event)
         assert from_cbor(to_cbor(event), type(event)) == event
