@@ -15,7 +15,11 @@ that runs every batch row from the first admitted one until none remain. The
 batch job queues FIFO like a request and keeps the lane just as long, so
 background work never lands between two decode steps of any row either. It is
 not journaled here (the Scheduler journals each row), and it is accepted after
-`StopAdmission`: it only serves rows admitted before shutdown began.
+`StopAdmission`: it only serves rows admitted before shutdown began. A row
+counts as waiting from its admission by the Scheduler (the busy probe), before
+its batch job reaches this lane and while it waits for the next batch as the
+last one ends, so no step starts in either gap; the Scheduler says when it
+has nothing left (`OtherLaneIdle`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ class RunWhenIdle:
 @attrs.frozen(kw_only=True)
 class StepFinished:
     step_id: int
+
+
+@attrs.frozen(kw_only=True)
+class OtherLaneIdle:
+    """Another lane (the Scheduler) has no row active or waiting any more: the
+    steps held back for its rows may run."""
 
 
 @attrs.frozen(kw_only=True)
@@ -135,9 +145,16 @@ _HOLDER_LANES = {LANE_SERIAL: Lane.GENERATING, LANE_BATCH: Lane.BATCHING}
 
 
 class GatewayCore:
-    """Sans-IO lane scheduler. Admission is open until `StopAdmission`."""
+    """Sans-IO lane scheduler. Admission is open until `StopAdmission`.
 
-    def __init__(self) -> None:
+    `other_lane_busy` says whether another lane holds rows this lane has not
+    seen yet: the Scheduler's, from their admission until their batch job
+    queues here, and while one waits for the next batch as the last one ends.
+    A step waits for those as for a waiting request; `OtherLaneIdle` says
+    when to look again."""
+
+    def __init__(self, other_lane_busy: Callable[[], bool] = lambda: False) -> None:
+        self.other_lane_busy = other_lane_busy
         self.lane = Lane.IDLE
         self.admitting = True
         self.running: int | None = None
@@ -175,6 +192,8 @@ class GatewayCore:
             self.steps.append(msg.step_id)
         elif isinstance(msg, StepFinished):
             self._release(Lane.BACKGROUND, msg.step_id, msg)
+        elif isinstance(msg, OtherLaneIdle):
+            pass  # dispatch below looks at the other lane again
         elif isinstance(msg, StopAdmission):
             self.admitting = False
         elif isinstance(msg, AwaitDrained):
@@ -195,7 +214,7 @@ class GatewayCore:
             self.running = self.waiting.popleft()
             self.lane = _HOLDER_LANES[self.holder_lanes[self.running]]
             effects.append(StartGeneration(request_id=self.running))
-        elif self.lane is Lane.IDLE and self.steps:
+        elif self.lane is Lane.IDLE and self.steps and not self.other_lane_busy():
             self.lane, self.running = Lane.BACKGROUND, self.steps.popleft()
             effects.append(RunStep(step_id=self.running))
         if not self.busy and self.drain_waiters:
@@ -229,7 +248,7 @@ class Gateway:
 
     def __init__(self, engine: EngineThread, *, journal: Any = None) -> None:
         self.engine = engine
-        self.core = GatewayCore()
+        self.core = GatewayCore(other_lane_busy=self._other_lane_busy)
         self.shell = ActorShell("gateway", self.core, self._perform, journal=journal)
         self._ids = itertools.count(1)
         self._pending: dict[int, Any] = {}
@@ -239,12 +258,22 @@ class Gateway:
     @property
     def busy(self) -> bool:
         """Whether a request or batch row is active or waiting, on either lane."""
-        return self.core.busy or any(probe() for probe in self._busy_probes)
+        return self.core.busy or self._other_lane_busy()
+
+    def _other_lane_busy(self) -> bool:
+        return any(probe() for probe in self._busy_probes)
 
     def add_busy_probe(self, probe: Callable[[], bool]) -> None:
         """Count another lane's work as busy: the Scheduler's rows, also in the
         moments between their admission and the batch job reaching this lane."""
         self._busy_probes.append(probe)
+
+    def other_lane_idle(self) -> None:
+        """Told by the lane behind a busy probe once the probe turns false."""
+        try:
+            self.shell.send_nowait(OtherLaneIdle())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the gateway has shut down: no step is left to start
 
     def new_id(self) -> int:
         """An id unique among this gateway's requests, steps and waiters (the

@@ -15,7 +15,10 @@ batch never ends with work queued.
 One batch is one engine job (`engine/batch.py`, `BatchLoop`) holding the
 Gateway's lane from its first admitted row until none remain (`LANE_BATCH`):
 the Gateway stays busy for all of it, so `run_when_idle` steps (SSD writes,
-snapshots, demotions) never run while a row is active. Rows cross to the
+snapshots, demotions) never run while a row is active. Nor while one waits:
+the Gateway holds steps back while this lane is busy (its busy probe), from a
+row's admission until the batch job reaches the lane and between one batch
+and the next, and hears `WentIdle` once it is not. Rows cross to the
 engine thread through the batch's inbox (`queue.Queue`); the job reports each
 step's tokens and row ends back through the Trio token; a row's end comes
 back to the core as `RowFinished`, which frees its budget for the next.
@@ -155,8 +158,14 @@ class RowAborted:
     reason: str
 
 
+@attrs.frozen(kw_only=True)
+class WentIdle:
+    """No row is active or waiting and no batch job is left: the Gateway may
+    start the background steps it held back for this lane (its busy probe)."""
+
+
 SchedulerEffect = (StartBatch | AdmitRow | CancelRow | EndBatch | Rejected | Withdrawn | RowAborted | Drained
-                   | JournalEvent)
+                   | WentIdle | JournalEvent)
 
 # -- core -----------------------------------------------------------------------
 
@@ -229,6 +238,7 @@ class SchedulerCore:
         accepted = _ACCEPTS.get(type(msg))
         if accepted is None or self.state not in accepted:
             raise IllegalTransition(f"the scheduler cannot take {type(msg).__name__} in state {self.state.name}")
+        was_busy = self.busy
         if isinstance(msg, Submit):
             effects = self._on_submit(msg)
         elif isinstance(msg, Cancel):
@@ -242,7 +252,10 @@ class SchedulerCore:
         else:
             self.drain_waiters.append(msg.waiter_id)
             effects = []
-        return effects + self._settle()
+        effects += self._settle()
+        if was_busy and not self.busy:
+            effects.append(WentIdle())
+        return effects
 
     def stats(self) -> dict[str, Any]:
         return {"state": self.state.value, "rows_active": len(self.active), "waiting": len(self.waiting),
@@ -472,6 +485,8 @@ class Scheduler:
                 row.finish(_Failure(BatchAborted(effect.reason)))
         elif isinstance(effect, Drained):
             self._drain_events.pop(effect.waiter_id).set()
+        elif isinstance(effect, WentIdle):
+            self.gateway.other_lane_idle()
 
     async def _run_batch(self, batch_id: int, inbox: queue.Queue) -> None:
         cancelled = threading.Event()

@@ -5,14 +5,17 @@ Gateway's idle gate."""
 from __future__ import annotations
 
 import logging
-from contextlib import aclosing
+import threading
+from contextlib import aclosing, contextmanager
 
 import pytest
 import trio
 
+from kvcellar.actors.scheduler import BatchState
 from kvcellar.actors.system import SystemConfig, open_system
-from kvcellar.engine.engine import SamplingParams
+from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
+from polling import DEADLINE_S, wait_until
 
 # Lengths chosen around gemma3_text's tiny sliding window (32) so rings wrap in some rows and not others.
 PROMPTS = tuple(tuple((7 * i + 13 * k) % 1000 + 3 for i in range(length))
@@ -208,30 +211,127 @@ def test_kv_budget_admission_holds_under_a_burst(model_dir_factory):
     assert max(int(rows) for rows in stats["batch_size_history"]) == 2, "never more rows than the budget fits"
 
 
+class PausingEngine(EngineThread):
+    """A real engine thread whose first batch job stops on the engine thread,
+    after its first step (`at="first_step"`) or once its rows are all done and
+    the batch has ended (`at="end"`), until `resume` is set: the batch stands
+    still at that point for as long as the test needs to arrange what happens
+    meanwhile, with no race against the model's speed."""
+
+    def __init__(self, model_dir, *, at: str, turn_log=None) -> None:
+        super().__init__(model_dir, turn_log=turn_log)
+        self.at = at
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+        self._armed = True
+
+    def stream(self, job, cancelled, *, label="stream"):
+        if label == "batch" and self._armed:
+            self._armed = False
+            job = self._pausing(job)
+        return super().stream(job, cancelled, label=label)
+
+    def _pausing(self, job):
+        def paused_job(loaded):
+            items = job(loaded)
+            try:
+                for index, item in enumerate(items):
+                    yield item
+                    if index == 0 and self.at == "first_step":
+                        self._pause()
+                if self.at == "end":
+                    self._pause()
+            finally:
+                items.close()
+
+        return paused_job
+
+    def _pause(self) -> None:
+        self.paused.set()
+        self.resume.wait(DEADLINE_S)
+
+
+@contextmanager
+def _resumed_at_exit(engine: PausingEngine):
+    """Never leave the engine thread paused, whatever the test body raised."""
+    try:
+        yield
+    finally:
+        engine.resume.set()
+
+
 def test_background_steps_wait_while_batch_rows_are_active(model_dir_factory):
     model_dir = model_dir_factory("llama")
     turn_log: list[tuple[str, float, float]] = []
     rows_seen_by_steps: list[int] = []
+    engine = PausingEngine(model_dir, at="first_step", turn_log=turn_log)
 
     async def main():
-        async with open_system(_config(model_dir, turn_log=turn_log)) as system:
+        async with open_system(_config(model_dir, engine=engine)) as system:
+            gateway, scheduler = system.gateway, system.scheduler
 
             def step(_):
-                rows_seen_by_steps.append(len(system.scheduler.core.active))
+                rows_seen_by_steps.append(len(scheduler.core.active))
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_run, system, _greedy(PROMPTS[0], 40))
-                await trio.sleep(0.05)
-                assert system.gateway.busy
-                for _ in range(3):
-                    nursery.start_soon(system.gateway.run_when_idle, step)
-                nursery.start_soon(_run, system, _greedy(PROMPTS[2], 20))
+            with _resumed_at_exit(engine):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_run, system, _greedy(PROMPTS[0], 40))
+                    await wait_until(engine.paused.is_set, what="the first row's batch took its first step")
+                    assert gateway.busy and len(scheduler.core.active) == 1
+                    for _ in range(3):
+                        nursery.start_soon(gateway.run_when_idle, step)
+                    await wait_until(lambda: gateway.stats()["background_waiting"] == 3,
+                                     what="three steps queue behind the running batch")
+                    nursery.start_soon(_run, system, _greedy(PROMPTS[2], 20))
+                    await wait_until(lambda: len(scheduler.core.active) == 2,
+                                     what="the second row is admitted into the running batch")
+                    engine.resume.set()
+            return scheduler.stats()
 
-    trio.run(main)
+    stats = trio.run(main)
     kinds = [label for label, _, _ in turn_log]
     assert rows_seen_by_steps == [0, 0, 0]
     assert kinds.index("step") > kinds.index("batch"), kinds
     assert kinds.count("batch") == 1, f"both rows shared one batch job: {kinds}"
+    assert "2" in stats["batch_size_history"], "the second row joined the first mid-batch"
+
+
+def test_steps_wait_for_a_row_that_arrived_while_the_last_batch_was_ending(model_dir_factory):
+    """Between a batch job leaving the engine lane and the Scheduler starting
+    the next one for a row that arrived meanwhile, the lane is free but a row
+    waits: background work must not slip into that gap."""
+    model_dir = model_dir_factory("llama")
+    turn_log: list[tuple[str, float, float]] = []
+    scheduler_busy_seen_by_steps: list[bool] = []
+    engine = PausingEngine(model_dir, at="end", turn_log=turn_log)
+
+    async def main():
+        async with open_system(_config(model_dir, engine=engine)) as system:
+            gateway, scheduler = system.gateway, system.scheduler
+
+            def step(_):
+                scheduler_busy_seen_by_steps.append(scheduler.busy)
+
+            with _resumed_at_exit(engine):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_run, system, _greedy(PROMPTS[0], 4))
+                    await wait_until(engine.paused.is_set, what="the first batch ran its last row to the end")
+                    assert scheduler.core.state is BatchState.ENDING and gateway.busy
+                    for _ in range(3):
+                        nursery.start_soon(gateway.run_when_idle, step)
+                    await wait_until(lambda: gateway.stats()["background_waiting"] == 3,
+                                     what="three steps queue behind the ending batch")
+                    nursery.start_soon(_run, system, _greedy(PROMPTS[2], 4))
+                    await wait_until(lambda: len(scheduler.core.waiting) == 1,
+                                     what="the second row waits for the next batch")
+                    engine.resume.set()
+
+    trio.run(main)
+    kinds = [label for label, _, _ in turn_log]
+    assert scheduler_busy_seen_by_steps == [False, False, False], kinds
+    second_batch = max(i for i, kind in enumerate(kinds) if kind == "batch")
+    assert kinds.count("batch") == 2, kinds
+    assert "step" not in kinds[:second_batch], f"a step ran between the batches while a row waited: {kinds}"
 
 
 def test_the_batch_lane_puts_a_prompt_boundary_snapshot_that_serves_a_diverging_next_turn(model_dir_factory):

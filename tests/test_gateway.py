@@ -14,6 +14,7 @@ from kvcellar.actors.gateway import (
     GatewayCore,
     GenerationFinished,
     Lane,
+    OtherLaneIdle,
     Rejected,
     RunStep,
     RunWhenIdle,
@@ -81,6 +82,19 @@ def test_the_batch_job_holds_the_lane_like_a_request_unjournaled_and_also_after_
     assert _starts(core.handle(RunWhenIdle(step_id=10), 0)) == [], "background work waits for the batch"
     after = core.handle(GenerationFinished(request_id=1, completion_tokens=7, outcome="completed"), 0)
     assert after == [RunStep(step_id=10)]
+
+
+def test_a_step_waits_for_rows_the_other_lane_holds_before_their_batch_job_queues_here():
+    scheduler_rows = {"busy": True}
+    core = GatewayCore(other_lane_busy=lambda: scheduler_rows["busy"])
+    assert _starts(core.handle(RunWhenIdle(step_id=10), 0)) == [], "a row waits for its batch job"
+    assert _starts(core.handle(OtherLaneIdle(), 0)) == [], "a stale word changes nothing while rows remain"
+    started = core.handle(Generate(request_id=1, prompt_tokens=0, lane=LANE_BATCH), 0)
+    assert _starts(started) == [StartGeneration(request_id=1)]
+    ended = core.handle(GenerationFinished(request_id=1, completion_tokens=3, outcome="completed"), 0)
+    assert _starts(ended) == [], "a row arrived while the batch was ending: it waits for the next batch"
+    scheduler_rows["busy"] = False
+    assert _starts(core.handle(OtherLaneIdle(), 0)) == [RunStep(step_id=10)]
 
 
 def test_a_result_for_work_that_is_not_running_is_an_illegal_transition():

@@ -24,6 +24,7 @@ from kvcellar.actors.scheduler import (
     StartBatch,
     StopAdmission,
     Submit,
+    WentIdle,
     Withdrawn,
 )
 from kvcellar.errors import UsageError
@@ -180,7 +181,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.end_sent: int | None = None
 
     def _apply(self, message) -> None:
-        for effect in self.core.handle(message, 0):
+        was_busy = self.core.busy
+        effects = self.core.handle(message, 0)
+        assert any(isinstance(e, WentIdle) for e in effects) == (was_busy and not self.core.busy), (
+            "the Gateway hears exactly when the lane stops being busy, or its held-back steps never start")
+        for effect in effects:
             if isinstance(effect, AdmitRow):
                 assert effect.batch_id == self.core.batch_id
                 self.admission_order.append(effect.request_id)
