@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from mlx_lm.models.cache import KVCache
 
 from kvcellar.cli import cli, main
+from kvcellar.store import journal_cli
 from kvcellar.store.journal import JOURNAL_FILE_NAME, SCHEMA_VERSION
 from kvcellar.store.ssd import SsdStore, namespace_dir_name
 
@@ -46,6 +47,9 @@ def cache_dir(tmp_path):
     # Reopening under a smaller cap evicts the least recently used entry ("other").
     store = SsdStore.open(tmp_path, FINGERPRINT, max_bytes=cap_bytes)
     assert store.entry_ids() == [ids["long"]]
+    # The journal's own thread applies appends after the call that queued them
+    # returns: every test (a follower above all) starts from an applied journal.
+    store.journal.wait_applied(timeout_s=60)
     yield tmp_path, store, ids
     store.close()
 
@@ -94,9 +98,18 @@ def test_tail_shows_the_last_events_filtered_by_kind_and_namespace(cache_dir):
     assert [json.loads(line)["kind"] for line in lines] == ["entry.stored", "entry.evicted"]
 
 
-def test_tail_follow_sees_an_append_by_the_running_store(cache_dir):
+def test_tail_follow_sees_an_append_by_the_running_store(cache_dir, monkeypatch):
     root, store, _ = cache_dir
     outcome = {}
+    following = threading.Event()
+    follow_events = journal_cli._follow
+
+    def signalling_follow(*args, **kwargs):
+        # Called once the existing events are read: from here on, an append is a live one.
+        following.set()
+        return follow_events(*args, **kwargs)
+
+    monkeypatch.setattr(journal_cli, "_follow", signalling_follow)
 
     def follow():
         outcome["result"] = _run("tail", "-f", "--json", "-n", "0", "--interval-seconds", "0.05",
@@ -105,8 +118,7 @@ def test_tail_follow_sees_an_append_by_the_running_store(cache_dir):
     follower = threading.Thread(target=follow)
     started = time.monotonic()
     follower.start()
-    # Give the follower time to read the existing events, so the store is a live append.
-    time.sleep(0.5)
+    assert following.wait(10), "the follower never got past the existing events"
     new_id = store.store(OTHER, _caches(OTHER), ns="adapter-x")
     follower.join(timeout=15)
     result = outcome["result"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+from contextlib import aclosing
+from functools import partial
 
 import pytest
 import trio
@@ -12,6 +14,7 @@ from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.errors import DiskError
 from kvcellar.store.disk import RealDisk
+from polling import wait_until
 
 PROMPT = tuple((17 * i + 11) % 1000 + 3 for i in range(120))
 
@@ -73,29 +76,51 @@ def test_second_turn_reuses_the_ram_entry(model_dir_factory, tmp_path):
     trio.run(main)
 
 
+async def _run_holding_the_lane(system, request, *, started: trio.Event, release: trio.Event):
+    """`_run`, whose consumer stops after the first item until `release`: a
+    serial request keeps the lane until its stream is consumed, so it stays
+    the active request for as long as the test needs, however fast the model."""
+    async with aclosing(system.generate(request)) as items:
+        async for _ in items:
+            if not started.is_set():
+                started.set()
+                await release.wait()
+
+
 def test_background_work_never_runs_while_a_request_is_active_or_waiting(model_dir_factory, tmp_path):
     model_dir = model_dir_factory("llama")
     turn_log: list[tuple[str, float, float]] = []
 
     async def main():
         async with open_system(_config(model_dir, tmp_path, turn_log=turn_log, debounce_s=0.0)) as system:
+            gateway = system.gateway
+            first_started, first_release, second_started, second_release = (trio.Event() for _ in range(4))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_run, system, _request(PROMPT, 30))
-                await trio.sleep(0.05)
-                for i in range(3):
-                    nursery.start_soon(system.gateway.run_when_idle, lambda _: None)
-                nursery.start_soon(_run, system, _request((1,) + PROMPT[:60], 20))
-                await trio.sleep(0.05)
+                nursery.start_soon(partial(_run_holding_the_lane, system, _request(PROMPT, 30),
+                                           started=first_started, release=first_release))
+                await first_started.wait()
+                for _ in range(3):
+                    nursery.start_soon(gateway.run_when_idle, lambda _: None)
+                await wait_until(lambda: gateway.stats()["background_waiting"] >= 3,
+                                 what="three steps queue behind the active request")
+                nursery.start_soon(partial(_run_holding_the_lane, system, _request((1,) + PROMPT[:60], 20),
+                                           started=second_started, release=second_release))
+                await wait_until(lambda: gateway.stats()["waiting"] == 1, what="the second request waits")
+                first_release.set()
+                await second_started.wait()
+                assert gateway.stats()["background_waiting"] >= 3, "the lane went to the waiting request"
                 nursery.start_soon(_run, system, _request((2,) + PROMPT[:60], 20))
+                await wait_until(lambda: gateway.stats()["waiting"] == 1,
+                                 what="the third request waits behind the second")
+                second_release.set()
             await system.flush()
 
     trio.run(main)
     kinds = [label for label, _, _ in turn_log]
     generations = [i for i, kind in enumerate(kinds) if kind == "generate"]
     assert len(generations) == 3
-    assert all(kinds[i] == "generate" for i in range(generations[0], generations[-1] + 1)), (
-        f"background work ran while requests were waiting: {kinds}")
-    assert "step" in kinds[generations[-1]:]
+    assert "step" not in kinds[:generations[-1]], f"background work ran while requests were waiting: {kinds}"
+    assert kinds[generations[-1] + 1:].count("step") >= 3, kinds
 
 
 class ToggleFaultDisk(RealDisk):
