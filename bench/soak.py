@@ -515,10 +515,11 @@ def interpretation(result: dict[str, Any]) -> str:
         parts.append(f"No request restored from the SSD tier: {result['ssd_entries_before_flush']} entries had "
                      f"reached it by the end of the load, with up to {result['pending_spills_peak']} spills queued "
                      f"(SSD writes run in idle engine turns, which a batch that never ends does not leave).")
-    if result["pending_spills_peak"]:
+    elif result["pending_spills_peak"]:
+        drained = (f", and the flush drained the rest in {result['flush']['s']:.2f} s"
+                   if result["flush"]["s"] is not None else "")
         parts.append(f"Up to {result['pending_spills_peak']} spills waited in the queue at once: SSD writes run in "
-                     f"idle engine turns, which come only between batches, and the flush drained the rest in "
-                     f"{result['flush']['s'] or 0:.2f} s.")
+                     f"idle engine turns, which come only between batches{drained}.")
     if result["others_cpus"] > 0.1:
         parts.append(f"Other processes kept {result['others_cpus']:.2f} CPUs busy during the load, so the latencies "
                      f"carry that noise.")
