@@ -39,6 +39,7 @@ from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenD
 from kvcellar.errors import UsageError
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
+from kvcellar.store.journal import JournalError
 from kvcellar.store.prompt_cache import MAX_BYTES_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
@@ -46,6 +47,8 @@ from kvcellar.store.ssd import SsdStore
 log = logging.getLogger("kvcellar.system")
 
 WRITE_BEHIND_ENV = "KVCELLAR_SSD_WRITEBEHIND"
+# How long a flush waits for the journal thread to apply what is queued.
+JOURNAL_CATCH_UP_S = 5.0
 
 
 def write_behind_from_env(environ: Any = os.environ) -> bool:
@@ -160,6 +163,8 @@ class System:
         if self.durability is None:
             return await self._flush_spills_only(timeout_s)
         verdict = await self.durability.flush(timeout_s)
+        if not verdict.timed_out:
+            await self._journal_caught_up()
         note = "a flush that had begun goes on in the background (journaled)" if verdict.timed_out else ""
         return FlushResult(durable=verdict.durable, reason=verdict.reason, pending=verdict.pending,
                            dropped=verdict.dropped, failed=verdict.failed, missing=verdict.missing,
@@ -185,6 +190,18 @@ class System:
                            pending=pending, dropped=dropped, failed=failed, missing=0, pending_spills=pending,
                            entries=len(self.store.entry_ids()),
                            longest_durable_prefix_tokens=self.store.longest_entry_tokens(), note=note)
+
+    async def _journal_caught_up(self) -> None:
+        """Let the journal apply what is queued, so `kvcellar journal` beside
+        the server sees what the verdict covers. The files are the truth: a
+        journal that lags (or is degraded) changes no verdict."""
+        journal = self.store.journal if self.store is not None else None
+        if journal is None or journal.degraded:
+            return
+        try:
+            await (self.config.run_blocking or trio.to_thread.run_sync)(journal.wait_applied, JOURNAL_CATCH_UP_S)
+        except JournalError as e:
+            log.warning("flush: %s", e)
 
     def _pending_spills(self) -> int:
         # `held` also counts snapshots whose Enqueue the queue's core has not read yet.
@@ -241,7 +258,7 @@ class System:
                 "entries": store_stats["entries"], "bytes": store_stats["bytes"],
                 "max_bytes": store_stats["max_bytes"], "restores": store_stats["restores"],
                 "spills": store_stats["spills"], "restore_ms_last": store_stats["restore_ms_last"],
-                "demotions": self.prompt_cache.counters.demotions,
+                "demotions": self.prompt_cache.stats()["demotions"],
                 "pending_snapshots": durability_stats.get("pending_snapshots", 0),
                 "pending_spills": queue_stats.get("pending", 0),
                 "pending_spill_bytes": queue_stats.get("pending_bytes", 0),
@@ -276,8 +293,10 @@ async def _open_store(config: SystemConfig, scheme: KvScheme) -> tuple[SsdStore 
     log.info("serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
              fingerprint.digest, time.perf_counter() - started_s, memo.bytes_hashed - bytes_hashed_before,
              memo.path or "(in RAM only)")
-    store = SsdStore.open(config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, config.disk,
-                          fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify)
+    # The scan, the reconciliation and the startup supersession are disk work too.
+    store = await run_blocking(lambda: SsdStore.open(
+        config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, config.disk,
+        fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify))
     return store, fingerprint.tokenizer_sha256
 
 
