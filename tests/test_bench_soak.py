@@ -37,7 +37,7 @@ def test_short_soak_loses_nothing_and_keeps_the_journal_sound(tmp_path, model_di
     assert figures["stream_error_events"] == 0, evidence
     assert not figures["journal_degraded"] and figures["journal_state"] == "ok", evidence
     assert figures["verify_ok"], evidence
-    assert figures["outputs_stable"] and figures["repeats_min"] >= 2, evidence
+    assert figures["outputs_stable"] and figures["repeats_median"] >= 2, evidence
     assert figures["restores"] > 0 and figures["spills"] > 0, "the soak exercised the SSD tier"
     assert figures["flush"]["status"] == 200 and figures["flush"]["verdict"]["durable"] is True, evidence
     assert figures["exit_status"] == 0, evidence
