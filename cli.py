@@ -1,4 +1,4 @@
-"""The `kvcellar` command line: serve, model, kv (and later simulate, journal).
+"""The `kvcellar` command line: serve, model, kv, journal and simulate.
 
 Subcommand groups live beside the code they drive; this module only assembles
 them and turns a `KvCellarError` into a clear message and exit status 2
