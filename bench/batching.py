@@ -42,7 +42,13 @@ from tokenizers import Tokenizer
 
 from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
 from kvcellar.bench.compare_mlx_lm import (
-    KVCELLAR, MLX_LM, REQUEST_TIMEOUT_S, OthersCpu, ServerProcess, stream_request, text_of_tokens,
+    KVCELLAR,
+    MLX_LM,
+    REQUEST_TIMEOUT_S,
+    OthersCpu,
+    ServerProcess,
+    stream_request,
+    text_of_tokens,
 )
 from kvcellar.engine.demo_models import DEMO_ARCH
 
@@ -157,7 +163,7 @@ def forward_step_ms(model_dir: Path, row_counts: tuple[int, ...], context_tokens
                     steps: int = FORWARD_STEPS) -> dict[str, float]:
     """Milliseconds of one decode step of the bare model with each number of rows,
     over a cache of `context_tokens` per row (MLX on this process's own thread)."""
-    model, _ = mlx_lm.load(str(model_dir))
+    model = mlx_lm.load(str(model_dir))[0]
     times: dict[str, float] = {}
     for rows in row_counts:
         cache = make_prompt_cache(model)

@@ -12,16 +12,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
-import mlx.core as mx
 import platformdirs
 from rich.console import Console
 from rich.table import Table
+
+from kvcellar.store.fingerprint import mlx_version
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 DOCS_INTRO = (
@@ -82,7 +83,7 @@ def describe_machine(directory: Path) -> dict[str, str]:
         "filesystem": filesystem_of(directory),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "mlx": mx.__version__,
+        "mlx": mlx_version(),
     }
 
 
@@ -102,7 +103,7 @@ def publish(name: str, result: dict[str, Any], section: Callable[[str, str], str
         sys.stdout.flush()
 
 
-def print_figures(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], summary: list[str],
+def print_figures(title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]], summary: list[str],
                   console: Console, *, text_columns: tuple[str, ...] = ("measurement", "note")) -> None:
     """The readable report: one table of figures, then the summary lines."""
     table = Table(title=title)

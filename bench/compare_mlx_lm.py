@@ -403,7 +403,7 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def turn_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     turns = zip(result["servers"][KVCELLAR]["turns"], result["servers"][MLX_LM]["turns"], strict=True)
     for index, (kv, mlx) in enumerate(turns, start=1):
         prompt_tokens = f"{kv['prompt_tokens']:,}" + ("" if mlx["prompt_tokens"] == kv["prompt_tokens"]

@@ -408,7 +408,7 @@ FIGURE_COLUMNS = ("measurement", "median s", "range s", "MiB/s", "vs baseline")
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     """One row of FIGURE_COLUMNS per measurement; MiB/s is from the median."""
     payload_mib = result["payload_bytes"] / MIB_BYTES
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for key, label in MEASUREMENTS:
         seconds = result["median_seconds"][key]
         runs = [run[key] for run in result["runs_seconds"]]

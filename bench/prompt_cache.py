@@ -294,8 +294,8 @@ def load_model(model_dir: Path | None, model_size: str, workdir: Path) -> tuple[
         described = f"demo {DEMO_ARCH} {model_size}"
     else:
         described = str(model_dir)
-    model, _ = load(str(model_dir))
-    weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+    model = load(str(model_dir))[0]
+    weights_bytes = sum(array.nbytes for array in dict(tree_flatten(model.parameters())).values())
     layers = len(make_prompt_cache(model))
     context_tokens = int(getattr(model.args, "max_position_embeddings", 0) or 0)
     return model, f"{described} ({_mib(weights_bytes)} of weights, {layers} layers)", context_tokens

@@ -45,7 +45,7 @@ from kvcellar.store.disk import RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.signature import usable_prefix_length
-from kvcellar.store.ssd import SsdStore
+from kvcellar.store.ssd import IndexedEntry, SsdStore
 
 MIB_BYTES = 1 << 20
 FINGERPRINT = "ssd-index-bench"
@@ -282,12 +282,20 @@ def find_latencies(store: SsdStore, queries: list[Any]) -> list[float]:
     return latencies
 
 
+def indexed_entry(store: SsdStore, entry_id: str) -> IndexedEntry:
+    """The index row of an entry this benchmark stored; nothing here evicts one."""
+    entry = store.entry(entry_id)
+    if entry is None:
+        raise click.ClickException(f"entry {entry_id} is missing from the SSD index")
+    return entry
+
+
 def verify_find(store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: list[np.ndarray]) -> int:
     """Check each answer against `usable_prefix_length` of every entry; raises on any disagreement."""
     entry_ids = list(tokens_by_id)
     row_of = {entry_id: row for row, entry_id in enumerate(entry_ids)}
     matrix = np.stack([tokens_by_id[entry_id] for entry_id in entry_ids])
-    indexed = [store.entry(entry_id) for entry_id in entry_ids]
+    indexed = [indexed_entry(store, entry_id) for entry_id in entry_ids]
     problems = []
     for number, query in enumerate(queries):
         length = min(matrix.shape[1], len(query))
@@ -359,7 +367,7 @@ def measure_journal_overhead(workdir: Path, store_mib: int, stores: int, rng: np
     unjournaled = SsdStore.open(workdir / "journal-off", FINGERPRINT, journal=False)
     try:
         seconds = alternate_stores(journaled, unjournaled, caches, rows, stores, rng)
-        file_bytes = journaled.entry(journaled.entry_ids()[0]).bytes
+        file_bytes = indexed_entry(journaled, journaled.entry_ids()[0]).bytes
     finally:
         journaled.close()
         unjournaled.close()

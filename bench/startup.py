@@ -155,7 +155,7 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) 
     pairs = []
     for run in range(runs):
         cache_dir, ssd_dir = workdir / f"cache-{run}", workdir / f"ssd-{run}"
-        pair = {}
+        pair: dict[str, Any] = {}
         for start in ("first", "second"):
             progress.print(f"run {run + 1}/{runs}: {start} start")
             pair[start] = time_one_start(model_dir, ssd_dir, cache_dir, workdir / f"serve-{run}-{start}.log")

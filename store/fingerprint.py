@@ -34,8 +34,8 @@ import platform
 import re
 import secrets
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -267,6 +267,11 @@ def _tokenizer_sha256(model_dir: Path, memo: ShardDigestMemo) -> str:
     return _sha256_bytes(to_cbor([[name, memo.digest(path)] for name, path in files]))
 
 
+def mlx_version() -> str:
+    """The MLX build: its kernels shape every KV row."""
+    return mx.__version__  # type: ignore[attr-defined]  # MLX's type stubs omit `__version__`
+
+
 def mlx_lm_version() -> str:
     """The installed mlx-lm version: its model code shapes every KV row."""
     try:
@@ -338,7 +343,7 @@ def compute_fingerprint(
         tokenizer_sha256=tokenizer_sha256,
         chat_template_sha256=chat_template_sha256,
         kv_scheme_key=kv_scheme_key,
-        mlx_version=mx.__version__,
+        mlx_version=mlx_version(),
         mlx_lm_version=mlx_lm_version(),
         device=mx.default_device().type.name,
         device_architecture=(device_architecture if device_architecture is not None

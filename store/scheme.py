@@ -158,7 +158,7 @@ class KvScheme:
         """The bits layer `index` is quantized to, or None when it stays unquantized."""
         if self.kind == KIND_UNIFORM:
             return self.bits
-        if self.kind == KIND_CONFIG:
+        if self.layer_bits is not None:  # set exactly when the kind is KIND_CONFIG
             return self.layer_bits[index]
         return None
 
@@ -227,7 +227,7 @@ class KvScheme:
                    for index, cache in enumerate(prototypes))
 
     def _check_layer_count(self, cache_count: int) -> None:
-        if self.kind == KIND_CONFIG and len(self.layer_bits) != cache_count:
+        if self.layer_bits is not None and len(self.layer_bits) != cache_count:
             raise UsageError(f"{KV_CONFIG_FILE_NAME} lists {len(self.layer_bits)} layers but the model "
                              f"has {cache_count} cache-owning layers; give one entry (bits or null) per cache")
 
