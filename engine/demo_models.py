@@ -513,7 +513,7 @@ def write_safetensors(path: Path, weights: dict[str, mx.array]) -> None:
             view_dtype = _SAFETENSORS_DTYPES[array.dtype][1]
             array = mx.contiguous(array.view(view_dtype) if view_dtype is not None else array)
             mx.eval(array)
-            out.write(memoryview(array).cast("B"))  # type: ignore[arg-type]  # the stubs omit mx.array's buffer protocol
+            out.write(memoryview(array).cast("B"))  # type: ignore[arg-type]  # stubs omit mx.array's buffer protocol
 
 
 def _write_model_files(
