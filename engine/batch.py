@@ -5,8 +5,8 @@
 admitted (`BatchRow`, through a thread-safe `queue.Queue`, the inbox), seeds
 each from `PromptCache.take()` so it prefills only its remainder, and hands
 every step's tokens back as one `BatchStep`. Rows carry their own sampler,
-`max_tokens`, stop tokens and stop strings (the serial lane's `TextAssembler`)
-and finish independently. A finished or cancelled row's caches are extracted
+logits processors (engine/sampling.py), `max_tokens`, stop tokens and stop
+strings (the serial lane's `TextAssembler`) and finish independently. A finished or cancelled row's caches are extracted
 per row before the batched caches are filtered and are `put` back to the RAM
 tier (spec §4, extract-and-put); after a cold prefill of
 `snapshot_min_prefill_tokens` or more, the row's prompt-only caches are
@@ -52,8 +52,10 @@ from kvcellar.engine.generation import (
     GenerationDone,
     GenerationRequest,
     TokenDelta,
+    delta_logprob,
     take_reuse,
 )
+from kvcellar.engine.sampling import build_processors
 from kvcellar.store import signature as sig
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
@@ -229,7 +231,8 @@ class BatchLoop:
         cached_tokens = reuse.cached_tokens
         (uid,) = self._generator.insert(
             [prompt[cached_tokens:]], max_tokens=[params.max_tokens], caches=[reuse.caches],
-            all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)])
+            all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)],
+            logits_processors=[build_processors(params, self._loaded.tokenizer)])
         self._rows[uid] = _Row(
             row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens, cache_tier=reuse.tier,
             use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(len(prompt), self.snapshot_min_prefill_tokens),
@@ -265,7 +268,9 @@ class BatchLoop:
             state = self._rows[response.uid]
             state.produced += 1
             text = state.assembler.add(response.token)
-            events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=response.token, text=text)))
+            logprob = delta_logprob(self._loaded, state.row.request.params, response.token, response.logprobs)
+            events.append(RowToken(row_id=state.row.row_id,
+                                   delta=TokenDelta(token_id=response.token, text=text, logprob=logprob)))
             if response.finish_reason is not None:
                 self._finish(state, "completed", events, removed=(response.prompt_cache, response.all_tokens))
             elif state.assembler.finished_by_stop:

@@ -37,6 +37,16 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()
+    # Logits processors (engine/sampling.py), applied before the sampler on both lanes.
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # llguidance's serialized grammar for `response_format` (engine/structured.py).
+    grammar: str | None = None
+    # Report each sampled token's log-probability, and this many alternatives.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @attrs.define(kw_only=True)

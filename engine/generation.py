@@ -21,11 +21,10 @@ from kvcellar.engine.engine import (
     PREFILL_STEP_TOKENS,
     LoadedModel,
     SamplingParams,
-    make_params_sampler,
     prefill,
     release_cached_buffers,
-    sample_next,
 )
+from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.store.lending import lend_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
@@ -68,8 +67,21 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
 
 @attrs.frozen(kw_only=True)
 class TokenDelta:
+    """A sampled token and the text it made safe to emit; `logprob` when the
+    request asked for log-probabilities (never for a stop token, nor for the
+    closing text, whose `token_id` is -1)."""
+
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None
+
+
+def delta_logprob(loaded: LoadedModel, params: SamplingParams, token_id: int, logprobs) -> TokenLogprob | None:
+    """What a `TokenDelta` reports for `token_id`, drawn from `logprobs`."""
+    if not params.logprobs or token_id in params.stop_token_ids:
+        return None
+    return token_logprob(loaded.tokenizer, logprobs, token_id, params.top_logprobs)
+
 
 
 @attrs.frozen(kw_only=True)
@@ -99,17 +111,18 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     if reuse.snapshot_due(len(prompt), snapshot_min_prefill_tokens):
         mx.eval(logits)
         prompt_cache.put(prompt, lend_caches(cache), request.namespace)
-    sampler = make_params_sampler(params)
+    sampling = SerialSampling(params, loaded.tokenizer, prompt)
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
     produced = 0
     try:
         while produced < params.max_tokens and not cancelled.is_set():
-            token = sample_next(sampler, logits)
+            token, logprobs = sampling.sample(logits)
             token_id = int(token.item())
             produced += 1
             text = assembler.add(token_id)
-            yield TokenDelta(token_id=token_id, text=text)
+            yield TokenDelta(token_id=token_id, text=text,
+                             logprob=delta_logprob(loaded, params, token_id, logprobs))
             if assembler.finished_by_stop or produced >= params.max_tokens:
                 break
             logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]

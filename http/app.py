@@ -38,7 +38,8 @@ from kvcellar.actors.gateway import AdmissionClosed
 from kvcellar.actors.scheduler import BatchAborted
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import EngineStopped
-from kvcellar.engine.generation import GenerationDone
+from kvcellar.engine.generation import GenerationDone, TokenDelta
+from kvcellar.engine.sampling import TokenLogprob
 from kvcellar.errors import KvCellarError, StoreError, UsageError
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
@@ -221,15 +222,46 @@ def _usage(job: CompletionJob, done: GenerationDone | None, completion_tokens: i
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """One `choices[].logprobs.content[]` item, OpenAI's chat shape."""
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.token_bytes),
+            "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token_bytes)}
+                             for top in entry.top]}
+
+
+def _completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """`choices[].logprobs` of the legacy completions API; offsets count from
+    `text_offset` characters into the completion."""
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+    return {"tokens": [entry.token for entry in entries], "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{top.token: top.logprob for top in entry.top} for entry in entries],
+            "text_offset": offsets}
+
+
+def _choice_logprobs(job: CompletionJob, entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
+    if not job.request.params.logprobs:
+        return None
+    if job.chat:
+        return {"content": [_chat_logprob(entry) for entry in entries]}
+    return _completion_logprobs(entries, text_offset)
+
+
 async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[str, Any]:
     text, done = "", None
+    entries: list[TokenLogprob] = []
     async for item in system.generate(job.request):
         if isinstance(item, GenerationDone):
             done = item
         else:
             text += item.text
+            if item.logprob is not None:
+                entries.append(item.logprob)
     completion_tokens = done.completion_tokens if done else 0
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else "length"}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else "length",
+                              "logprobs": _choice_logprobs(job, entries)}
     if job.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -249,10 +281,18 @@ async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterat
         payload = {"id": ident, "object": kind, "created": created, "model": model_id, "choices": choices, **extra}
         return f"data: {json.dumps(payload)}\n\n"
 
-    def choice(delta: str | None, finish: str | None) -> dict[str, Any]:
+    text_offset = 0
+
+    def choice(delta: str | None, finish: str | None, item: TokenDelta | None = None) -> dict[str, Any]:
+        nonlocal text_offset
+        logprobs = None
+        if item is not None and item.logprob is not None:
+            logprobs = _choice_logprobs(job, [item.logprob], text_offset)
+            text_offset += len(item.logprob.token)
         if job.chat:
-            return {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
-        return {"index": 0, "text": delta or "", "finish_reason": finish}
+            return {"index": 0, "delta": {} if delta is None else {"content": delta}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
 
     try:
         async for item in system.generate(job.request):
@@ -260,8 +300,9 @@ async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterat
                 yield event([choice(None, item.finish_reason)])
                 if job.include_usage:
                     yield event([], usage=_usage(job, item, item.completion_tokens))
-            elif item.text:
-                yield event([choice(item.text, None)])
+            elif item.text or item.logprob is not None:
+                # A token whose text is held back still sends its log-probability.
+                yield event([choice(item.text, None, item)])
     except Exception as e:
         # The headers went out with 200: the failure is the stream's last event.
         _, body = failure_body(e)

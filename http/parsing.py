@@ -1,6 +1,7 @@
 """Parsing OpenAI-style request bodies into generation requests.
 
-Every field is validated before anything reaches the engine; a bad one is a
+Every field is validated before anything reaches the engine (fields this
+server does not know are ignored, as OpenAI does); a bad one is a
 `BadRequest` naming the field (a 400 with an OpenAI-style error body): also a
 chat template that refuses the messages (param `messages`) and a content part
 that is not text (param `messages[i].content[j]`; this server serves text
@@ -24,6 +25,7 @@ import trio
 
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.generation import GenerationRequest
+from kvcellar.engine.structured import GrammarError, compile_response_grammar
 from kvcellar.errors import KvCellarError
 
 MAX_TOKENS_DEFAULT = 256
@@ -163,6 +165,7 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
         seed=seed,
         max_tokens=max_tokens,
         stop_token_ids=frozenset(tokenizer.eos_token_ids),
+        **sampling_fields(body, loaded, chat=chat),
     )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -173,6 +176,156 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
     request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_strings(body))
     return CompletionJob(request=request, stream=stream, include_usage=bool(stream_options.get("include_usage")),
                          chat=chat)
+
+
+# -- sampling and output fields (engine/sampling.py applies them) -------------------
+
+TOP_LOGPROBS_MAX = 20
+COMPLETION_LOGPROBS_MAX = 5
+LOGIT_BIAS_MAX = 100.0
+PENALTY_MAX = 2.0
+
+
+def sampling_fields(body: dict[str, Any], loaded: LoadedModel, *, chat: bool) -> dict[str, Any]:
+    """The `SamplingParams` fields beyond temperature/top_p/seed: top-k, min-p,
+    the penalties, `logit_bias`, log-probabilities and `response_format`.
+    `user` is accepted and ignored (it must still be a string)."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequest("'user' must be a string", param="user")
+    vocab_tokens = _vocab_tokens(loaded)
+    logprobs, top_logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    return {
+        "top_k": _top_k(body, vocab_tokens),
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "repetition_penalty": _repetition_penalty(body),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX),
+        "logit_bias": _logit_bias(body, vocab_tokens),
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+        "grammar": _response_format(body, loaded.tokenizer),
+    }
+
+
+def _vocab_tokens(loaded: LoadedModel) -> int:
+    """The width of the model's logits (its embedding rows), else the tokenizer's vocabulary."""
+    vocab = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) and vocab > 0 else len(loaded.tokenizer.get_vocab())
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise BadRequest(f"'{name}' must be an integer", param=name)
+    return value
+
+
+def _top_k(body: dict[str, Any], vocab_tokens: int) -> int:
+    """0 (or -1, as vLLM spells it) keeps every token; k at or past the vocabulary too."""
+    top_k = _integer(body, "top_k")
+    if top_k is None:
+        return 0
+    if top_k < -1:
+        raise BadRequest("'top_k' must be a positive integer, or 0 or -1 for no limit", param="top_k")
+    return top_k if 0 < top_k < vocab_tokens else 0
+
+
+def _repetition_penalty(body: dict[str, Any]) -> float | None:
+    value = body.get("repetition_penalty")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 10:
+        raise BadRequest("'repetition_penalty' must be a number > 0 and at most 10 (1 is none)",
+                         param="repetition_penalty")
+    return None if value == 1 else float(value)
+
+
+def _logit_bias(body: dict[str, Any], vocab_tokens: int) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BadRequest("'logit_bias' must map token ids to numbers", param="logit_bias")
+    entries = []
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequest(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token_id < vocab_tokens:
+            raise BadRequest(f"'logit_bias' token id {token_id} is outside the vocabulary (0..{vocab_tokens - 1})",
+                             param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+            raise BadRequest(f"'logit_bias' value for {key!r} must be a number between -100 and 100",
+                             param="logit_bias")
+        entries.append((token_id, float(value)))
+    return tuple(sorted(entries))
+
+
+def _chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest("'logprobs' must be a boolean", param="logprobs")
+    top_logprobs = _integer(body, "top_logprobs")
+    if top_logprobs is None:
+        return bool(logprobs), 0
+    if not 0 <= top_logprobs <= TOP_LOGPROBS_MAX:
+        raise BadRequest(f"'top_logprobs' must be an integer between 0 and {TOP_LOGPROBS_MAX}",
+                         param="top_logprobs")
+    if not logprobs:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return True, top_logprobs
+
+
+def _completion_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
+    """The legacy completions field: an integer, the number of alternatives per token."""
+    logprobs = _integer(body, "logprobs")
+    if logprobs is None:
+        return False, 0
+    if not 0 <= logprobs <= COMPLETION_LOGPROBS_MAX:
+        raise BadRequest(f"'logprobs' must be an integer between 0 and {COMPLETION_LOGPROBS_MAX}",
+                         param="logprobs")
+    return True, logprobs
+
+
+def _response_format(body: dict[str, Any], tokenizer: Any) -> str | None:
+    """llguidance's grammar for `json_object` (any JSON object) or
+    `json_schema` (JSON valid against `json_schema.schema`); None for text."""
+    response_format = body.get("response_format")
+    if response_format is None:
+        return None
+    param = "response_format"
+    if not isinstance(response_format, dict):
+        raise BadRequest("'response_format' must be an object", param=param)
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = None
+    elif kind == "json_schema":
+        schema = _json_schema(response_format.get("json_schema"))
+    else:
+        raise BadRequest(f"'response_format.type' {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                         param=param)
+    try:
+        return compile_response_grammar(tokenizer, schema)
+    except GrammarError as e:
+        raise BadRequest(f"'response_format' cannot be served: {e}", param=param) from e
+
+
+def _json_schema(spec: Any) -> dict[str, Any]:
+    param = "response_format"
+    if not isinstance(spec, dict):
+        raise BadRequest("'response_format.json_schema' must be an object", param=param)
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise BadRequest("'response_format.json_schema.name' must be a non-empty string", param=param)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise BadRequest("'response_format.json_schema.strict' must be a boolean", param=param)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object", param=param)
+    return schema
 
 
 def parse_body(raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT,
