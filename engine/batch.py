@@ -232,7 +232,7 @@ class BatchLoop:
         (uid,) = self._generator.insert(
             [prompt[cached_tokens:]], max_tokens=[params.max_tokens], caches=[reuse.caches],
             all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)],
-            logits_processors=[build_processors(params, self._loaded.tokenizer)])
+            logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()])
         self._rows[uid] = _Row(
             row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens, cache_tier=reuse.tier,
             use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(len(prompt), self.snapshot_min_prefill_tokens),

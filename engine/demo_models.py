@@ -7,6 +7,14 @@ weights come from a fixed seed and the tokenizer is the committed
 bytes on every run. Sizes: `tiny` (~0.1M parameters, the configs in
 `assets/tiny-model-configs.json`), `small` (~5M) and `medium` (~20M), the
 latter two used for benchmarks.
+
+`chat_format="tools"` makes the tool-capable variant: the tokenizer gains
+Qwen's `<think>`, `</think>`, `<tool_call>` and `</tool_call>` tokens (ids
+1024-1027, the embedding grows to match) and the chat template
+(`assets/chat-template-tools.jinja`) renders `tools`, tool calls and tool
+results Qwen3-style, so mlx-lm infers thinking and its JSON tool parser. A
+random-weight model never emits those markers by itself; tests script its
+replies with a logits processor (`kvcellar.engine.forcing.ForcedTokens`).
 """
 
 from __future__ import annotations
@@ -43,10 +51,14 @@ ARCHITECTURES = (
 )
 SIZES = ("tiny", "small", "medium")
 DTYPES = ("float32", "bfloat16")
+CHAT_FORMATS = ("plain", "tools")
 
 ASSETS_DIR = Path(__file__).parent / "assets"
 TOKENIZER_ASSET_PATH = ASSETS_DIR / "tokenizer.json"
 TINY_CONFIGS_ASSET_PATH = ASSETS_DIR / "tiny-model-configs.json"
+TOOLS_CHAT_TEMPLATE_PATH = ASSETS_DIR / "chat-template-tools.jinja"
+# The tool-capable variant's added tokens, in id order after the trained vocabulary.
+TOOL_FORMAT_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 VOCAB_SIZE = 1024
 PAD_TOKEN = "<|endoftext|>"
@@ -312,6 +324,7 @@ def create_model(
     dtype: str = "float32",
     seed: int = 0,
     overwrite: bool = False,
+    chat_format: str = "plain",
 ) -> Path:
     """Write a random-weight model of `arch` into `out_dir` and return `out_dir`.
 
@@ -323,7 +336,10 @@ def create_model(
     finite, or the files cannot be written.
     """
     _require_choice("dtype", dtype, DTYPES)
+    _require_choice("chat format", chat_format, CHAT_FORMATS)
     config = model_config(arch, size)
+    if chat_format == "tools":
+        _set_vocab_size(config, VOCAB_SIZE + len(TOOL_FORMAT_TOKENS))
     out_dir = Path(out_dir)
     _check_out_dir_free(out_dir, overwrite=overwrite)
     weights = build_weights(config, dtype=dtype, seed=seed)
@@ -337,7 +353,9 @@ def create_model(
     except OSError as e:
         raise ModelError(f"cannot create a directory beside {out_dir}: {e}") from e
     try:
-        _write_model_files(partial_dir, config, weights)
+        # The plain call keeps the writer's three-argument form (tests replace the writer).
+        variant = {"chat_format": chat_format} if chat_format != "plain" else {}
+        _write_model_files(partial_dir, config, weights, **variant)
         _publish_dir(partial_dir, out_dir, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(partial_dir, ignore_errors=True)
@@ -468,7 +486,35 @@ def _check_out_dir_free(out_dir: Path, *, overwrite: bool) -> None:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _set_vocab_size(config: dict[str, Any], vocab_size: int) -> None:
+    """Grow the embedding (and output) rows to `vocab_size`, top-level or in a nested text config."""
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict) and "vocab_size" in section:
+            section["vocab_size"] = vocab_size
+
+
+def _tools_tokenizer_json() -> dict[str, Any]:
+    """The committed tokenizer plus the tool-format tokens as added tokens
+    (not special, as in Qwen's tokenizer: decoding keeps them as text)."""
+    try:
+        tokenizer = json.loads(TOKENIZER_ASSET_PATH.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {TOKENIZER_ASSET_PATH}: {e}") from e
+    for offset, content in enumerate(TOOL_FORMAT_TOKENS):
+        tokenizer["added_tokens"].append({
+            "id": VOCAB_SIZE + offset, "content": content, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": False})
+    return tokenizer
+
+
+def _tokenizer_config(chat_format: str = "plain") -> dict[str, Any]:
+    if chat_format == "tools":
+        try:
+            chat_template = TOOLS_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ModelError(f"cannot read {TOOLS_CHAT_TEMPLATE_PATH}: {e}") from e
+    else:
+        chat_template = CHAT_TEMPLATE
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -478,7 +524,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MODEL_MAX_LENGTH_TOKENS,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
 
 
@@ -517,7 +563,7 @@ def write_safetensors(path: Path, weights: dict[str, mx.array]) -> None:
 
 
 def _write_model_files(
-    model_dir: Path, config: dict[str, Any], weights: dict[str, mx.array]
+    model_dir: Path, config: dict[str, Any], weights: dict[str, mx.array], *, chat_format: str = "plain"
 ) -> None:
     """Write every model file into `model_dir`, each flushed to disk.
 
@@ -525,7 +571,7 @@ def _write_model_files(
     """
     json_files = {
         "config.json": config,
-        "tokenizer_config.json": _tokenizer_config(),
+        "tokenizer_config.json": _tokenizer_config(chat_format),
         "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     }
     try:
@@ -533,7 +579,10 @@ def _write_model_files(
             (model_dir / name).write_text(
                 json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8"
             )
-        shutil.copyfile(TOKENIZER_ASSET_PATH, model_dir / "tokenizer.json")
+        if chat_format == "tools":
+            (model_dir / "tokenizer.json").write_text(json.dumps(_tools_tokenizer_json()), encoding="utf-8")
+        else:
+            shutil.copyfile(TOKENIZER_ASSET_PATH, model_dir / "tokenizer.json")
         # Metadata is constant on purpose: nothing time- or host-dependent may
         # enter the file, so its sha256 is reproducible.
         write_safetensors(model_dir / WEIGHTS_FILE_NAME, weights)

@@ -10,7 +10,8 @@ and put the finished caches back, also when the client went away.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -39,6 +40,14 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     namespace: str = ""
     use_prompt_cache: bool = True
+    # Factories of logits processors of this request's own (a forced reply
+    # start, `engine/forcing.py`), applied after the sampling parameters'
+    # processors on both lanes; called once per generation, on the engine
+    # thread, since a processor may keep state.
+    logits_processors: tuple[Callable[[], Any], ...] = attrs.field(default=(), eq=False)
+
+    def make_logits_processors(self) -> list[Any]:
+        return [make() for make in self.logits_processors]
 
 
 @attrs.frozen(kw_only=True)
@@ -83,7 +92,6 @@ def delta_logprob(loaded: LoadedModel, params: SamplingParams, token_id: int, lo
     return token_logprob(loaded.tokenizer, logprobs, token_id, params.top_logprobs)
 
 
-
 @attrs.frozen(kw_only=True)
 class GenerationDone:
     finish_reason: str
@@ -111,7 +119,7 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     if reuse.snapshot_due(len(prompt), snapshot_min_prefill_tokens):
         mx.eval(logits)
         prompt_cache.put(prompt, lend_caches(cache), request.namespace)
-    sampling = SerialSampling(params, loaded.tokenizer, prompt)
+    sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
     produced = 0

@@ -41,6 +41,7 @@ from kvcellar.engine.engine import EngineStopped
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
 from kvcellar.errors import KvCellarError, StoreError, UsageError
+from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
 
@@ -263,7 +264,9 @@ async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[s
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else "length",
                               "logprobs": _choice_logprobs(job, entries)}
     if job.chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        reply = ChatReply(system.loaded.tokenizer, job.tools, in_reasoning=job.reply_in_reasoning)
+        choice["message"] = reply.message(text)
+        choice["finish_reason"] = reply.finish_reason(choice["finish_reason"])
     else:
         choice["text"] = text
     return {"id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -283,23 +286,36 @@ async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterat
 
     text_offset = 0
 
-    def choice(delta: str | None, finish: str | None, item: TokenDelta | None = None) -> dict[str, Any]:
+    # Chat text goes through the reply splitter: reasoning, content and tool-call deltas.
+    reply = ChatReply(system.loaded.tokenizer, job.tools, in_reasoning=job.reply_in_reasoning) if job.chat else None
+
+    def choice(delta: dict[str, Any] | str | None, finish: str | None,
+               item: TokenDelta | None = None) -> dict[str, Any]:
         nonlocal text_offset
         logprobs = None
         if item is not None and item.logprob is not None:
             logprobs = _choice_logprobs(job, [item.logprob], text_offset)
             text_offset += len(item.logprob.token)
         if job.chat:
-            return {"index": 0, "delta": {} if delta is None else {"content": delta}, "logprobs": logprobs,
-                    "finish_reason": finish}
+            return {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
         return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
 
     try:
         async for item in system.generate(job.request):
             if isinstance(item, GenerationDone):
-                yield event([choice(None, item.finish_reason)])
+                finish = item.finish_reason
+                if reply is not None:
+                    for delta in reply.closing_deltas():
+                        yield event([choice(delta, None)])
+                    finish = reply.finish_reason(finish)
+                yield event([choice(None, finish)])
                 if job.include_usage:
                     yield event([], usage=_usage(job, item, item.completion_tokens))
+            elif reply is not None:
+                # A token whose text is held back still sends its log-probability.
+                deltas = reply.deltas(item.text) or ([{}] if item.logprob is not None else [])
+                for position, delta in enumerate(deltas):
+                    yield event([choice(delta, None, item if position == 0 else None)])
             elif item.text or item.logprob is not None:
                 # A token whose text is held back still sends its log-probability.
                 yield event([choice(item.text, None, item)])

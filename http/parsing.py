@@ -24,9 +24,11 @@ import attrs
 import trio
 
 from kvcellar.engine.engine import LoadedModel, SamplingParams
+from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.structured import GrammarError, compile_response_grammar
 from kvcellar.errors import KvCellarError
+from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, PromptRefused, RenderedPrompt, ToolPlan, render_prompt
 
 MAX_TOKENS_DEFAULT = 256
 MAX_TOKENS_LIMIT = 32768
@@ -47,6 +49,9 @@ class CompletionJob:
     stream: bool
     include_usage: bool
     chat: bool
+    # What the reply shaping needs of the chat (http/tools.py).
+    tools: ToolPlan = NO_TOOLS
+    reply_in_reasoning: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -103,37 +108,6 @@ def _text_parts(parts: list[Any], index: int) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", param="messages")
-    parsed = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{index}] needs a string 'role'", param=f"messages[{index}].role")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = _text_parts(content, index)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{index}].content must be a string", param=f"messages[{index}].content")
-        parsed.append({"role": message["role"], "content": content})
-    return parsed
-
-
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The model's chat template over the messages. A template may refuse them
-    on purpose (`raise_exception('System role not supported')`) or fail on
-    them: either way the messages are what the client must change."""
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:
-        raise BadRequest(f"the model's chat template cannot render these messages: {e}",
-                         param="messages") from e
-    if not isinstance(text, str):
-        raise BadRequest("the model's chat template did not render text", param="messages")
-    return text
-
-
 def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT,
               model_names: frozenset[str] = frozenset()) -> CompletionJob:
     """Validate a request body into a job; raises `BadRequest` naming the field."""
@@ -145,13 +119,15 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
     if body.get("n", 1) != 1:
         raise BadRequest("only 'n' = 1 is supported", param="n")
     tokenizer = loaded.tokenizer
+    rendered, tool_plan = None, NO_TOOLS
     if chat:
-        text = _render_chat(tokenizer, _messages(body))
+        rendered, tool_plan = chat_prompt(body, tokenizer)
+        prompt_ids = rendered.prompt_ids
     else:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
             raise BadRequest("'prompt' must be a non-empty string", param="prompt")
-    prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
     max_tokens = _max_tokens(body, max_tokens_default)
     if len(prompt_ids) + max_tokens > loaded.context_tokens_max:
         raise BadRequest(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
@@ -173,9 +149,10 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_strings(body))
+    request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_strings(body),
+                                logits_processors=forced_reply_start(rendered))
     return CompletionJob(request=request, stream=stream, include_usage=bool(stream_options.get("include_usage")),
-                         chat=chat)
+                         chat=chat, tools=tool_plan, reply_in_reasoning=bool(rendered and rendered.in_reasoning))
 
 
 # -- sampling and output fields (engine/sampling.py applies them) -------------------
@@ -356,3 +333,146 @@ class TokenizerLane:
 
 def _model_names(loaded: LoadedModel) -> frozenset[str]:
     return frozenset({loaded.model_dir.name, str(loaded.model_dir)})
+
+
+# -- chat messages and tools (http/tools.py renders and parses) -------------------
+
+
+def chat_prompt(body: dict[str, Any], tokenizer: Any) -> tuple[RenderedPrompt, ToolPlan]:
+    """The chat's messages and tools rendered through the model's template,
+    and the tool plan the reply is parsed with; raises `BadRequest`."""
+    plan = tool_plan(body)
+    try:
+        return render_prompt(tokenizer, chat_messages(body), plan), plan
+    except PromptRefused as e:
+        raise BadRequest(str(e), param=e.param) from e
+
+
+def forced_reply_start(rendered: RenderedPrompt | None) -> tuple[Any, ...]:
+    """The logits processor a `required` or named tool choice forces the reply's start with."""
+    if rendered is None or not rendered.forced_ids:
+        return ()
+    return (partial(ForcedTokens, rendered.forced_ids),)
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """OpenAI chat messages in the chat-template shape: content as text (a
+    string or text parts; null for an assistant turn), an assistant's
+    `tool_calls` with their arguments as objects, its `reasoning_content`,
+    a tool result's `tool_call_id`."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    return [_chat_message(message, index) for index, message in enumerate(messages)]
+
+
+def _chat_message(message: Any, index: int) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRequest(f"messages[{index}] needs a string 'role'", param=f"messages[{index}].role")
+    role = message["role"]
+    content = message.get("content")
+    if isinstance(content, list):
+        content = _text_parts(content, index)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise BadRequest(f"messages[{index}].content must be a string or a list of text parts",
+                         param=f"messages[{index}].content")
+    parsed: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            parsed["tool_calls"] = _message_tool_calls(message["tool_calls"], index)
+        reasoning = message.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            parsed["reasoning_content"] = reasoning
+    elif role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise BadRequest(f"messages[{index}] is a tool result and needs a string 'tool_call_id'",
+                             param=f"messages[{index}].tool_call_id")
+        parsed["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            parsed["name"] = message["name"]
+    return parsed
+
+
+def _message_tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant turn's calls; arguments arrive as a JSON string (OpenAI's
+    shape) and go to the template as an object (templates apply `tojson`)."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise BadRequest(f"{param} must be a list", param=param)
+    parsed = []
+    for call_index, call in enumerate(calls):
+        where = f"{param}[{call_index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"{where} needs a 'function' with a string 'name'", param=f"{where}.function")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"{where}.function.arguments is not valid JSON: {e}",
+                                 param=f"{where}.function.arguments") from e
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{where}.function.arguments must be a JSON object",
+                             param=f"{where}.function.arguments")
+        parsed.append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{index}_{call_index}",
+                       "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
+
+
+def tool_plan(body: dict[str, Any]) -> ToolPlan:
+    """`tools`, `tool_choice` and `parallel_tool_calls`; `tool_choice: "none"`
+    renders no tools (the template never shows them to the model)."""
+    tools = _function_tools(body.get("tools"))
+    choice, function_name = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if not tools or choice == "none":
+        return ToolPlan(choice="none")
+    return ToolPlan(tools=tools, choice=choice, function_name=function_name, parallel=parallel is not False)
+
+
+def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list of function tools", param="tools")
+    parsed = []
+    for index, tool in enumerate(tools):
+        param = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise BadRequest(f"{param} must be a function tool ({{'type': 'function', 'function': {{...}}}})",
+                             param=param)
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest(f"{param}.function needs a non-empty string 'name'", param=f"{param}.function.name")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise BadRequest(f"{param}.function.parameters must be a JSON schema object",
+                             param=f"{param}.function.parameters")
+        parsed.append({"type": "function", "function": function})
+    return tuple(parsed)
+
+
+def _tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str | None]:
+    """("auto" | "none" | "required" | "function", the named function or None)."""
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise BadRequest(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a named function",
+                             param="tool_choice")
+        if choice == "required" and not tools:
+            raise BadRequest("tool_choice 'required' needs 'tools'", param="tool_choice")
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise BadRequest("a named 'tool_choice' is {'type': 'function', 'function': {'name': ...}}",
+                         param="tool_choice")
+    if name not in {tool["function"]["name"] for tool in tools}:
+        raise BadRequest(f"tool_choice names {name!r}, which is not one of 'tools'", param="tool_choice")
+    return "function", name
