@@ -507,20 +507,26 @@ class DurabilityCore:
         event = DurabilityAttempt(**self._fields(record), forced=forced)
         return [StartAttempt(key=record.key, version=record.version, forced=forced), JournalEvent(event=event)]
 
-    def _settle(self, key: RecordKey, version: int) -> _Record:
-        """The record whose attempt at `version` settles now; anything else is a protocol bug."""
+    def _attempting(self, key: RecordKey, version: int) -> _Record:
+        """The record whose attempt at `version` is in flight; anything else is a protocol bug."""
         record = self._records.get(key)
         if record is None or record.status is not RecordStatus.ATTEMPTING or record.attempt_version != version:
             raise IllegalTransition(f"durability: no attempt at version {version} in flight for this key "
                                     f"(state {self.state.name})")
+        return record
+
+    def _settle(self, record: _Record) -> _Record:
+        """The attempt of `record` (checked by `_attempting`) settles now."""
         record.attempt_version = None
         self._in_flight -= 1
         return record
 
     def _on_deferred(self, msg: AttemptDeferred, now: float) -> list[Any]:
-        record = self._settle(msg.key, msg.version)
+        record = self._attempting(msg.key, msg.version)
+        # Checked before anything changes: a core that raises is unchanged.
         if record.attempt_forced:
             raise IllegalTransition(f"durability: a forced attempt cannot be deferred (state {self.state.name})")
+        self._settle(record)
         record.status = RecordStatus.DIRTY
         self.counters.deferred += 1
         effects: list[Any] = [self._settled_event(record, msg.version, "deferred", clean=False)]
@@ -529,7 +535,7 @@ class DurabilityCore:
         return [*effects, *self._progress(now)]
 
     def _on_result(self, msg: AttemptResult, now: float) -> list[Any]:
-        record = self._settle(msg.key, msg.version)
+        record = self._settle(self._attempting(msg.key, msg.version))
         outcome = msg.outcome
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
         fault = outcome in ("dropped", "failed")

@@ -17,7 +17,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, assert_never
 
 import attrs
 import trio
@@ -27,7 +27,7 @@ from kvcellar.actors.durability import (
     AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore, Flush, FlushTimedOut,
     FlushVerdict, QueueDrained, RecordKey, StartAttempt,
 )
-from kvcellar.actors.runtime import ActorShell, Journal
+from kvcellar.actors.runtime import ActorShell, Journal, Reply
 from kvcellar.store.prompt_cache import SpillSnapshot
 
 log = logging.getLogger("kvcellar.actors.durability")
@@ -59,12 +59,6 @@ class DurabilityPorts(Protocol):
     async def wait_queue_idle(self) -> None: ...
 
 
-@attrs.define
-class _FlushWaiter:
-    done: trio.Event = attrs.Factory(trio.Event)
-    verdict: FlushVerdict | None = None
-
-
 class DurabilityCoordinator:
     """The Trio shell of `DurabilityCore`. Start with `nursery.start(run)`.
 
@@ -78,21 +72,14 @@ class DurabilityCoordinator:
                  retry_max_s: float = RETRY_MAX_S_DEFAULT, journal: Journal | None = None) -> None:
         self.core = DurabilityCore(debounce_s, busy_rearm_s, retry_s=retry_s, retry_max_s=retry_max_s)
         self._ports = ports
-        self._actor = ActorShell("durability", self.core, self._perform, journal=journal)
-        self._nursery: trio.Nursery | None = None
+        # Closed, the attempts still in flight have nobody to report to: they are cancelled.
+        self._actor = ActorShell("durability", self.core, self._perform, journal=journal,
+                                 cancel_tasks_on_close=True)
         self._flush_ids = itertools.count(1)
-        self._waiters: dict[int, _FlushWaiter] = {}
+        self._verdicts: dict[int, Reply[FlushVerdict]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self._run_actor, nursery.cancel_scope)
-            task_status.started()
-
-    async def _run_actor(self, attempts: trio.CancelScope, *,
-                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self._actor.run(task_status=task_status)
-        attempts.cancel()  # closed: attempts still in flight have nobody to report to
 
     def close(self) -> None:
         """Stop: `run` returns, cancelling the attempts in flight."""
@@ -111,16 +98,16 @@ class DurabilityCoordinator:
         is a not-durable verdict with `timed_out` and the evidence so far; a
         flush that had begun goes on, and its outcome is journaled."""
         flush_id = next(self._flush_ids)
-        waiter = self._waiters[flush_id] = _FlushWaiter()
+        answered = self._verdicts[flush_id] = Reply[FlushVerdict]()
         asked_s = trio.current_time()
         try:
             await self._actor.send(Flush(flush_id=flush_id))
             with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
-                await waiter.done.wait()
+                await answered.settled()
         finally:
-            self._waiters.pop(flush_id, None)
-        if waiter.verdict is not None:
-            return waiter.verdict
+            self._verdicts.pop(flush_id, None)
+        if answered.is_set:  # also when the verdict came as the deadline passed
+            return answered.result()
         # Answered from the core's state as it is now, without a checkpoint in
         # between; the message then withdraws a queued flush and journals the
         # timeout. Sent through the mailbox, so it follows our `Flush`.
@@ -142,32 +129,31 @@ class DurabilityCoordinator:
         except trio.ClosedResourceError:
             log.debug("durability coordinator closed; %s ignored", type(msg).__name__)
 
-    def _perform(self, effect: Any) -> None:
-        assert self._nursery is not None, "the coordinator is not running"
-        if isinstance(effect, StartAttempt):
-            # A timed attempt never waits behind requests: a busy gateway re-arms (spec §5.5).
-            if not effect.forced and self._ports.gateway_busy():
-                self._send(AttemptDeferred(key=effect.key, version=effect.version))
-            else:
-                self._nursery.start_soon(self._attempt, effect)
-        elif isinstance(effect, DrainQueue):
-            self._nursery.start_soon(self._drain, effect.flush_id)
-        elif isinstance(effect, CheckCoverage):
-            covered = frozenset(key for key in effect.keys if self._covers(key))
-            self._send(CoverageChecked(flush_id=effect.flush_id, covered=covered))
-        elif isinstance(effect, FlushVerdict):
-            self._answer(effect)
-        else:
-            raise TypeError(f"durability: unknown effect {effect!r}")
+    def _perform(self, effect: StartAttempt | DrainQueue | CheckCoverage | FlushVerdict) -> None:
+        match effect:
+            case StartAttempt():
+                # A timed attempt never waits behind requests: a busy gateway re-arms (spec §5.5).
+                if not effect.forced and self._ports.gateway_busy():
+                    self._send(AttemptDeferred(key=effect.key, version=effect.version))
+                else:
+                    self._actor.start_soon(self._attempt, effect)
+            case DrainQueue():
+                self._actor.start_soon(self._drain, effect.flush_id)
+            case CheckCoverage():
+                covered = frozenset(key for key in effect.keys if self._covers(key))
+                self._send(CoverageChecked(flush_id=effect.flush_id, covered=covered))
+            case FlushVerdict():
+                self._answer(effect)
+            case _:
+                assert_never(effect)
 
     def _answer(self, verdict: FlushVerdict) -> None:
         log.info("flush %d: durable=%s pending=%d dropped=%d failed=%d missing=%d (%.3f s)", verdict.flush_id,
                  verdict.durable, verdict.pending, verdict.dropped, verdict.failed, verdict.missing_uncovered,
                  verdict.elapsed_s)
-        waiter = self._waiters.get(verdict.flush_id)
-        if waiter is not None:
-            waiter.verdict = verdict
-            waiter.done.set()
+        answered = self._verdicts.get(verdict.flush_id)
+        if answered is not None:
+            answered.set(verdict)
 
     def _covers(self, key: RecordKey) -> bool:
         try:

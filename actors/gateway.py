@@ -29,12 +29,13 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, assert_never
 
 import attrs
+import outcome
 import trio
 
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent
+from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
 from kvcellar.engine.engine import EngineThread
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.errors import KvCellarError
@@ -87,6 +88,9 @@ class AwaitDrained:
     waiter_id: int
 
 
+GatewayMessage = (Generate | GenerationFinished | RunWhenIdle | StepFinished | OtherLaneIdle | StopAdmission
+                  | AwaitDrained)
+
 # -- effects --------------------------------------------------------------------
 
 
@@ -109,6 +113,9 @@ class Rejected:
 @attrs.frozen(kw_only=True)
 class Drained:
     waiter_id: int
+
+
+GatewayEffect = StartGeneration | RunStep | Rejected | Drained | JournalEvent
 
 
 # -- journal events -------------------------------------------------------------
@@ -143,6 +150,22 @@ class Lane(enum.Enum):
 
 _HOLDER_LANES = {LANE_SERIAL: Lane.GENERATING, LANE_BATCH: Lane.BATCHING}
 
+# Which messages each lane state takes, and the legal state changes: the one
+# place where the gateway's transitions are decided.
+_ANY_LANE = frozenset(Lane)
+_ACCEPTS: dict[type, frozenset[Lane]] = {
+    Generate: _ANY_LANE, RunWhenIdle: _ANY_LANE, OtherLaneIdle: _ANY_LANE, StopAdmission: _ANY_LANE,
+    AwaitDrained: _ANY_LANE,
+    GenerationFinished: frozenset({Lane.GENERATING, Lane.BATCHING}),
+    StepFinished: frozenset({Lane.BACKGROUND}),
+}
+_MOVES = {
+    Lane.IDLE: {Lane.GENERATING, Lane.BATCHING, Lane.BACKGROUND},
+    Lane.GENERATING: {Lane.IDLE},
+    Lane.BATCHING: {Lane.IDLE},
+    Lane.BACKGROUND: {Lane.IDLE},
+}
+
 
 class GatewayCore:
     """Sans-IO lane scheduler. Admission is open until `StopAdmission`.
@@ -151,7 +174,13 @@ class GatewayCore:
     seen yet: the Scheduler's, from their admission until their batch job
     queues here, and while one waits for the next batch as the last one ends.
     A step waits for those as for a waiting request; `OtherLaneIdle` says
-    when to look again."""
+    when to look again.
+
+    `handle` raises `IllegalTransition` for a message its lane state does not
+    take, a `Generate` for an unknown lane or of an id already held, and a
+    `GenerationFinished` or `StepFinished` for what is not running: protocol
+    bugs between the shell and its callers (kvcellar's fault). The core is
+    unchanged when it raises."""
 
     def __init__(self, other_lane_busy: Callable[[], bool] = lambda: False) -> None:
         self.other_lane_busy = other_lane_busy
@@ -168,54 +197,79 @@ class GatewayCore:
     def busy(self) -> bool:
         return self.lane in (Lane.GENERATING, Lane.BATCHING) or bool(self.waiting)
 
-    def handle(self, msg: Any, now: float) -> list[Any]:
-        effects: list[Any] = []
-        if isinstance(msg, Generate):
-            if msg.lane not in _HOLDER_LANES:
-                raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for lane {msg.lane!r}")
-            serial = msg.lane == LANE_SERIAL
-            if serial and not self.admitting:
-                return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
-            self.waiting.append(msg.request_id)
-            self.holder_lanes[msg.request_id] = msg.lane
-            if serial:
-                effects.append(JournalEvent(event=RequestAdmitted(request_id=msg.request_id,
-                                                                  prompt_tokens=msg.prompt_tokens)))
-        elif isinstance(msg, GenerationFinished):
-            holder_lane = self.holder_lanes.get(msg.request_id, LANE_SERIAL)
-            self._release(_HOLDER_LANES[holder_lane], msg.request_id, msg)
-            del self.holder_lanes[msg.request_id]
-            if holder_lane == LANE_SERIAL:
-                effects.append(JournalEvent(event=RequestFinished(
-                    request_id=msg.request_id, completion_tokens=msg.completion_tokens, outcome=msg.outcome)))
-        elif isinstance(msg, RunWhenIdle):
-            self.steps.append(msg.step_id)
-        elif isinstance(msg, StepFinished):
-            self._release(Lane.BACKGROUND, msg.step_id, msg)
-        elif isinstance(msg, OtherLaneIdle):
-            pass  # dispatch below looks at the other lane again
-        elif isinstance(msg, StopAdmission):
-            self.admitting = False
-        elif isinstance(msg, AwaitDrained):
-            self.drain_waiters.append(msg.waiter_id)
-        else:
+    def handle(self, msg: GatewayMessage, now: float) -> list[GatewayEffect]:
+        accepted = _ACCEPTS.get(type(msg))
+        if accepted is None or self.lane not in accepted:
             raise IllegalTransition(f"gateway in lane state {self.lane.value} got {type(msg).__name__}")
+        effects: list[GatewayEffect]
+        match msg:
+            case Generate():
+                effects = self._on_generate(msg)
+            case GenerationFinished():
+                effects = self._on_generation_finished(msg)
+            case RunWhenIdle():
+                self.steps.append(msg.step_id)
+                effects = []
+            case StepFinished():
+                self._release(Lane.BACKGROUND, msg.step_id, msg)
+                effects = []
+            case OtherLaneIdle():
+                effects = []  # dispatch below looks at the other lane again
+            case StopAdmission():
+                self.admitting, effects = False, []
+            case AwaitDrained():
+                self.drain_waiters.append(msg.waiter_id)
+                effects = []
+            case _:
+                assert_never(msg)
         return effects + self._dispatch()
 
-    def _release(self, expected: Lane, ident: int, msg: Any) -> None:
+    def _on_generate(self, msg: Generate) -> list[GatewayEffect]:
+        if msg.lane not in _HOLDER_LANES:
+            raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for lane {msg.lane!r}")
+        if msg.request_id in self.holder_lanes:
+            raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for request "
+                                    f"{msg.request_id}, which it holds already")
+        serial = msg.lane == LANE_SERIAL
+        if serial and not self.admitting:
+            return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
+        self.waiting.append(msg.request_id)
+        self.holder_lanes[msg.request_id] = msg.lane
+        if not serial:
+            return []
+        return [JournalEvent(event=RequestAdmitted(request_id=msg.request_id, prompt_tokens=msg.prompt_tokens))]
+
+    def _on_generation_finished(self, msg: GenerationFinished) -> list[GatewayEffect]:
+        holder_lane = self.holder_lanes.get(msg.request_id, LANE_SERIAL)
+        self._release(_HOLDER_LANES[holder_lane], msg.request_id, msg)
+        del self.holder_lanes[msg.request_id]
+        if holder_lane != LANE_SERIAL:
+            return []
+        return [JournalEvent(event=RequestFinished(request_id=msg.request_id, completion_tokens=msg.completion_tokens,
+                                                   outcome=msg.outcome))]
+
+    def _release(self, expected: Lane, ident: int, msg: GatewayMessage) -> None:
         if self.lane is not expected or self.running != ident:
             raise IllegalTransition(f"gateway in lane state {self.lane.value} (running {self.running}) "
                                     f"got {type(msg).__name__} for {ident}")
-        self.lane, self.running = Lane.IDLE, None
+        self._move(Lane.IDLE)
+        self.running = None
 
-    def _dispatch(self) -> list[Any]:
-        effects: list[Any] = []
+    def _move(self, to: Lane) -> None:
+        if to not in _MOVES[self.lane]:
+            raise IllegalTransition(f"gateway cannot move from lane state {self.lane.value} to {to.value}")
+        self.lane = to
+
+    def _dispatch(self) -> list[GatewayEffect]:
+        effects: list[GatewayEffect] = []
         if self.lane is Lane.IDLE and self.waiting:
-            self.running = self.waiting.popleft()
-            self.lane = _HOLDER_LANES[self.holder_lanes[self.running]]
-            effects.append(StartGeneration(request_id=self.running))
+            running = self.waiting.popleft()
+            self._move(_HOLDER_LANES[self.holder_lanes[running]])
+            self.running = running
+            effects.append(StartGeneration(request_id=running))
         elif self.lane is Lane.IDLE and self.steps and not self.other_lane_busy():
-            self.lane, self.running = Lane.BACKGROUND, self.steps.popleft()
+            self._move(Lane.BACKGROUND)
+            self.running = self.steps.popleft()
             effects.append(RunStep(step_id=self.running))
         if not self.busy and self.drain_waiters:
             effects.extend(Drained(waiter_id=w) for w in self.drain_waiters)
@@ -251,8 +305,10 @@ class Gateway:
         self.core = GatewayCore(other_lane_busy=self._other_lane_busy)
         self.shell = ActorShell("gateway", self.core, self._perform, journal=journal)
         self._ids = itertools.count(1)
-        self._pending: dict[int, Any] = {}
-        self._nursery: trio.Nursery | None = None
+        # The replies the core's effects answer, by request, step or waiter id.
+        self._decisions: dict[int, Reply[StartGeneration | Rejected]] = {}
+        self._steps: dict[int, tuple[Callable[[Any], Any], Reply[Any]]] = {}
+        self._drains: dict[int, Reply[None]] = {}
         self._busy_probes: list[Callable[[], bool]] = []
 
     @property
@@ -281,44 +337,38 @@ class Gateway:
         return next(self._ids)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self.shell.run)
-            task_status.started()
+        """Serve until `close()`; a step still running then finishes first."""
+        await self.shell.run(task_status=task_status)
 
     def close(self) -> None:
         self.shell.close()
 
-    async def _perform(self, effect: Any) -> None:
-        if isinstance(effect, (StartGeneration, Rejected)):
-            self._pending.pop(effect.request_id).send_nowait(effect)
-        elif isinstance(effect, RunStep):
-            step, done = self._pending.pop(effect.step_id)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._run_step, effect.step_id, step, done)
-        elif isinstance(effect, Drained):
-            self._pending.pop(effect.waiter_id).set()
+    def _perform(self, effect: StartGeneration | RunStep | Rejected | Drained) -> None:
+        match effect:
+            case StartGeneration() | Rejected():
+                self._decisions.pop(effect.request_id).set(effect)
+            case RunStep():
+                step, reply = self._steps.pop(effect.step_id)
+                self.shell.start_soon(self._run_step, effect.step_id, step, reply)
+            case Drained():
+                self._drains.pop(effect.waiter_id).set(None)
+            case _:
+                assert_never(effect)
 
-    async def _run_step(self, step_id: int, step: Callable[[Any], Any], done: Any) -> None:
-        try:
-            done["value"] = await self.engine.call(step, label="step")
-        except BaseException as e:  # carried to the awaiting caller
-            done["error"] = e
-        finally:
-            await self.shell.send(StepFinished(step_id=step_id))
-            done["event"].set()
+    async def _run_step(self, step_id: int, step: Callable[[Any], Any], reply: Reply[Any]) -> None:
+        # Whatever the step raises (a cancellation too) is carried to the awaiting caller.
+        result = await outcome.acapture(self.engine.call, step, label="step")
+        await self.shell.send(StepFinished(step_id=step_id))
+        reply.settle(result)
 
     async def run_when_idle(self, step: Callable[[Any], Any]) -> Any:
         """Run `step(loaded_model)` on the engine thread as one turn taken
         only when no request is active or waiting; returns its result."""
         step_id = next(self._ids)
-        done: dict[str, Any] = {"event": trio.Event()}
-        self._pending[step_id] = (step, done)
+        reply: Reply[Any] = Reply()
+        self._steps[step_id] = (step, reply)
         await self.shell.send(RunWhenIdle(step_id=step_id))
-        await done["event"].wait()
-        if "error" in done:
-            raise done["error"]
-        return done["value"]
+        return await reply.wait()
 
     async def generate(self, job: Callable[[Any], Any], *, prompt_tokens: int,
                        cancelled: threading.Event, lane: str = LANE_SERIAL) -> AsyncIterator[Any]:
@@ -326,10 +376,10 @@ class Gateway:
         yields on the engine thread. Raises `AdmissionClosed` after shutdown
         began (serial lane only; see the module docstring)."""
         request_id = next(self._ids)
-        send, receive = trio.open_memory_channel[Any](1)
-        self._pending[request_id] = send
+        admission: Reply[StartGeneration | Rejected] = Reply()
+        self._decisions[request_id] = admission
         await self.shell.send(Generate(request_id=request_id, prompt_tokens=prompt_tokens, lane=lane))
-        decision = await receive.receive()
+        decision = await admission.wait()
         if isinstance(decision, Rejected):
             raise AdmissionClosed(decision.reason)
         produced, outcome = 0, "cancelled"
@@ -350,10 +400,10 @@ class Gateway:
     async def drain(self) -> None:
         """Wait until no request is active or waiting."""
         waiter_id = next(self._ids)
-        event = trio.Event()
-        self._pending[waiter_id] = event
+        drained: Reply[None] = Reply()
+        self._drains[waiter_id] = drained
         await self.shell.send(AwaitDrained(waiter_id=waiter_id))
-        await event.wait()
+        await drained.wait()
 
     def stats(self) -> dict[str, Any]:
         return {"busy": self.core.busy, "lane": self.core.lane.value, "waiting": len(self.core.waiting),

@@ -10,19 +10,40 @@ calls the core with `trio.current_time()`, and carries out the effects: the
 generic ones here (timers, journal events) itself, the actor's own through a
 `perform` callback. Timers run in the shell's nursery and come back to the
 core as `TimerFired` messages, so they too are just messages.
+
+`ActorShell.run` is every actor's one lifetime: a nursery for the actor's own
+tasks (`start_soon`: a gateway step, a batch job, a spill write, a durability
+attempt), and in it the mailbox loop with the timers. When the mailbox is
+closed, the loop ends and the timers with it; the actor's tasks either finish
+(the default: a step or a batch job reports back) or are cancelled
+(`cancel_tasks_on_close`: nobody is left to hear them). `drive(msg)` is the
+other way to run a core: in the caller's task, without a mailbox, feeding the
+messages that `perform` returns back in until none is left (the SsdWriter,
+whose one caller waits for each write).
+
+Every request/response pair is a `Reply` (re-exported here from
+`kvcellar.engine.reply`, the lowest layer that runs Trio, because the engine
+thread answers with its cross-thread twin `CrossThreadReply`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol
 
 import attrs
 import trio
 
+from kvcellar.engine.reply import CrossThreadReply, Reply
 from kvcellar.errors import KvCellarError
+
+__all__ = [
+    "ActorShell", "ArmTimer", "CancelTimer", "Core", "CrossThreadReply", "IllegalTransition", "Journal",
+    "JournalEvent", "Perform", "Reply", "TimerFired",
+]
 
 log = logging.getLogger("kvcellar.actors")
 
@@ -65,22 +86,27 @@ class Journal(Protocol):
     def append(self, event: Any, *, actor: str = ...) -> int | None: ...
 
 
-Perform = Callable[[Any], Awaitable[None] | None]
+# What `perform` does with an effect: nothing more to say (None, or an awaitable
+# of None), or, awaited, the message the effect's work answers (for `drive`).
+Perform = Callable[[Any], Awaitable[Any] | None]
 
 
 class ActorShell:
-    """Runs one core inside a nursery. `send`/`send_nowait` deliver messages;
-    `perform(effect)` handles the effects that are not generic."""
+    """Runs one core. `send`/`send_nowait` deliver messages to its mailbox;
+    `perform(effect)` handles the effects that are not generic;
+    `start_soon` runs one of the actor's tasks in its nursery."""
 
     def __init__(self, name: str, core: Core, perform: Perform, *, journal: Journal | None = None,
-                 buffer_messages: float = math.inf) -> None:
+                 buffer_messages: float = math.inf, cancel_tasks_on_close: bool = False) -> None:
         self.name = name
         self.core = core
         self._perform = perform
         self._journal = journal
+        self._cancel_tasks_on_close = cancel_tasks_on_close
         self._send, self._receive = trio.open_memory_channel[Any](buffer_messages)
         self._timers: dict[Hashable, trio.CancelScope] = {}
-        self._nursery: trio.Nursery | None = None
+        self._nursery: trio.Nursery | None = None  # the timers'
+        self._tasks: trio.Nursery | None = None
 
     def send_nowait(self, msg: Any) -> None:
         self._send.send_nowait(msg)
@@ -89,19 +115,54 @@ class ActorShell:
         await self._send.send(msg)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until the mailbox is closed and the actor's tasks are done
+        (or, with `cancel_tasks_on_close`, cancelled) or `cancel()` is called."""
+        try:
+            async with trio.open_nursery() as tasks:
+                self._tasks = tasks
+                await tasks.start(self._serve_mailbox)
+                task_status.started()
+        finally:
+            self._tasks = None
+
+    def start_soon(self, task: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run one of the actor's tasks; it lives no longer than `run`."""
+        assert self._tasks is not None, f"the {self.name} shell is not running"
+        self._tasks.start_soon(task, *args)
+
+    def cancel(self) -> None:
+        """Stop now: the mailbox loop, the timers and the actor's tasks."""
+        if self._tasks is not None:
+            self._tasks.cancel_scope.cancel()
+
+    async def _serve_mailbox(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             async for msg in self._receive:
                 await self.deliver(msg)
             nursery.cancel_scope.cancel()
+        if self._cancel_tasks_on_close and self._tasks is not None:
+            self._tasks.cancel_scope.cancel()
 
-    async def deliver(self, msg: Any) -> None:
-        """Run the core on one message and carry out its effects in order."""
+    async def deliver(self, msg: Any) -> list[Any]:
+        """Run the core on one message and carry out its effects in order;
+        returns the messages their work answered (see `drive`)."""
+        answers = []
         for effect in self.core.handle(msg, trio.current_time()):
-            await self._carry_out(effect)
+            answer = await self._carry_out(effect)
+            if answer is not None:
+                answers.append(answer)
+        return answers
 
-    async def _carry_out(self, effect: Any) -> None:
+    async def drive(self, msg: Any) -> None:
+        """Deliver `msg`, then every message the effects' work answers, in
+        order, in this task, until no answer is left."""
+        pending = deque([msg])
+        while pending:
+            pending.extend(await self.deliver(pending.popleft()))
+
+    async def _carry_out(self, effect: Any) -> Any:
         if isinstance(effect, ArmTimer):
             self._arm(effect)
         elif isinstance(effect, CancelTimer):
@@ -114,7 +175,8 @@ class ActorShell:
         else:
             result = self._perform(effect)
             if result is not None:
-                await result
+                return await result
+        return None
 
     def _arm(self, effect: ArmTimer) -> None:
         previous = self._timers.pop(effect.key, None)

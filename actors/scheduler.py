@@ -61,7 +61,7 @@ from kvcellar.actors.gateway import (
     RequestFinished,
     StopAdmission,
 )
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent
+from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
@@ -394,10 +394,9 @@ class Scheduler:
         # BatchLoop's seam: False for an engine that runs jobs on the Trio thread.
         self._wait_for_rows = wait_for_rows
         self._rows: dict[int, _RowChannel] = {}
-        self._drain_events: dict[int, trio.Event] = {}
+        self._drains: dict[int, Reply[None]] = {}
         self._waiter_ids = itertools.count(1)
         self._inbox: queue.Queue | None = None
-        self._nursery: trio.Nursery | None = None
         self.decode_steps_by_rows: Counter[int] = Counter()
         gateway.add_busy_probe(lambda: self.busy)
 
@@ -410,10 +409,8 @@ class Scheduler:
         return self.scheme.projected_bytes(self._prototypes, len(request.prompt_ids) + request.params.max_tokens)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self.shell.run)
-            task_status.started()
+        """Serve until `close()`; a batch job still running then finishes first."""
+        await self.shell.run(task_status=task_status)
 
     def close(self) -> None:
         self.shell.close()
@@ -445,9 +442,9 @@ class Scheduler:
     async def drain(self) -> None:
         """Wait until no row is active or waiting and the last batch job ended."""
         waiter_id = next(self._waiter_ids)
-        event = self._drain_events[waiter_id] = trio.Event()
+        drained = self._drains[waiter_id] = Reply[None]()
         await self.shell.send(AwaitDrained(waiter_id=waiter_id))
-        await event.wait()
+        await drained.wait()
 
     def stats(self) -> dict[str, Any]:
         core = self.core.stats()
@@ -464,8 +461,7 @@ class Scheduler:
     def _perform(self, effect: Any) -> None:
         if isinstance(effect, StartBatch):
             self._inbox = queue.Queue()
-            assert self._nursery is not None, "the scheduler is not running"
-            self._nursery.start_soon(self._run_batch, effect.batch_id, self._inbox)
+            self.shell.start_soon(self._run_batch, effect.batch_id, self._inbox)
         elif isinstance(effect, AdmitRow):
             row = self._rows[effect.request_id]
             assert self._inbox is not None
@@ -484,7 +480,7 @@ class Scheduler:
             if (row := self._rows.pop(effect.request_id, None)) is not None:
                 row.finish(_Failure(BatchAborted(effect.reason)))
         elif isinstance(effect, Drained):
-            self._drain_events.pop(effect.waiter_id).set()
+            self._drains.pop(effect.waiter_id).set(None)
         elif isinstance(effect, WentIdle):
             self.gateway.other_lane_idle()
 

@@ -24,12 +24,12 @@ import os
 import traceback
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar
+from typing import ClassVar, assert_never
 
 import attrs
 import trio
 
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Journal
+from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
 from kvcellar.errors import UsageError
 from kvcellar.store.events import register_event
 from kvcellar.store.prompt_cache import SpillSnapshot
@@ -318,17 +318,6 @@ class SpillQueueCore:
 Writer = Callable[[SpillSnapshot], Awaitable[str]]
 
 
-@attrs.define
-class _Outcome:
-    """A one-shot future: the outcome of one submitted snapshot."""
-    event: trio.Event = attrs.field(factory=trio.Event)
-    value: str = ""
-
-    def set(self, value: str) -> None:
-        self.value = value
-        self.event.set()
-
-
 class SpillQueue:
     """The Trio shell. Start it with `await nursery.start(queue.run)`; stop it
     by cancelling that nursery or with `close()`. On stop every snapshot still
@@ -346,26 +335,22 @@ class SpillQueue:
         self._write = write
         self._shell = ActorShell(name, self.core, self._perform, journal=journal)
         self._snapshots: dict[int, SpillSnapshot] = {}
-        self._futures: dict[int, _Outcome] = {}
-        self._idle_waiters: dict[int, trio.Event] = {}
+        # Each submitter's outcome, by item id, and each `wait_idle` caller's wake-up, by waiter id.
+        self._outcomes: dict[int, Reply[str]] = {}
+        self._idle_waiters: dict[int, Reply[None]] = {}
         self._item_ids = itertools.count(1)
         self._waiter_ids = itertools.count(1)
-        self._nursery: trio.Nursery | None = None
         self._closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled or `close()`d; a queue runs once."""
         try:
             if not self._closed:
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    await nursery.start(self._shell.run)
-                    task_status.started()
+                await self._shell.run(task_status=task_status)
             else:
                 task_status.started()
         finally:
             self._closed = True
-            self._nursery = None
             self._shell.close()
             with trio.CancelScope(shield=True):
                 await self._release_all()
@@ -373,8 +358,7 @@ class SpillQueue:
     def close(self) -> None:
         """Stop serving: held snapshots are released and settle "dropped"."""
         self._closed = True
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
+        self._shell.cancel()
 
     def submit_nowait(self, snapshot: SpillSnapshot) -> int:
         """Hand a snapshot over without waiting; returns its item id. Raises
@@ -387,59 +371,58 @@ class SpillQueue:
     async def submit(self, snapshot: SpillSnapshot) -> str:
         """Hand a snapshot over and wait for its outcome: "stored", "dropped"
         or "failed". Cancelling the wait does not withdraw the snapshot."""
-        _, future = self._accept(snapshot)
+        _, settled = self._accept(snapshot)
         del snapshot  # a waiting submitter must not pin the snapshot past its Release
-        await future.event.wait()
-        return future.value
+        return await settled.wait()
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (at once when stopped)."""
         if self._closed:
             return
         waiter_id = next(self._waiter_ids)
-        event = self._idle_waiters[waiter_id] = trio.Event()
+        idle = self._idle_waiters[waiter_id] = Reply[None]()
         self._shell.send_nowait(AwaitIdle(waiter_id=waiter_id))
-        await event.wait()
+        await idle.wait()
 
     def stats(self) -> dict[str, int]:
         """The core's counters plus `held`, the snapshots this shell still holds."""
         return {**self.core.stats(), "held": len(self._snapshots)}
 
-    def _accept(self, snapshot: SpillSnapshot) -> tuple[int, _Outcome]:
+    def _accept(self, snapshot: SpillSnapshot) -> tuple[int, Reply[str]]:
         try:
             msg = Enqueue(item_id=next(self._item_ids), bytes=snapshot.bytes, kind=snapshot.reason)
         except (ValueError, TypeError) as e:
             raise UsageError(f"cannot spill snapshot (reason {snapshot.reason!r}, bytes {snapshot.bytes}): {e}") from e
-        future = _Outcome()
+        settled = Reply[str]()
         if not self._closed:
-            self._snapshots[msg.item_id], self._futures[msg.item_id] = snapshot, future
+            self._snapshots[msg.item_id], self._outcomes[msg.item_id] = snapshot, settled
             try:
                 self._shell.send_nowait(msg)
-                return msg.item_id, future
+                return msg.item_id, settled
             except (trio.ClosedResourceError, trio.BrokenResourceError):
-                del self._snapshots[msg.item_id], self._futures[msg.item_id]
+                del self._snapshots[msg.item_id], self._outcomes[msg.item_id]
         # The queue has stopped: never seen by the core (nor in its counters), dropped at once.
         log.debug("spill item %d submitted after the queue stopped: dropped", msg.item_id)
-        future.set("dropped")
-        return msg.item_id, future
+        settled.set("dropped")
+        return msg.item_id, settled
 
-    def _perform(self, effect: Any) -> None:
+    def _perform(self, effect: Dispatch | Release | Settled | Wake) -> None:
         # All synchronous, so one message's effects run without a checkpoint.
-        if isinstance(effect, Dispatch):
-            assert self._nursery is not None, "Dispatch while the spill queue is not running"
-            self._nursery.start_soon(self._write_one, effect.item_id)
-        elif isinstance(effect, Release):
-            self._snapshots.pop(effect.item_id, None)
-        elif isinstance(effect, Settled):
-            future = self._futures.pop(effect.item_id, None)
-            if future is not None:
-                future.set(effect.outcome)
-        elif isinstance(effect, Wake):
-            event = self._idle_waiters.pop(effect.waiter_id, None)
-            if event is not None:
-                event.set()
-        else:
-            raise TypeError(f"the spill queue has no handler for effect {effect!r}")
+        match effect:
+            case Dispatch():
+                self._shell.start_soon(self._write_one, effect.item_id)
+            case Release():
+                self._snapshots.pop(effect.item_id, None)
+            case Settled():
+                settled = self._outcomes.pop(effect.item_id, None)
+                if settled is not None:
+                    settled.set(effect.outcome)
+            case Wake():
+                idle = self._idle_waiters.pop(effect.waiter_id, None)
+                if idle is not None:
+                    idle.set(None)
+            case _:
+                assert_never(effect)
 
     async def _write_one(self, item_id: int) -> None:
         snapshot = self._snapshots[item_id]
@@ -465,6 +448,6 @@ class SpillQueue:
         # drops them, so the counters include them too.
         for item_id, snapshot in list(self._snapshots.items()):
             await self._shell.deliver(Enqueue(item_id=item_id, bytes=snapshot.bytes, kind=snapshot.reason))
-        for event in self._idle_waiters.values():
-            event.set()
+        for idle in self._idle_waiters.values():
+            idle.set(None)
         self._idle_waiters.clear()

@@ -17,12 +17,12 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, assert_never
 
 import attrs
 import trio
 
-from kvcellar.actors.runtime import IllegalTransition, JournalEvent
+from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
 from kvcellar.errors import DiskError
 from kvcellar.store import mutations
 from kvcellar.store.events import register_event
@@ -74,6 +74,10 @@ class Report:
     outcome: str
 
 
+SsdWriterMessage = Write | TensorWritten | Committed | WriteFailed
+SsdWriterEffect = WriteTensor | Commit | Report | JournalEvent
+
+
 @register_event
 @attrs.frozen(kw_only=True)
 class WriteStarted:
@@ -92,8 +96,28 @@ class WriterState(enum.Enum):
     COMMITTING = "committing"
 
 
+# Which messages each state takes, and the legal state changes: the one place
+# where the writer's transitions are decided.
+_ACCEPTS: dict[type, frozenset[WriterState]] = {
+    Write: frozenset({WriterState.IDLE}),
+    TensorWritten: frozenset({WriterState.WRITING}),
+    Committed: frozenset({WriterState.COMMITTING}),
+    WriteFailed: frozenset({WriterState.WRITING, WriterState.COMMITTING}),
+}
+_MOVES = {
+    WriterState.IDLE: {WriterState.WRITING},
+    WriterState.WRITING: {WriterState.WRITING, WriterState.COMMITTING, WriterState.IDLE},
+    WriterState.COMMITTING: {WriterState.IDLE},
+}
+
+
 class SsdWriterCore:
-    """Sans-IO progress of one write at a time."""
+    """Sans-IO progress of one write at a time.
+
+    `handle` raises `IllegalTransition` for a message its state does not
+    take, one for another write than the current one, and a `TensorWritten`
+    out of order: protocol bugs in the shell (kvcellar's fault). The core is
+    unchanged when it raises."""
 
     def __init__(self) -> None:
         self.state = WriterState.IDLE
@@ -101,34 +125,55 @@ class SsdWriterCore:
         self.tensor_count = 0
         self.next_index = 0
 
-    def handle(self, msg: Any, now: float) -> list[Any]:
-        if isinstance(msg, Write) and self.state is WriterState.IDLE:
-            self.state, self.write_id, self.tensor_count, self.next_index = (
-                WriterState.WRITING, msg.write_id, msg.tensor_count, 0)
-            started = JournalEvent(event=WriteStarted(write_id=msg.write_id, namespace=msg.namespace,
-                                                      token_count=msg.token_count, tensor_count=msg.tensor_count))
-            return [started, *self._advance()]
-        if getattr(msg, "write_id", None) != self.write_id:
+    def handle(self, msg: SsdWriterMessage, now: float) -> list[SsdWriterEffect]:
+        accepted = _ACCEPTS.get(type(msg))
+        if accepted is None or self.state not in accepted:
+            raise IllegalTransition(f"ssd writer in state {self.state.value} got {type(msg).__name__}")
+        match msg:
+            case Write():
+                return self._on_write(msg)
+            case TensorWritten():
+                self._check_current(msg)
+                if msg.index != self.next_index:
+                    raise IllegalTransition(f"ssd writer in state {self.state.value} got tensor {msg.index} "
+                                            f"of write {msg.write_id}, expecting tensor {self.next_index}")
+                self.next_index += 1
+                return self._advance(msg.write_id)
+            case Committed():
+                self._check_current(msg)
+                return self._finish(msg.write_id, "stored")
+            case WriteFailed():
+                self._check_current(msg)
+                return self._finish(msg.write_id, "failed")
+            case _:
+                assert_never(msg)
+
+    def _on_write(self, msg: Write) -> list[SsdWriterEffect]:
+        self._move(WriterState.WRITING)
+        self.write_id, self.tensor_count, self.next_index = msg.write_id, msg.tensor_count, 0
+        started = JournalEvent(event=WriteStarted(write_id=msg.write_id, namespace=msg.namespace,
+                                                  token_count=msg.token_count, tensor_count=msg.tensor_count))
+        return [started, *self._advance(msg.write_id)]
+
+    def _check_current(self, msg: TensorWritten | Committed | WriteFailed) -> None:
+        if msg.write_id != self.write_id:
             raise IllegalTransition(f"ssd writer in state {self.state.value} got {type(msg).__name__} "
-                                    f"for write {getattr(msg, 'write_id', None)}")
-        if isinstance(msg, TensorWritten) and self.state is WriterState.WRITING and msg.index == self.next_index:
-            self.next_index += 1
-            return self._advance()
-        if isinstance(msg, Committed) and self.state is WriterState.COMMITTING:
-            return self._finish("stored")
-        if isinstance(msg, WriteFailed) and self.state is not WriterState.IDLE:
-            return self._finish("failed")
-        raise IllegalTransition(f"ssd writer in state {self.state.value} got {type(msg).__name__}")
+                                    f"for write {msg.write_id}, not the current write {self.write_id}")
 
-    def _advance(self) -> list[Any]:
+    def _move(self, to: WriterState) -> None:
+        if to not in _MOVES[self.state]:
+            raise IllegalTransition(f"ssd writer cannot move from state {self.state.value} to {to.value}")
+        self.state = to
+
+    def _advance(self, write_id: int) -> list[SsdWriterEffect]:
         if self.next_index < self.tensor_count:
-            return [WriteTensor(write_id=self.write_id, index=self.next_index)]
-        self.state = WriterState.COMMITTING
-        return [Commit(write_id=self.write_id)]
+            return [WriteTensor(write_id=write_id, index=self.next_index)]
+        self._move(WriterState.COMMITTING)
+        return [Commit(write_id=write_id)]
 
-    def _finish(self, outcome: str) -> list[Any]:
-        write_id = self.write_id
-        self.state, self.write_id = WriterState.IDLE, None
+    def _finish(self, write_id: int, outcome: str) -> list[SsdWriterEffect]:
+        self._move(WriterState.IDLE)
+        self.write_id = None
         return [Report(write_id=write_id, outcome=outcome)]
 
 
@@ -148,9 +193,12 @@ class SsdWriter:
         self._unpublished: list[Any] = []  # only under the ack-before-rename mutation
         self.run_when_idle = run_when_idle
         self.core = SsdWriterCore()
-        self.journal = journal
+        # No mailbox: `write` drives the core in its own task (`ActorShell.drive`).
+        self.shell = ActorShell("ssd_writer", self.core, self._perform, journal=journal)
         self.tokenizer_hash = tokenizer_hash
         self._write_ids = 0
+        self._current: PendingStore | None = None  # the write in progress (writes are serial)
+        self._reports: dict[int, Reply[str]] = {}
 
     async def write(self, snapshot: SpillSnapshot) -> str:
         while self._unpublished:
@@ -161,31 +209,43 @@ class SsdWriter:
         if pending is None:
             return "failed"
         self._write_ids += 1
-        msg: Any = Write(write_id=self._write_ids, tensor_count=pending.writer.tensor_count,
-                         token_count=len(snapshot.tokens), namespace=snapshot.namespace)
+        write = Write(write_id=self._write_ids, tensor_count=pending.writer.tensor_count,
+                      token_count=len(snapshot.tokens), namespace=snapshot.namespace)
         try:
             await self.run_blocking(pending.writer.open)
         except DiskError as e:
             self.store.fail_store(pending, e)
             return "failed"
-        while True:
-            effects = self.core.handle(msg, trio.current_time())
-            for effect in effects:
-                if isinstance(effect, JournalEvent):
-                    if self.journal is not None:
-                        self.journal.append(effect.event, actor="ssd_writer")
-                elif isinstance(effect, Report):
-                    return effect.outcome
-                else:
-                    msg = await self._perform(effect, pending)
+        report = self._reports[write.write_id] = Reply[str]()
+        self._current = pending
+        try:
+            # Each step's work answers the next message; the last effect is the Report.
+            await self.shell.drive(write)
+        finally:
+            self._current = None
+            self._reports.pop(write.write_id, None)
+        return report.result()
 
-    async def _perform(self, effect: Any, pending: PendingStore) -> Any:
+    def _perform(self, effect: WriteTensor | Commit | Report) -> Awaitable[SsdWriterMessage] | None:
+        match effect:
+            case Report():
+                self._reports[effect.write_id].set(effect.outcome)
+                return None
+            case WriteTensor() | Commit():
+                assert self._current is not None, "the ssd writer has no write in progress"
+                return self._step(effect, self._current)
+            case _:
+                assert_never(effect)
+
+    async def _step(self, effect: WriteTensor | Commit, pending: PendingStore) -> SsdWriterMessage:
+        """Do one step of the write; the message says how it went."""
         writer = pending.writer
         try:
             if isinstance(effect, WriteTensor):
-                segments = await self.run_when_idle(lambda _: writer.materialise_tensor(effect.index))
-                await self.run_blocking(writer.write_segments, effect.index, segments)
-                return TensorWritten(write_id=effect.write_id, index=effect.index)
+                index = effect.index
+                segments = await self.run_when_idle(lambda _: writer.materialise_tensor(index))
+                await self.run_blocking(writer.write_segments, index, segments)
+                return TensorWritten(write_id=effect.write_id, index=index)
             if mutations.active("ack-before-rename"):
                 await self.run_blocking(writer.commit_data)
                 self._unpublished.append(writer)

@@ -23,6 +23,7 @@ import trio
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
+from kvcellar.engine.reply import CrossThreadReply
 from kvcellar.errors import KvCellarError, ModelError
 
 PREFILL_STEP_TOKENS = 512
@@ -205,23 +206,16 @@ class EngineThread:
                    label: str = "call") -> Any:
         if not self._thread.is_alive():
             raise EngineStopped("the engine thread is not running")
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        outcome: dict[str, Any] = {}
+        reply: CrossThreadReply[Any] = CrossThreadReply()
 
         def run() -> None:
-            try:
-                outcome["value"] = job(self._loaded if needs_model else None)
-            except BaseException as e:  # carried back to the awaiting task
-                outcome["error"] = e
-            token.run_sync_soon(done.set)
+            # Whatever the job raises is carried back to the awaiting task.
+            reply.capture_from_thread(job, self._loaded if needs_model else None)
 
         self._jobs.put(self._logged(label, run))
         with trio.CancelScope(shield=True):
-            await done.wait()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
+            await reply.settled()
+        return reply.result()
 
     async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *,
                      label: str = "stream"):
