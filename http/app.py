@@ -34,14 +34,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvcellar.actors.gateway import AdmissionClosed
-from kvcellar.actors.scheduler import BatchAborted
 from kvcellar.actors.system import System
-from kvcellar.engine.engine import EngineStopped
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
-from kvcellar.errors import KvCellarError, StoreError, UsageError
 from kvcellar.http.chat_reply import ChatReply
+from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
 
@@ -65,24 +62,16 @@ def error_response(status: int, message: str, *, param: str | None = None,
     return JSONResponse(error_body(message, param=param, error_type=error_type), status_code=status)
 
 
-# Errors the server can name and whose fault they are: the client's (400) or
-# the moment's (503: retry later or elsewhere). Checked in order.
-_CLIENT_ERRORS = (BadRequest, UsageError)
-_UNAVAILABLE_ERRORS = (AdmissionClosed, BatchAborted, EngineStopped, StoreError)
+# OpenAI's error `type` for each kind of failure (http/failures.py classifies).
+_OPENAI_ERROR_TYPES = {"invalid_request": "invalid_request_error", "unavailable": "server_unavailable",
+                       "server": "server_error"}
 
 
 def failure_body(error: Exception) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI-style body for an error raised while serving."""
-    if isinstance(error, _CLIENT_ERRORS):
-        return 400, error_body(str(error), param=getattr(error, "param", None))
-    if isinstance(error, _UNAVAILABLE_ERRORS):
-        log.warning("request failed, answered 503: %s: %s", type(error).__name__, error)
-        return 503, error_body(str(error), error_type="server_unavailable")
-    if isinstance(error, KvCellarError):
-        log.error("request failed on a kvcellar error: %s: %s", type(error).__name__, error, exc_info=error)
-        return 500, error_body(f"{type(error).__name__}: {error}", error_type="server_error")
-    log.error("request failed on an unexpected error", exc_info=error)
-    return 500, error_body(f"internal error ({type(error).__name__}); see the server log", error_type="server_error")
+    failure = classify_failure(error)
+    return failure.status, error_body(failure.message, param=failure.param,
+                                      error_type=_OPENAI_ERROR_TYPES[failure.kind])
 
 
 def _failure_response(error: Exception) -> JSONResponse:

@@ -17,8 +17,9 @@ capacity limiter of 1) keeps the HTTP side's encodes one at a time.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -29,6 +30,8 @@ from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.structured import GrammarError, compile_response_grammar
 from kvcellar.errors import KvCellarError
 from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, PromptRefused, RenderedPrompt, ToolPlan, render_prompt
+
+T = TypeVar("T")
 
 MAX_TOKENS_DEFAULT = 256
 MAX_TOKENS_LIMIT = 32768
@@ -327,7 +330,11 @@ class TokenizerLane:
     async def parse_body(self, raw: bytes, loaded: LoadedModel, *, chat: bool,
                          max_tokens_default: int = MAX_TOKENS_DEFAULT) -> CompletionJob:
         """`parse_body` on a worker thread; `BadRequest` comes back as raised."""
-        work = partial(parse_body, raw, loaded, chat=chat, max_tokens_default=max_tokens_default)
+        return await self.run(partial(parse_body, raw, loaded, chat=chat, max_tokens_default=max_tokens_default))
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """Any parsing, rendering or tokenizer work (another API's body parser,
+        a decode) on the lane's worker thread; what it raises comes back raised."""
         return await trio.to_thread.run_sync(work, limiter=self._limiter)
 
 

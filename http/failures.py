@@ -1,0 +1,59 @@
+"""What went wrong while serving, independent of any API's error shape.
+
+`classify_failure(error)` names whose fault an error is and the status it
+answers with; each API shapes the same `Failure` into its own body (OpenAI's
+`{"error": {"message", "type", "param", "code"}}` in http/app.py, Anthropic's
+`{"type": "error", "error": {"type", "message"}}` in http/anthropic.py), so
+the mapping lives here once. Nothing the server can name is a 500: a
+`BadRequest` or `UsageError` is the client's (400, naming its field when it
+has one); a request the server cannot take now (shutting down, its batch
+aborted, the engine stopped, the store's disk failing) is unavailable (503;
+retry later or elsewhere); only an error kvcellar cannot name is a 500, and
+it is logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import attrs
+
+from kvcellar.actors.gateway import AdmissionClosed
+from kvcellar.actors.scheduler import BatchAborted
+from kvcellar.engine.engine import EngineStopped
+from kvcellar.errors import KvCellarError, StoreError, UsageError
+from kvcellar.http.parsing import BadRequest
+
+log = logging.getLogger("kvcellar.http")
+
+FailureKind = Literal["invalid_request", "unavailable", "server"]
+
+# Checked in order.
+_CLIENT_ERRORS = (BadRequest, UsageError)
+_UNAVAILABLE_ERRORS = (AdmissionClosed, BatchAborted, EngineStopped, StoreError)
+
+
+@attrs.frozen(kw_only=True)
+class Failure:
+    """`status` is the HTTP status the OpenAI-compatible routes answer with."""
+
+    kind: FailureKind
+    status: int
+    message: str
+    param: str | None = None
+
+
+def classify_failure(error: Exception) -> Failure:
+    """Whose fault `error` is; logs what is not the client's."""
+    if isinstance(error, _CLIENT_ERRORS):
+        return Failure(kind="invalid_request", status=400, message=str(error), param=getattr(error, "param", None))
+    if isinstance(error, _UNAVAILABLE_ERRORS):
+        log.warning("request failed, answered 503: %s: %s", type(error).__name__, error)
+        return Failure(kind="unavailable", status=503, message=str(error))
+    if isinstance(error, KvCellarError):
+        log.error("request failed on a kvcellar error: %s: %s", type(error).__name__, error, exc_info=error)
+        return Failure(kind="server", status=500, message=f"{type(error).__name__}: {error}")
+    log.error("request failed on an unexpected error", exc_info=error)
+    return Failure(kind="server", status=500,
+                   message=f"internal error ({type(error).__name__}); see the server log")
