@@ -65,12 +65,19 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 
 from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
-from kvcellar.store.events import register_event
+from kvcellar.store.actor_events import (
+    DurabilityAttempt,
+    DurabilityDirty,
+    DurabilitySettled,
+    FlushBegun,
+    FlushTimedOutRecorded,
+    FlushVerdictRecorded,
+)
 from kvcellar.store.events import tokens_digest as events_tokens_digest
 
 DEBOUNCE_S_DEFAULT = 1.0
@@ -223,91 +230,6 @@ class FlushVerdict:
         counts = {"failed": self.failed, "dropped": self.dropped, "missing": self.missing_uncovered,
                   "pending": self.pending}
         return next((name for name, count in counts.items() if count), "pending")
-
-
-# -- journal events -----------------------------------------------------------
-
-@attrs.frozen(kw_only=True)
-class _RecordEvent:
-    namespace: str
-    token_count: int
-    tokens_hash: str
-    version: int
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class DurabilityDirty(_RecordEvent):
-    """A put made a record dirty; `replaced`: an older version was still pending."""
-
-    kind: ClassVar[str] = "durability.dirty"
-    replaced: bool
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class DurabilityAttempt(_RecordEvent):
-    kind: ClassVar[str] = "durability.attempt"
-    forced: bool
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class DurabilitySettled(_RecordEvent):
-    """`outcome`: one of OUTCOMES, "deferred" (busy gateway) or "recheck_covered"
-    (a flush's re-check); `current`: it was for the record's latest version;
-    `clean`: the record is durable now."""
-
-    kind: ClassVar[str] = "durability.settled"
-    outcome: str
-    current: bool
-    clean: bool
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class FlushBegun:
-    """A flush run began; `flush_ids` share it (queued flushes coalesce)."""
-
-    kind: ClassVar[str] = "flush.begin"
-    flush_ids: tuple[int, ...]
-    scope_records: int
-    in_flight: int
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class FlushVerdictRecorded:
-    kind: ClassVar[str] = "flush.verdict"
-    flush_id: int
-    durable: bool
-    pending: int
-    dropped: int
-    failed: int
-    missing_uncovered: int
-    dirty_keys_count: int
-    forced: int
-    rechecked_covered: int
-    elapsed_s: float
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class FlushTimedOutRecorded:
-    """The caller of `flush_id` stopped waiting; the evidence at that moment.
-    `begun`: its run had begun (it goes on, and its `flush.verdict` follows);
-    otherwise it was still queued and is withdrawn."""
-
-    kind: ClassVar[str] = "flush.timeout"
-    flush_id: int
-    begun: bool
-    pending: int
-    dropped: int
-    failed: int
-    missing_uncovered: int
-    dirty_keys_count: int
-    forced: int
-    elapsed_s: float
 
 
 # -- the core -----------------------------------------------------------------

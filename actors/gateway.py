@@ -29,7 +29,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar, assert_never
+from typing import Any, assert_never
 
 import attrs
 import outcome
@@ -39,7 +39,7 @@ from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent,
 from kvcellar.engine.engine import EngineThread
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.errors import KvCellarError
-from kvcellar.store.events import register_event
+from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 
 # -- messages -------------------------------------------------------------------
 
@@ -116,27 +116,6 @@ class Drained:
 
 
 GatewayEffect = StartGeneration | RunStep | Rejected | Drained | JournalEvent
-
-
-# -- journal events -------------------------------------------------------------
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class RequestAdmitted:
-    kind: ClassVar[str] = "request.admitted"
-    request_id: int
-    prompt_tokens: int
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class RequestFinished:
-    kind: ClassVar[str] = "request.finished"
-    request_id: int
-    completion_tokens: int
-    outcome: str
-
 
 # -- core -----------------------------------------------------------------------
 

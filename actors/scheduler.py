@@ -57,8 +57,6 @@ from kvcellar.actors.gateway import (
     Drained,
     Gateway,
     Rejected,
-    RequestAdmitted,
-    RequestFinished,
     StopAdmission,
 )
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
@@ -66,6 +64,7 @@ from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, 
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.errors import KvCellarError, UsageError
+from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 

@@ -24,14 +24,14 @@ import os
 import traceback
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from typing import ClassVar, assert_never
+from typing import assert_never
 
 import attrs
 import trio
 
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
 from kvcellar.errors import UsageError
-from kvcellar.store.events import register_event
+from kvcellar.store.actor_events import SpillDispatched, SpillDropped, SpillEnqueued, SpillSettled
 from kvcellar.store.prompt_cache import SpillSnapshot
 
 log = logging.getLogger("kvcellar.actors.spill_queue")
@@ -105,45 +105,6 @@ class Wake:
 
 
 SpillEffect = Dispatch | Release | Settled | Wake | JournalEvent
-
-
-# Journal events: ids, sizes and names only, never tensors. `spill_kind` is
-# the Enqueue's `kind` (the name `kind` is the event class's journal kind).
-
-@attrs.frozen(kw_only=True)
-class _SpillEvent:
-    item_id: int
-    bytes: int
-    spill_kind: str
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class SpillEnqueued(_SpillEvent):
-    kind: ClassVar[str] = "spill.enqueued"
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class SpillDropped(_SpillEvent):
-    """`reason`: "byte_cap", "shutdown" (held when the shell stopped) or
-    "closed" (enqueued after it stopped). A drop is the item's settle record."""
-    kind: ClassVar[str] = "spill.dropped"
-    reason: str
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class SpillDispatched(_SpillEvent):
-    kind: ClassVar[str] = "spill.dispatched"
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class SpillSettled(_SpillEvent):
-    """A write finished: `outcome` is "stored" or "failed"."""
-    kind: ClassVar[str] = "spill.settled"
-    outcome: str
 
 
 def bytes_max_from_env(environ: Mapping[str, str] = os.environ) -> int:

@@ -17,16 +17,16 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, assert_never
+from typing import Any, assert_never
 
 import attrs
 import trio
 
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
 from kvcellar.errors import DiskError
-from kvcellar.store import mutations
-from kvcellar.store.events import register_event
+from kvcellar.store.actor_events import WriteStarted
 from kvcellar.store.prompt_cache import SpillSnapshot
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.ssd import PendingStore, SsdStore
 
 log = logging.getLogger("kvcellar.ssd_writer")
@@ -76,18 +76,6 @@ class Report:
 
 SsdWriterMessage = Write | TensorWritten | Committed | WriteFailed
 SsdWriterEffect = WriteTensor | Commit | Report | JournalEvent
-
-
-@register_event
-@attrs.frozen(kw_only=True)
-class WriteStarted:
-    """Journaled before the temp file exists."""
-
-    kind: ClassVar[str] = "entry.write_started"
-    write_id: int
-    namespace: str
-    token_count: int
-    tensor_count: int
 
 
 class WriterState(enum.Enum):
@@ -186,11 +174,13 @@ class SsdWriter:
     serial (the SpillQueue dispatches one at a time); calls must not overlap."""
 
     def __init__(self, store: SsdStore, run_when_idle: RunWhenIdle, *, journal: Any = None,
-                 tokenizer_hash: str = "", run_blocking: RunBlocking | None = None) -> None:
+                 tokenizer_hash: str = "", run_blocking: RunBlocking | None = None,
+                 safeguards: Safeguards = SAFEGUARDS) -> None:
         self.store = store
+        self.safeguards = safeguards
         # Blocking file I/O goes to a worker thread; the simulator runs it inline.
         self.run_blocking: RunBlocking = run_blocking or trio.to_thread.run_sync
-        self._unpublished: list[Any] = []  # only under the ack-before-rename mutation
+        self._unpublished: list[Any] = []  # only without the ack_after_rename safeguard
         self.run_when_idle = run_when_idle
         self.core = SsdWriterCore()
         # No mailbox: `write` drives the core in its own task (`ActorShell.drive`).
@@ -246,7 +236,7 @@ class SsdWriter:
                 segments = await self.run_when_idle(lambda _: writer.materialise_tensor(index))
                 await self.run_blocking(writer.write_segments, index, segments)
                 return TensorWritten(write_id=effect.write_id, index=index)
-            if mutations.active("ack-before-rename"):
+            if not self.safeguards.ack_after_rename:
                 await self.run_blocking(writer.commit_data)
                 self._unpublished.append(writer)
                 self.store.finish_store(pending)

@@ -5,6 +5,10 @@ scheduler, RAM and SSD tiers, spill queue, durability coordinator and SSD writer
         async for event in system.generate(request): ...
         verdict = await system.flush()
 
+`SystemConfig` holds what a user sets; `SystemSeams` what a test or the
+simulator replaces of the world the system runs in (engine, clocks, blocking
+I/O, the store and its disk, the durability safeguards), real by default.
+
 The RAM tier lives on the engine thread (every take and put is MLX work);
 its spill sink and `on_put` hook hand their work to the Trio thread with
 `run_sync_soon`, so the engine never waits on the queue or the coordinator.
@@ -21,7 +25,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError
 from kvcellar.store.prompt_cache import MAX_BYTES_DEFAULT, PromptCache, SpillSnapshot
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
 
@@ -70,20 +75,43 @@ class SystemConfig:
     busy_rearm_s: float = 5.0
     prefill_step_tokens: int = PREFILL_STEP_TOKENS
     shutdown_timeout_s: float = 120.0
-    turn_log: list[tuple[str, float, float]] | None = attrs.field(default=None, eq=False)
-    disk: Disk | None = attrs.field(default=None, eq=False)
-    # The simulator's seams: an engine with EngineThread's start/call/stream/stop
-    # that runs inline, and a store opener for its SimDisk and in-memory journal.
-    engine: Any = attrs.field(default=None, eq=False)
-    clock_s: Callable[[], float] | None = attrs.field(default=None, eq=False)
-    run_blocking: Callable[..., Any] | None = attrs.field(default=None, eq=False)
-    store_opener: Callable[[SystemConfig, KvScheme], SsdStore | None] | None = attrs.field(default=None, eq=False)
     # Digests of weight and tokenizer files kept across starts (`serve` passes
     # one persisted under the user cache); None hashes every file each start.
     shard_digest_memo: ShardDigestMemo | None = attrs.field(default=None, eq=False)
     # Rows of the batch lane; 1 keeps every request on the serial lane.
     batch_rows_max: int = 1
     kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
+
+
+StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SystemSeams:
+    """What a test or the simulator replaces; every default is the real thing.
+
+    `engine`: an object with EngineThread's start/call/stream/stop (the
+    simulator's runs inline; None starts an `EngineThread` on the model,
+    recording each engine turn in `turn_log` when given). `clock_s`: the RAM
+    tier's clock (idle demotion). `run_blocking`: how blocking file I/O runs
+    off the Trio thread (fingerprint hashing, store open, writes, the journal
+    catch-up). `store_opener(config, scheme)`: opens the SSD tier instead of
+    `SsdStore.open` (the simulator's SimDisk and in-memory journal); else the
+    tier opens on `disk` (None: the real one). `safeguards`: the store's and
+    the writer's durability policy (the simulator's mutations turn some off).
+    `logits_processors(request)`: logits-processor factories added to each
+    request after its own (a test's `ForcedTokens` scripting a reply through
+    the real engine, sampler and parsers); None adds none.
+    """
+
+    engine: Any = None
+    turn_log: list[tuple[str, float, float]] | None = None
+    clock_s: Callable[[], float] = time.monotonic
+    run_blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync
+    store_opener: StoreOpener | None = None
+    disk: Disk | None = None
+    safeguards: Safeguards = SAFEGUARDS
+    logits_processors: Callable[[GenerationRequest], Sequence[Callable[[], Any]]] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -114,8 +142,9 @@ class System:
     """Handles for a running system; made by `open_system`."""
 
     def __init__(self, config: SystemConfig, engine: EngineThread, loaded: LoadedModel, scheme: KvScheme,
-                 prompt_cache: PromptCache, store: SsdStore | None) -> None:
+                 prompt_cache: PromptCache, store: SsdStore | None, *, seams: SystemSeams) -> None:
         self.config = config
+        self.seams = seams
         self.engine = engine
         self.loaded = loaded
         self.scheme = scheme
@@ -136,6 +165,9 @@ class System:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
         """Run one request as a batch row, or on the serial lane when the batch
         lane is off, streaming its tokens."""
+        if self.seams.logits_processors is not None:
+            added = tuple(self.seams.logits_processors(request))
+            request = attrs.evolve(request, logits_processors=request.logits_processors + added)
         if self.scheduler is not None:
             # aclosing: a consumer that stops early cancels its row now, not when collected.
             async with aclosing(self.scheduler.generate(request)) as items:
@@ -199,7 +231,7 @@ class System:
         if journal is None or journal.degraded:
             return
         try:
-            await (self.config.run_blocking or trio.to_thread.run_sync)(journal.wait_applied, JOURNAL_CATCH_UP_S)
+            await self.seams.run_blocking(journal.wait_applied, JOURNAL_CATCH_UP_S)
         except JournalError as e:
             log.warning("flush: %s", e)
 
@@ -277,7 +309,7 @@ class System:
                 "rows_active": int(gateway["lane"] == "generating"), "waiting": gateway["waiting"]}
 
 
-async def _open_store(config: SystemConfig, scheme: KvScheme) -> tuple[SsdStore | None, str]:
+async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme) -> tuple[SsdStore | None, str]:
     """The SSD tier of this serving fingerprint and the tokenizer hash its
     entries' headers carry; (None, "") without the tier."""
     if config.ssd_dir is None:
@@ -287,7 +319,7 @@ async def _open_store(config: SystemConfig, scheme: KvScheme) -> tuple[SsdStore 
     memo = config.shard_digest_memo if config.shard_digest_memo is not None else ShardDigestMemo(None)
     bytes_hashed_before, started_s = memo.bytes_hashed, time.perf_counter()
     # Hashing reads every weight byte on a cold memo: a worker thread's job, not the Trio thread's.
-    run_blocking = config.run_blocking or trio.to_thread.run_sync
+    run_blocking = seams.run_blocking
     fingerprint = await run_blocking(
         lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo))
     log.info("serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
@@ -295,26 +327,28 @@ async def _open_store(config: SystemConfig, scheme: KvScheme) -> tuple[SsdStore 
              memo.path or "(in RAM only)")
     # The scan, the reconciliation and the startup supersession are disk work too.
     store = await run_blocking(lambda: SsdStore.open(
-        config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, config.disk,
-        fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify))
+        config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, seams.disk,
+        fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify, safeguards=seams.safeguards))
     return store, fingerprint.tokenizer_sha256
 
 
 @asynccontextmanager
-async def open_system(config: SystemConfig) -> AsyncIterator[System]:
+async def open_system(config: SystemConfig, seams: SystemSeams | None = None) -> AsyncIterator[System]:
     """Start everything in one nursery; on exit shut down gracefully (stop
-    admission, drain, flush bounded by `shutdown_timeout_s`) and close."""
-    engine = config.engine or EngineThread(config.model_dir, turn_log=config.turn_log)
+    admission, drain, flush bounded by `shutdown_timeout_s`) and close.
+    `seams`: what a test or the simulator replaces (None: the real world)."""
+    seams = seams or SystemSeams()
+    engine = seams.engine or EngineThread(config.model_dir, turn_log=seams.turn_log)
     try:
         loaded = await engine.start()
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
-        if config.store_opener is not None:
-            store, tokenizer_hash = config.store_opener(config, scheme), ""
+        if seams.store_opener is not None:
+            store, tokenizer_hash = seams.store_opener(config, scheme), ""
         else:
-            store, tokenizer_hash = await _open_store(config, scheme)
+            store, tokenizer_hash = await _open_store(config, seams, scheme)
         try:
             async with trio.open_nursery() as nursery:
-                system = await _start_actors(nursery, config, engine, loaded, scheme, store, tokenizer_hash)
+                system = await _start_actors(nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash)
                 try:
                     yield system
                     await system.shutdown()
@@ -327,14 +361,15 @@ async def open_system(config: SystemConfig) -> AsyncIterator[System]:
         engine.stop()
 
 
-async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: EngineThread, loaded: LoadedModel,
-                        scheme: KvScheme, store: SsdStore | None, tokenizer_hash: str) -> System:
+async def _start_actors(nursery: trio.Nursery, config: SystemConfig, seams: SystemSeams, engine: EngineThread,
+                        loaded: LoadedModel, scheme: KvScheme, store: SsdStore | None,
+                        tokenizer_hash: str) -> System:
     journal = store.journal if store is not None else None
     token = trio.lowlevel.current_trio_token()
     gateway = Gateway(engine, journal=journal)
     await nursery.start(gateway.run)
-    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=config.clock_s or time.monotonic)
-    system = System(config, engine, loaded, scheme, prompt_cache, store)
+    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=seams.clock_s)
+    system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
     system.gateway = gateway
     system.scheduler, system.serial_reason = await open_batch_lane(
         nursery, engine=engine, gateway=gateway, prompt_cache=prompt_cache, scheme=scheme,
@@ -343,7 +378,7 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, engine: Eng
     if store is None:
         return system
     writer = SsdWriter(store, gateway.run_when_idle, journal=journal, tokenizer_hash=tokenizer_hash,
-                       run_blocking=config.run_blocking)
+                       run_blocking=seams.run_blocking, safeguards=seams.safeguards)
     queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
     queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)

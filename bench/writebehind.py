@@ -24,7 +24,7 @@ import numpy as np
 import trio
 from rich.console import Console
 
-from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
 from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE
 from kvcellar.engine.engine import SamplingParams
@@ -103,9 +103,9 @@ async def measure_generation(model_dir: Path, ssd_dir: Path, write_behind: bool,
                              new_tokens: int) -> dict[str, Any]:
     """One generation on a fresh system; with write-behind on, the two flushes after it."""
     turn_log: list[tuple[str, float, float]] = []
-    config = SystemConfig(model_dir=model_dir, ssd_dir=ssd_dir, write_behind=write_behind, turn_log=turn_log)
+    config = SystemConfig(model_dir=model_dir, ssd_dir=ssd_dir, write_behind=write_behind)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, stop_token_ids=frozenset())
-    async with open_system(config) as system:
+    async with open_system(config, SystemSeams(turn_log=turn_log)) as system:
         streamed = await _stream_timed(system, GenerationRequest(prompt_ids=prompt, params=params), new_tokens)
         flush = await _timed_flush(system) if write_behind else None
         idle_flush = await _timed_flush(system) if write_behind else None

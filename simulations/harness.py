@@ -32,12 +32,13 @@ import trio
 import trio.testing
 
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT
-from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.errors import KvCellarError
 from kvcellar.store import mutations
 from kvcellar.store.journal import Journal, decode_event
+from kvcellar.store.safeguards import Safeguards
 from kvcellar.store.ssd import SsdStore
 from kvcellar.simulations import determinism
 from kvcellar.simulations.boundary import BoundaryChecks, BoundarySchedule, SeededBlocking
@@ -186,6 +187,8 @@ class _Run:
     observer: Observer
     boundary: BoundaryChecks
     schedule: BoundarySchedule
+    # Every store, journal and writer of the run takes it (the mutations turn safeguards off).
+    safeguards: Safeguards
     loaded: Any
     clock: Any
     rng: random.Random
@@ -205,17 +208,20 @@ class _Run:
         return EPOCH_NS + int(self.clock.current_time() * 1e9)
 
 
-def _open_store(run: _Run, *, journal: bool = True) -> SsdStore:
+def _open_store(run: _Run, *, journal: bool = True, observed: bool = False) -> SsdStore:
+    """A store of the run on its SimDisk; `observed`: the system's, whose
+    events and restores the observer sees through the store's listeners."""
     def new_entry_id() -> str:
         return f"{next(run.entry_numbers):032x}"
 
     index_lock, journal_runner = run.boundary.new_store_seams()
+    listeners = run.observer.store_listeners() if observed else {}
     return SsdStore.open(
         CACHE_DIR, FINGERPRINT, run.options.ssd_max_bytes, run.disk, verify=True, journal=journal,
         clock_ns=run.clock_ns, journal_opener=lambda path: Journal.open_in_memory(
-            path, run.journal, clock_ns=run.clock_ns, runner=journal_runner),
+            path, run.journal, clock_ns=run.clock_ns, runner=journal_runner, safeguards=run.safeguards),
         new_entry_id=new_entry_id, timer_ns=run.clock_ns, owner=f"simulated server, seed {run.options.seed}",
-        index_lock=index_lock)
+        index_lock=index_lock, safeguards=run.safeguards, **listeners)
 
 
 def _config(run: _Run) -> SystemConfig:
@@ -223,10 +229,16 @@ def _config(run: _Run) -> SystemConfig:
         model_dir=Path("/sim/model"), ssd_dir=CACHE_DIR, ssd_max_bytes=run.options.ssd_max_bytes,
         prompt_cache_bytes=run.options.prompt_cache_bytes, spill_queue_bytes=256 * 1024, write_behind=True,
         demote_idle_s=6.0, debounce_s=0.5, busy_rearm_s=1.0, prefill_step_tokens=64, shutdown_timeout_s=60.0,
+        batch_rows_max=run.lane.rows, kv_budget_bytes=run.lane.kv_budget_bytes)
+
+
+def _seams(run: _Run) -> SystemSeams:
+    """The simulated world: an inline engine, the mock clock, seeded blocking
+    calls, the run's store on its SimDisk, and the run's safeguards."""
+    return SystemSeams(
         engine=InlineEngine(run.loaded, delay_s=run.schedule.delay_s), clock_s=run.clock.current_time,
         run_blocking=SeededBlocking(run.schedule),
-        store_opener=lambda config, scheme: _open_store(run), batch_rows_max=run.lane.rows,
-        kv_budget_bytes=run.lane.kv_budget_bytes)
+        store_opener=lambda config, scheme: _open_store(run, observed=True), safeguards=run.safeguards)
 
 
 async def _request(run: _Run, system: Any, request: Request) -> None:
@@ -300,7 +312,7 @@ async def _phase(run: _Run, steps: list[Step], index: int, *, last: bool) -> tup
     run.phase_puts_from = len(run.observer.puts)
     system = None
     try:
-        async with open_system(_config(run)) as system:
+        async with open_system(_config(run), _seams(run)) as system:
             run.observer.attach(system)
             while index < len(steps):
                 step = steps[index]
@@ -379,6 +391,7 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
     """Run one seed to the end; never raises for what the system under test
     does wrong (that is a violation in the result). With `keep`, the result
     carries the final disk and journal image."""
+    safeguards = mutations.safeguards_without(options.mutations)
     determinism.seed_trio(options.seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
     disk_rng = random.Random(f"disk-{options.seed}")
@@ -391,13 +404,13 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
     run = _Run(options=options, lane=lane_for_seed(options.seed, options.batch_rows), disk=disk,
                journal=JournalImage(disk, observer.follow, boundary.journal_transaction), observer=observer,
                boundary=boundary, schedule=BoundarySchedule(random.Random(f"boundary-{options.seed}")),
-               loaded=loaded, clock=clock,
+               safeguards=safeguards, loaded=loaded, clock=clock,
                rng=random.Random(f"crash-{options.seed}"), conversations={},
                system_prompt=system_prompt(options.seed, options.shape))
     steps = build_workload(options.seed, options.shape)
     claims_checked = 0
     workload_ops = 0
-    with mutations.enabled(options.mutations), _quiet_logs():
+    with _quiet_logs():
         try:
             trio.run(_workload, run, steps, clock=clock)
             workload_ops = disk.ops_done

@@ -1,9 +1,10 @@
 """What the simulator sees of a run, and the invariants it checks as it goes.
 
 The observer hooks the real system at three places: `PromptCache.put` (what
-entered the RAM tier: the oracle for restored bytes), `SsdStore.restore`
-(every restore is compared with the oracle) and `SsdStore._event` (what the
-store evicted, superseded or quarantined, so durable claims can be followed).
+entered the RAM tier: the oracle for restored bytes), and the store's two
+listener hooks (`SsdStore.open`'s `restore_listeners`: every restore is
+compared with the oracle; `event_listeners`: what the store evicted,
+superseded or quarantined, so durable claims can be followed).
 
 A *claim* is a (namespace, tokens) prefix that a flush reported durable. It
 must come back byte-identical after any later crash, unless the store
@@ -89,28 +90,17 @@ class Observer:
             return put(tokens, caches, ns, *args, **kw)
 
         cache.put = observed_put
-        if system.store is not None:
-            self.attach_store(system.store)
 
-    def attach_store(self, store: Any) -> None:
-        restore, emit = store.restore, store._event
+    def store_listeners(self) -> dict[str, Any]:
+        """`SsdStore.open`'s listener arguments for the system's store: every
+        event it journals is followed, every restore checked."""
+        return {"event_listeners": (self.follow,), "restore_listeners": (self.restored,)}
 
-        def observed_restore(match: Any) -> Any:
-            caches = restore(match)
-            entry = store.entry(match.entry_id) if caches is not None else None
-            if entry is not None:
-                self.restores += 1
-                self._check_final_file(entry)
-                tokens = tuple(int(t) for t in entry.tokens[: match.usable_tokens])
-                self.check_restored(match.namespace, tokens, caches, "restore")
-            return caches
-
-        def observed_event(event: Any) -> None:
-            self.follow(event)
-            emit(event)
-
-        store.restore = observed_restore
-        store._event = observed_event
+    def restored(self, match: Any, entry: Any, caches: Sequence[Any]) -> None:
+        self.restores += 1
+        self._check_final_file(entry)
+        tokens = tuple(int(t) for t in entry.tokens[: match.usable_tokens])
+        self.check_restored(match.namespace, tokens, caches, "restore")
 
     def _check_final_file(self, entry: Any) -> None:
         name = Path(entry.path).name

@@ -13,7 +13,7 @@ cannot derive that bound from its own state declares it again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -21,9 +21,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.errors import CorruptEntry, RefusedCacheKind, UsageError
 from kvcellar.store import signature as sig
-
-if TYPE_CHECKING:
-    from kvcellar.store.kvfile import CacheRecord, TensorRecord
+from kvcellar.store.records import CacheRecord, TensorRecord
 
 STEP_ROWS = 256
 
@@ -106,8 +104,6 @@ class _Plan:
         self.producers: list[Producer] = []
 
     def tensor(self, name: str, array: mx.array) -> TensorRecord:
-        from kvcellar.store.kvfile import TensorRecord
-
         self.producers.append(lambda: array)
         length = int(np.prod(array.shape, dtype=np.int64)) * array.dtype.size
         return TensorRecord(name=name, dtype=dtype_name(array.dtype), shape=tuple(int(d) for d in array.shape),
@@ -124,8 +120,6 @@ def _check_offset(cache: Any, name: str, token_count: int) -> None:
 
 
 def _plan_one(cache: Any, name: str, token_count: int, plan: _Plan) -> CacheRecord:
-    from kvcellar.store.kvfile import CacheRecord
-
     signature = sig.cache_signature(cache)
     if signature in sig.BATCH_SIGNATURES:
         raise RefusedCacheKind(f"{name}: {signature} holds a batch; extract one row per entry before persisting")

@@ -4,18 +4,22 @@ Every durable state change of the tier is one event: what was stored,
 superseded, evicted, quarantined, reaped, hit and restored, and each
 correction the startup reconciliation made. Events are frozen attrs classes,
 serialised only through the one cattrs converter (CBOR). `kind` names the
-class in the journal's `kind` column; `EVENT_TYPES` maps it back.
+class in the journal's `kind` column; `EVENT_TYPES` maps it back, for these
+and for the actors' events (`store.actor_events`): the journal's whole schema
+lives in the store layer.
 """
 
 from __future__ import annotations
 
 import builtins
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
 import xxhash
+
+from kvcellar.store.actor_events import ACTOR_EVENT_TYPES
 
 
 def tokens_digest(tokens: Iterable[int] | np.ndarray) -> str:
@@ -161,23 +165,24 @@ Event = (
     | QuarantinePurged | TempReaped | EntryWriteFailed | ReconcileAdded | ReconcileRemoved | ReconcileUpdated
 )
 
-EVENT_TYPES: dict[str, type] = {
-    cls.kind: cls
-    for cls in (
-        EntryStored, EntrySuperseded, EntryEvicted, EntryHit, EntryRestored, EntryQuarantined,
-        QuarantinePurged, TempReaped, EntryWriteFailed, ReconcileAdded, ReconcileRemoved, ReconcileUpdated,
-    )
-}
+STORE_EVENT_TYPES: tuple[type[Any], ...] = (
+    EntryStored, EntrySuperseded, EntryEvicted, EntryHit, EntryRestored, EntryQuarantined,
+    QuarantinePurged, TempReaped, EntryWriteFailed, ReconcileAdded, ReconcileRemoved, ReconcileUpdated,
+)
 
 
-def register_event(cls: type) -> type:
-    """Make an event class (with a `kind` ClassVar) known to the journal; a
-    class decorator for the actors' own events. Kinds are unique."""
-    existing = EVENT_TYPES.get(cls.kind)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"event kind {cls.kind!r} is already registered by {existing.__qualname__}")
-    EVENT_TYPES[cls.kind] = cls
-    return cls
+def _by_kind(classes: Iterable[type[Any]]) -> dict[str, type[Any]]:
+    """Kinds are unique: a second class with a kind already taken is an error."""
+    by_kind: dict[str, type[Any]] = {}
+    for cls in classes:
+        existing = by_kind.setdefault(cls.kind, cls)
+        if existing is not cls:
+            raise ValueError(f"event kind {cls.kind!r} is defined by {existing.__qualname__} and {cls.__qualname__}")
+    return by_kind
+
+
+# Every kind the journal can hold: the store's and the actors' (`store.actor_events`).
+EVENT_TYPES: dict[str, type[Any]] = _by_kind((*STORE_EVENT_TYPES, *ACTOR_EVENT_TYPES))
 
 
 def event_entry_id(event: Event) -> str:

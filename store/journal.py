@@ -43,7 +43,7 @@ import sqlite_utils
 from kvcellar.errors import StoreError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store import events as ev
-from kvcellar.store import mutations
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 
 log = logging.getLogger("kvcellar.journal")
 
@@ -242,13 +242,14 @@ class Journal:
 
     def __init__(self, db: sqlite_utils.Database | None, path: Path, clock_ns: Callable[[], int],
                  durability: JournalDurability | None = None, runner: JournalRunner | None = None,
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, safeguards: Safeguards = SAFEGUARDS) -> None:
         self._db = db
         self.path = path
         self._clock_ns = clock_ns
         self._durability = durability
         self._runner: JournalRunner = runner or InlineRunner()
         self.degraded_reason: str | None = reason if db is None else None
+        self._safeguards = safeguards
 
     @property
     def degraded(self) -> bool:
@@ -260,7 +261,7 @@ class Journal:
 
     @classmethod
     def open(cls, path: Path, *, clock_ns: Callable[[], int] = time.time_ns,
-             runner: JournalRunner | None = None) -> Journal:
+             runner: JournalRunner | None = None, safeguards: Safeguards = SAFEGUARDS) -> Journal:
         """Open or create the journal on `runner` (inline by default; a server
         passes a `JournalThread`); a journal that cannot be opened is returned
         degraded (an ERROR line), never raised: serving must not depend on it."""
@@ -269,23 +270,25 @@ class Journal:
             db = runner.call(lambda: _connect(path))
         except (sqlite3.Error, JournalError) as e:
             log.error("journal %s cannot be opened, continuing without a journal: %s", path, e)
-            return cls(None, path, clock_ns, runner=runner, reason=f"cannot be opened: {e}")
-        return cls(db, path, clock_ns, runner=runner)
+            return cls(None, path, clock_ns, runner=runner, reason=f"cannot be opened: {e}", safeguards=safeguards)
+        return cls(db, path, clock_ns, runner=runner, safeguards=safeguards)
 
     @classmethod
     def open_in_memory(cls, path: Path, durability: JournalDurability, *,
-                       clock_ns: Callable[[], int] = time.time_ns, runner: JournalRunner | None = None) -> Journal:
+                       clock_ns: Callable[[], int] = time.time_ns, runner: JournalRunner | None = None,
+                       safeguards: Safeguards = SAFEGUARDS) -> Journal:
         """A journal in an in-memory database whose durable image `durability`
         keeps (the simulator's model of SQLite's atomic commit: a crash keeps
         exactly the committed transactions). Starts from `durability.image()`.
         `runner` is the simulator's owner (inline by default): appends cross
-        the same `JournalRunner` seam as in a server."""
+        the same `JournalRunner` seam as in a server; `safeguards` the
+        simulator's policy (a mutation may append off the owner)."""
         connection = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         image = durability.image()
         if image:
             connection.deserialize(image)
         db = sqlite_utils.Database(connection)
-        journal = cls(db, path, clock_ns, durability, runner)
+        journal = cls(db, path, clock_ns, durability, runner, safeguards=safeguards)
 
         def migrate() -> None:
             durability.before_transaction()
@@ -327,7 +330,7 @@ class Journal:
             return
         rows = [(self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event), event)
                 for event in events]
-        if mutations.active("journal-unowned-append"):
+        if not self._safeguards.append_on_journal_owner:
             self._apply(rows)
             return
         self._runner.submit(lambda: self._apply(rows))

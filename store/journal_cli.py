@@ -23,11 +23,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-# The actors register their journal event kinds on import; a reader decodes them typed.
-import kvcellar.actors.durability  # noqa: F401
-import kvcellar.actors.gateway  # noqa: F401
-import kvcellar.actors.spill_queue  # noqa: F401
-import kvcellar.actors.ssd_writer  # noqa: F401
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
 from kvcellar.serialization import converter
 from kvcellar.store import events as ev

@@ -28,7 +28,7 @@ from __future__ import annotations
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,10 @@ import xxhash
 
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
-from kvcellar.store import codecs, mutations
+from kvcellar.store import codecs
 from kvcellar.store.disk import Disk, RealDisk
+from kvcellar.store.records import CacheRecord, Header, TensorRecord
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
@@ -61,68 +63,6 @@ def _align(offset: int) -> int:
 
 def _checksum(data: bytes | memoryview) -> bytes:
     return xxhash.xxh3_64_digest(data)
-
-
-@attrs.frozen(kw_only=True)
-class TensorRecord:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file_offset: int
-    length: int
-    checksum: bytes
-
-
-@attrs.frozen(kw_only=True)
-class CacheRecord:
-    """One cache of an entry. `fields` holds the codec's scalars (ring index,
-    max size, keep, group size, bits, chunk size, start position, slots)."""
-
-    signature: str
-    offset: int
-    minimum_reusable_offset: int
-    trimmable: bool
-    fields: dict[str, int]
-    tensors: tuple[TensorRecord, ...]
-    children: tuple[CacheRecord, ...] = ()
-
-
-@attrs.frozen(kw_only=True)
-class Header:
-    format_version: int
-    fingerprint: dict[str, str]
-    namespace: str
-    tokenizer_hash: str
-    created_at_ns: int
-    token_ids: bytes
-    minimum_reusable_offset: int
-    trimmable: bool
-    caches: tuple[CacheRecord, ...]
-    payload_offset: int
-    file_bytes: int
-
-    @property
-    def token_array(self) -> np.ndarray:
-        """The token ids as a read-only uint32 array (no copy)."""
-        return np.frombuffer(self.token_ids, dtype="<u4")
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(self.token_array.tolist())
-
-    def tensor_records(self) -> Iterator[TensorRecord]:
-        """Every tensor of the entry in file order."""
-        yield from _walk_tensors(self.caches)
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(tensor.length for tensor in self.tensor_records())
-
-
-def _walk_tensors(records: Sequence[CacheRecord]) -> Iterator[TensorRecord]:
-    for record in records:
-        yield from record.tensors
-        yield from _walk_tensors(record.children)
 
 
 @attrs.frozen(kw_only=True)
@@ -167,9 +107,10 @@ class KvFileWriter:
 
     def __init__(self, path: Path, caches: Sequence[Any], tokens: Sequence[int],
                  meta: EntryMeta | Mapping[str, Any] | None = None, disk: Disk | None = None,
-                 *, temp_id: str | None = None) -> None:
+                 *, temp_id: str | None = None, safeguards: Safeguards = SAFEGUARDS) -> None:
         self.path = Path(path)
         self.disk = disk or RealDisk()
+        self.safeguards = safeguards
         # A unique entry path needs no random part in its temp name (the simulator's determinism).
         temp_id = temp_id if temp_id is not None else uuid.uuid4().hex
         self.temp_path = self.path.with_name(f".{self.path.name}.{temp_id}{TEMP_SUFFIX}")
@@ -254,18 +195,18 @@ class KvFileWriter:
         return header
 
     def _fsync_data(self) -> None:
-        if mutations.active("skip-file-fsync"):
+        if not self.safeguards.fsync_entry_file:
             return
         try:
             self.disk.fsync(self._handle)
         except DiskError:
-            if not mutations.active("trust-failed-fsync"):
+            if self.safeguards.fail_on_failed_fsync:
                 raise
 
     def publish(self) -> None:
         """The second half of `commit`: rename into place, fsync the directory."""
         self.disk.rename(self.temp_path, self.path)
-        if not mutations.active("skip-dir-fsync"):
+        if self.safeguards.fsync_entry_dir:
             self.disk.fsync_dir(self.path.parent)
 
     def abort(self) -> None:
@@ -370,7 +311,8 @@ def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, pa
 _FIRST_READ_BYTES = 64 * 1024
 
 
-def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | None = None) -> Header:
+def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | None = None,
+                      safeguards: Safeguards = SAFEGUARDS) -> Header:
     """Parse and check the preamble and header. One read covers both for
     headers up to ~64 KiB (a startup scan reads thousands of them);
     `size_bytes`, when the caller already knows it, saves an fstat."""
@@ -392,7 +334,7 @@ def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | Non
         header_bytes = memoryview(_read_exact(disk, handle, PREAMBLE_BYTES, header_length, "header", path))
     hasher = xxhash.xxh3_64(_PREAMBLE.pack(MAGIC, version, header_length, 0, payload_offset))
     hasher.update(header_bytes)
-    if hasher.intdigest() != header_digest and not mutations.active("skip-header-check"):
+    if hasher.intdigest() != header_digest and safeguards.verify_checksums:
         raise CorruptEntry(f"{path}: header checksum mismatch", part="header")
     try:
         header = from_cbor(bytes(header_bytes), Header)
@@ -406,7 +348,8 @@ def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | Non
     return header
 
 
-def read_header(path: Path | str, *, disk: Disk | None = None, size_bytes: int | None = None) -> Header:
+def read_header(path: Path | str, *, disk: Disk | None = None, size_bytes: int | None = None,
+                safeguards: Safeguards = SAFEGUARDS) -> Header:
     """Read and verify only the header (and that the file is long enough;
     pass `size_bytes` when a directory scan already knows the file's size).
 
@@ -418,12 +361,13 @@ def read_header(path: Path | str, *, disk: Disk | None = None, size_bytes: int |
     path = Path(path)
     handle = disk.open_read(path)
     try:
-        return _read_header_from(disk, handle, path, size_bytes)
+        return _read_header_from(disk, handle, path, size_bytes, safeguards)
     finally:
         disk.close(handle)
 
 
-def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None) -> Entry:
+def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None,
+         safeguards: Safeguards = SAFEGUARDS) -> Entry:
     """Load an entry into fresh MLX-owned caches.
 
     The header checksum is always verified; tensor checksums when `verify`.
@@ -435,10 +379,12 @@ def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None) -> 
     path = Path(path)
     handle = disk.open_read(path)
     try:
-        header = _read_header_from(disk, handle, path)
+        header = _read_header_from(disk, handle, path, safeguards=safeguards)
+        # A policy without checksum checks reads the tensors unchecked too.
+        verify_tensors = verify and safeguards.verify_checksums
 
         def read_tensor(record: TensorRecord, capacity_rows: int | None = None) -> mx.array:
-            return _read_tensor(disk, handle, record, verify, path, capacity_rows)
+            return _read_tensor(disk, handle, record, verify_tensors, path, capacity_rows)
 
         caches = codecs.rebuild_caches(header.caches, read_tensor)
     finally:
@@ -476,7 +422,7 @@ def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, pa
         if verify:
             hasher.update(view)
         offset += got
-    if verify and hasher.digest() != record.checksum and not mutations.active("skip-header-check"):
+    if verify and hasher.digest() != record.checksum:
         raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
     return codecs.host_to_mlx(host, record.dtype)
 

@@ -1,18 +1,20 @@
 """Deliberate durability bugs, switched on only by `kvcellar simulate --mutate`.
 
-Each name turns one safeguard of the store off, so the simulator's sweep can
-prove that its invariant checkers notice the loss (a checker that never fails
-proves nothing). Serving never enables them; the switch is process-wide
-because the store's write and read paths have no other channel to the
-simulator, and `enabled()` restores the previous set on exit.
+Each name turns one safeguard of the store off (a `Safeguards` field), so the
+simulator's sweep can prove that its invariant checkers notice the loss (a
+checker that never fails proves nothing). The simulator passes the resulting
+policy to the store, the journal and the writer it builds; serving never
+builds one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+
+import attrs
 
 from kvcellar.errors import UsageError
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 
 MUTATIONS = {
     "skip-file-fsync": "commit renames the entry file without fsyncing its data",
@@ -27,24 +29,24 @@ MUTATIONS = {
                               "journal's owner (the shared-connection race)",
 }
 
-_active: frozenset[str] = frozenset()
+# The `Safeguards` field each mutation switches off.
+SAFEGUARD_OFF = {
+    "skip-file-fsync": "fsync_entry_file",
+    "skip-dir-fsync": "fsync_entry_dir",
+    "trust-failed-fsync": "fail_on_failed_fsync",
+    "skip-header-check": "verify_checksums",
+    "ack-before-rename": "ack_after_rename",
+    "skip-startup-supersession": "redo_startup_supersession",
+    "restore-holds-index-lock": "restore_outside_index_lock",
+    "journal-unowned-append": "append_on_journal_owner",
+}
 
 
-def active(name: str) -> bool:
-    """Whether the deliberate bug `name` is switched on."""
-    return name in _active
-
-
-@contextmanager
-def enabled(names: Iterable[str]) -> Iterator[None]:
-    """Switch the named bugs on for the duration; raises `UsageError` for an unknown name."""
-    global _active
+def safeguards_without(names: Iterable[str]) -> Safeguards:
+    """Every safeguard on except those the named bugs switch off; raises
+    `UsageError` for an unknown name."""
     wanted = frozenset(names)
     unknown = sorted(wanted - MUTATIONS.keys())
     if unknown:
         raise UsageError(f"unknown mutation {', '.join(unknown)}; choose from {', '.join(MUTATIONS)}")
-    previous, _active = _active, wanted
-    try:
-        yield
-    finally:
-        _active = previous
+    return attrs.evolve(SAFEGUARDS, **{SAFEGUARD_OFF[name]: False for name in wanted})

@@ -46,10 +46,11 @@ import numpy as np
 
 from kvcellar.errors import CorruptEntry, DiskError, StoreError, UnsupportedFormat
 from kvcellar.store import events as ev
-from kvcellar.store import kvfile, mutations
+from kvcellar.store import kvfile
 from kvcellar.store.disk import DirEntry, Disk, RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalThread
 from kvcellar.store.prefix_index import PrefixIndex
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
 log = logging.getLogger("kvcellar.ssd")
@@ -97,6 +98,11 @@ class PendingStore:
     writer: kvfile.KvFileWriter
 
 
+EventListener = Callable[[ev.Event], None]
+# Called with the match, the entry it read and the caches of each successful restore.
+RestoreListener = Callable[[SsdMatch, IndexedEntry, list[Any]], None]
+
+
 @attrs.define(kw_only=True)
 class SsdCounters:
     restores: int = 0
@@ -118,7 +124,9 @@ class SsdStore:
                  fingerprint_fields: dict[str, str], quarantine_max_bytes: int, verify: bool,
                  clock_ns: Callable[[], int], new_entry_id: Callable[[], str] | None = None,
                  timer_ns: Callable[[], int] = time.perf_counter_ns,
-                 index_lock: AbstractContextManager[Any] | None = None) -> None:
+                 index_lock: AbstractContextManager[Any] | None = None, safeguards: Safeguards = SAFEGUARDS,
+                 event_listeners: Sequence[EventListener] = (),
+                 restore_listeners: Sequence[RestoreListener] = ()) -> None:
         self.root_dir = Path(root_dir)
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
@@ -141,6 +149,9 @@ class SsdStore:
         self._new_entry_id: Callable[[], str] = new_entry_id or (lambda: uuid.uuid4().hex)
         self._timer_ns = timer_ns
         self._durable_dirs: set[Path] = set()
+        self.safeguards = safeguards
+        self._event_listeners = tuple(event_listeners)
+        self._restore_listeners = tuple(restore_listeners)
 
     @classmethod
     def open(cls, root_dir: Path | str, fingerprint: str, max_bytes: int | None = None, disk: Disk | None = None,
@@ -150,7 +161,9 @@ class SsdStore:
              journal_opener: Callable[[Path], Journal] | None = None,
              new_entry_id: Callable[[], str] | None = None,
              timer_ns: Callable[[], int] = time.perf_counter_ns, owner: str | None = None,
-             index_lock: AbstractContextManager[Any] | None = None) -> SsdStore:
+             index_lock: AbstractContextManager[Any] | None = None, safeguards: Safeguards = SAFEGUARDS,
+             event_listeners: Sequence[EventListener] = (),
+             restore_listeners: Sequence[RestoreListener] = ()) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
         Raises `DirectoryLocked` when another process holds the directory and
@@ -159,12 +172,20 @@ class SsdStore:
         in-memory journal); `new_entry_id` and `timer_ns` replace uuid4 and
         the restore timer, `owner` the lock file's text (its determinism),
         `index_lock` the index's lock (the simulator's, which checks that no
-        disk operation happens while it is held).
+        disk operation happens while it is held). `safeguards` is the
+        durability policy (all on by default; the simulator's mutations turn
+        some off). Each of `event_listeners` sees every event the store
+        journals one at a time, before it is queued (not the startup
+        reconciliation's batch: the journal's commits carry those), under
+        the index lock: it must be quick, do no I/O and not call the store.
+        Each of `restore_listeners` sees every successful restore, outside
+        the lock (the simulator's observer uses both).
         """
         store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
                     fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
                     verify=verify, clock_ns=clock_ns, new_entry_id=new_entry_id, timer_ns=timer_ns,
-                    index_lock=index_lock)
+                    index_lock=index_lock, safeguards=safeguards, event_listeners=event_listeners,
+                    restore_listeners=restore_listeners)
         store._make_durable_dirs(store.directory, store.root_dir.parent)
         owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
@@ -172,11 +193,12 @@ class SsdStore:
             if journal:
                 journal_path = store.directory / JOURNAL_FILE_NAME
                 store.journal = (journal_opener(journal_path) if journal_opener is not None
-                                 else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread()))
+                                 else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(),
+                                                   safeguards=safeguards))
             journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
             trusted = store._scan(journaled)
             store._reconcile_journal(journaled, trusted)
-            if not mutations.active("skip-startup-supersession"):
+            if store.safeguards.redo_startup_supersession:
                 store._supersede_all()
             store._unlink_removed(store._evict_over_cap())
         except BaseException:
@@ -212,6 +234,8 @@ class SsdStore:
             self.disk.unlock(lock_handle)
 
     def _event(self, event: ev.Event) -> None:
+        for listener in self._event_listeners:
+            listener(event)
         if self.journal is not None:
             self.journal.append(event)
 
@@ -252,7 +276,8 @@ class SsdStore:
 
     def _scan_file(self, path: Path, ns_dir_name: str, item: DirEntry) -> None:
         try:
-            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes)
+            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes,
+                                        safeguards=self.safeguards)
         except (UnsupportedFormat, CorruptEntry) as e:
             self._quarantine(path, "", str(e))
             return
@@ -446,13 +471,15 @@ class SsdStore:
             if entry.entry_id in self._entries:
                 self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
                                              restore_ms=round(restore_ms, 3)))
+        for listener in self._restore_listeners:
+            listener(match, entry, caches)
         return caches
 
     def _load(self, entry: IndexedEntry) -> kvfile.Entry:
-        if mutations.active("restore-holds-index-lock"):
+        if not self.safeguards.restore_outside_index_lock:
             with self._lock:
-                return kvfile.load(entry.path, verify=self.verify, disk=self.disk)
-        return kvfile.load(entry.path, verify=self.verify, disk=self.disk)
+                return kvfile.load(entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards)
+        return kvfile.load(entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards)
 
     def _drop_bad_entry(self, entry: IndexedEntry, reason: str) -> None:
         with self._lock:
@@ -516,7 +543,8 @@ class SsdStore:
         path = self.directory / namespace_dir_name(ns) / f"{entry_id}{kvfile.FILE_SUFFIX}"
         meta = kvfile.EntryMeta(namespace=ns, fingerprint=self._fingerprint_fields,
                                 tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
-        writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id)
+        writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id,
+                                     safeguards=self.safeguards)
         planned = writer.planned_header.file_bytes
         if self.max_bytes is not None and planned > self.max_bytes:
             with self._lock:

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from kvcellar.actors.scheduler import BatchState
-from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from polling import DEADLINE_S, wait_until
@@ -267,7 +267,7 @@ def test_background_steps_wait_while_batch_rows_are_active(model_dir_factory):
     engine = PausingEngine(model_dir, at="first_step", turn_log=turn_log)
 
     async def main():
-        async with open_system(_config(model_dir, engine=engine)) as system:
+        async with open_system(_config(model_dir), SystemSeams(engine=engine)) as system:
             gateway, scheduler = system.gateway, system.scheduler
 
             def step(_):
@@ -306,7 +306,7 @@ def test_steps_wait_for_a_row_that_arrived_while_the_last_batch_was_ending(model
     engine = PausingEngine(model_dir, at="end", turn_log=turn_log)
 
     async def main():
-        async with open_system(_config(model_dir, engine=engine)) as system:
+        async with open_system(_config(model_dir), SystemSeams(engine=engine)) as system:
             gateway, scheduler = system.gateway, system.scheduler
 
             def step(_):

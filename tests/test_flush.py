@@ -19,7 +19,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from test_serve import Server, _free_port
 
-from kvcellar.actors.system import System, SystemConfig, open_system
+from kvcellar.actors.system import System, SystemConfig, SystemSeams, open_system
 from kvcellar.http.app import build_app
 
 FLUSH = "/admin/cache/flush"
@@ -49,21 +49,23 @@ class WriteGate:
         return await trio.to_thread.run_sync(fn, *args)
 
 
-def _config(model_dir, tmp_path, gate: WriteGate, **overrides: Any) -> SystemConfig:
+def _config(model_dir, tmp_path, **overrides: Any) -> SystemConfig:
     values: dict[str, Any] = dict(model_dir=model_dir, ssd_dir=tmp_path / "ssd", debounce_s=0.05, busy_rearm_s=0.05,
-                                  demote_idle_s=0, shutdown_timeout_s=60, run_blocking=gate)
+                                  demote_idle_s=0, shutdown_timeout_s=60)
     values.update(overrides)
     return SystemConfig(**values)
 
 
 @asynccontextmanager
-async def serving(config: SystemConfig) -> AsyncIterator[tuple[System, httpx.AsyncClient]]:
-    """The system and hypercorn serving its app on 127.0.0.1, in this Trio run."""
+async def serving(config: SystemConfig, gate: WriteGate | None = None,
+                  ) -> AsyncIterator[tuple[System, httpx.AsyncClient]]:
+    """The system and hypercorn serving its app on 127.0.0.1, in this Trio
+    run; `gate` holds the system's blocking calls (the writer's file I/O)."""
     port = _free_port()
     hypercorn_config = Config()
     hypercorn_config.bind = [f"127.0.0.1:{port}"]
     hypercorn_config.accesslog = None
-    async with open_system(config) as system:
+    async with open_system(config, SystemSeams(run_blocking=gate) if gate is not None else None) as system:
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(serve, build_app(system), hypercorn_config, shutdown_trigger=stop.wait))
@@ -81,7 +83,7 @@ def test_flush_past_its_timeout_answers_with_the_pending_evidence(model_dir_fact
     gate = WriteGate()
 
     async def main() -> None:
-        async with serving(_config(model_dir_factory("llama"), tmp_path, gate)) as (system, client):
+        async with serving(_config(model_dir_factory("llama"), tmp_path), gate) as (system, client):
             gate.close()
             await _complete(client, "A prefix whose write stays pending")
             with trio.fail_after(60):
@@ -110,7 +112,7 @@ BAD_TIMEOUTS = [
 
 def test_a_bad_timeout_is_a_400_naming_it(model_dir_factory, tmp_path):
     async def main() -> None:
-        config = _config(model_dir_factory("llama"), tmp_path, WriteGate(), ssd_dir=None)
+        config = _config(model_dir_factory("llama"), tmp_path, ssd_dir=None)
         async with serving(config) as (_, client):
             for params, body in BAD_TIMEOUTS:
                 reply = await client.post(FLUSH, params=params, json=body)
@@ -133,8 +135,8 @@ def test_write_behind_off_drains_the_spill_queue_and_says_what_it_vouches_for(mo
 
     async def main() -> None:
         # A 1-byte RAM tier: every put is oversize and spilled at once.
-        config = _config(model_dir_factory("llama"), tmp_path, gate, prompt_cache_bytes=1)
-        async with serving(config) as (system, client):
+        config = _config(model_dir_factory("llama"), tmp_path, prompt_cache_bytes=1)
+        async with serving(config, gate) as (system, client):
             assert system.durability is None
             gate.close()
             await _complete(client, "Spilled as soon as it is put")
@@ -162,8 +164,8 @@ def test_shutdown_counts_and_logs_the_spills_it_could_not_write(model_dir_factor
 
     async def main() -> None:
         # The shutdown bound is a deadline, not an ordering: the write cannot finish before the gate opens.
-        config = _config(model_dir_factory("llama"), tmp_path, gate, prompt_cache_bytes=1, shutdown_timeout_s=0.2)
-        async with serving(config) as (system, client):
+        config = _config(model_dir_factory("llama"), tmp_path, prompt_cache_bytes=1, shutdown_timeout_s=0.2)
+        async with serving(config, gate) as (system, client):
             gate.close()
             await _complete(client, "Never written")
             with trio.fail_after(60):

@@ -24,7 +24,7 @@ from hypercorn.trio import serve
 from test_serve import Server, _free_port
 
 from kvcellar.actors.gateway import LANE_BATCH
-from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.http.app import build_app
@@ -34,12 +34,13 @@ REFUSE_SYSTEM_ROLE = ("{%- for message in messages %}{%- if message['role'] == '
 
 
 class InProcessServer:
-    """`open_system(config)` and hypercorn serving `build_app` on 127.0.0.1,
-    in one `trio.run` on a background thread, so a test can hand the system a
-    seam (`SystemConfig.engine`) and look at its state on its own thread."""
+    """`open_system(config, seams)` and hypercorn serving `build_app` on
+    127.0.0.1, in one `trio.run` on a background thread, so a test can hand the
+    system a seam (`SystemSeams.engine`) and look at its state on its own thread."""
 
-    def __init__(self, config: SystemConfig) -> None:
+    def __init__(self, config: SystemConfig, seams: SystemSeams | None = None) -> None:
         self.config = config
+        self.seams = seams
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.system = None
@@ -78,7 +79,7 @@ class InProcessServer:
             self._ready.set()
 
     async def _main(self) -> None:
-        async with open_system(self.config) as system:
+        async with open_system(self.config, self.seams) as system:
             self.system = system
             self._stop = trio.Event()
             config = Config()
@@ -200,10 +201,9 @@ def test_content_as_a_list_of_text_parts_keeps_working(refusing_server):
 
 def test_a_batch_aborted_mid_stream_ends_with_an_error_event_and_done(model_dir_factory):
     model_dir = model_dir_factory("llama")
-    config = SystemConfig(model_dir=model_dir, demote_idle_s=0, shutdown_timeout_s=60, batch_rows_max=4,
-                          engine=FailingBatchEngine(model_dir, batches_failing=3))
+    config = SystemConfig(model_dir=model_dir, demote_idle_s=0, shutdown_timeout_s=60, batch_rows_max=4)
     body = {"prompt": "The cellar keeps", "max_tokens": 40, "temperature": 0}
-    with InProcessServer(config) as server:
+    with InProcessServer(config, SystemSeams(engine=FailingBatchEngine(model_dir, batches_failing=3))) as server:
         lines = _sse_lines(server.base, "/v1/completions", {**body, "stream": True})
         assert lines[-1] == "data: [DONE]"
         events = [json.loads(line[6:]) for line in lines[:-1]]

@@ -16,6 +16,7 @@ from kvcellar.engine.demo_models import ARCHITECTURES
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk, TracingDisk
+from kvcellar.store.safeguards import Safeguards
 
 # Longer than every sliding window / attention chunk (32) of the tiny configs, so rings wrap.
 PROMPT_TOKENS = [(7 * i + 3) % 1000 + 3 for i in range(80)]
@@ -213,6 +214,28 @@ def test_atomic_write_fsyncs_file_before_rename_and_directory_after(llama_entry,
     assert disk.calls[rename].path == f"{temp_path} -> {target}"
     assert disk.calls[fsync_dir].path == str(target.parent)
     assert not temp_path.exists() and target.exists()
+
+
+def test_safeguards_switched_off_skip_the_fsyncs_and_the_checksums(llama_entry, tmp_path):
+    _, _, cache, _ = llama_entry
+    tokens = list(range(cache[0].offset))
+    disk = TracingDisk(RealDisk())
+    unsafe = Safeguards(fsync_entry_file=False, fsync_entry_dir=False, verify_checksums=False)
+    target = tmp_path / "unsafe.kvc"
+    kvfile.write_entry(kvfile.KvFileWriter(target, cache, tokens, disk=disk, safeguards=unsafe))
+    operations = [call.operation for call in disk.calls]
+    assert "rename" in operations and "fsync" not in operations and "fsync_dir" not in operations
+    record = next(kvfile.read_header(target).tensor_records())
+    data = bytearray(target.read_bytes())
+    data[record.file_offset + 3] ^= 0x10
+    # The preamble's header checksum (bytes 16..24) no longer matches; the header still decodes.
+    struct.pack_into("<Q", data, 16, struct.unpack_from("<Q", data, 16)[0] ^ 1)
+    target.write_bytes(bytes(data))
+    with pytest.raises(CorruptEntry):
+        kvfile.read_header(target)
+    with pytest.raises(CorruptEntry):
+        kvfile.load(target, safeguards=Safeguards(fsync_entry_file=False))
+    assert kvfile.load(target, safeguards=unsafe).tokens == tuple(tokens)
 
 
 class _FailingWriteDisk(RealDisk):

@@ -11,9 +11,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvcellar.errors import DirectoryLocked, DiskError
+from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk
-from kvcellar.store.ssd import QUARANTINE_DIR_NAME, SsdStore, namespace_dir_name
+from kvcellar.store.ssd import QUARANTINE_DIR_NAME, SsdMatch, SsdStore, namespace_dir_name
 
 FINGERPRINT = "f" * 32
 BASE = [(11 * i + 5) % 1000 + 3 for i in range(80)]
@@ -361,3 +362,23 @@ def test_covers_means_an_entry_can_serve_every_token(llama, tmp_path, loaded_mod
     store.store([5] + BASE[:30], _prefill(qwen, [5] + BASE[:30])[0])
     assert store.covers([5] + BASE[:30]) and not store.covers([5] + BASE[:20]), "untrimmable: exact only"
     store.close()
+
+
+def test_listeners_see_every_event_and_every_restore(llama, tmp_path):
+    events, restores = [], []
+    store = SsdStore.open(tmp_path, FINGERPRINT, event_listeners=[events.append],
+                          restore_listeners=[lambda match, entry, caches: restores.append((match, entry, caches))])
+    entry_id = store.store(BASE, _prefill(llama, BASE)[0])
+    match = store.find(BASE + [7])
+    caches = store.restore(match)
+    assert [type(event) for event in events] == [ev.EntryStored, ev.EntryHit, ev.EntryRestored]
+    assert all(ev.event_entry_id(event) == entry_id for event in events)
+    assert len(restores) == 1
+    seen_match, entry, seen_caches = restores[0]
+    assert seen_match == match and entry is store.entry(entry_id) and seen_caches is caches
+    assert store.restore(SsdMatch(entry_id="0" * 32, namespace="", usable_tokens=1, entry_tokens=1)) is None
+    assert len(restores) == 1, "a miss is no restore"
+    store.close()
+    reopened = SsdStore.open(tmp_path, FINGERPRINT)
+    assert _kinds(reopened) == [event.kind for event in events], "the listener saw what the journal holds"
+    reopened.close()

@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import trio
 
-from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.errors import DiskError
@@ -92,7 +92,7 @@ def test_background_work_never_runs_while_a_request_is_active_or_waiting(model_d
     turn_log: list[tuple[str, float, float]] = []
 
     async def main():
-        async with open_system(_config(model_dir, tmp_path, turn_log=turn_log, debounce_s=0.0)) as system:
+        async with open_system(_config(model_dir, tmp_path, debounce_s=0.0), SystemSeams(turn_log=turn_log)) as system:
             gateway = system.gateway
             first_started, first_release, second_started, second_release = (trio.Event() for _ in range(4))
             async with trio.open_nursery() as nursery:
@@ -137,7 +137,7 @@ def test_a_write_failure_is_not_durable_and_the_next_flush_after_the_fault_is(mo
     disk = ToggleFaultDisk()
 
     async def main():
-        async with open_system(_config(model_dir, tmp_path, disk=disk, debounce_s=30.0)) as system:
+        async with open_system(_config(model_dir, tmp_path, debounce_s=30.0), SystemSeams(disk=disk)) as system:
             disk.fail = True
             await _run(system, _request(PROMPT))
             failed = await system.flush()

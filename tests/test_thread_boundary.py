@@ -26,6 +26,7 @@ from kvcellar.cli import cli
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.ssd import SsdStore
+from kvcellar.store.safeguards import SAFEGUARDS
 
 FINGERPRINT = "b" * 32
 ROUNDS = 60
@@ -139,7 +140,7 @@ def test_a_restore_that_has_its_file_open_when_the_entry_is_evicted_still_return
     match = store.find(tokens + [1])
     original_load = kvfile.load
 
-    def load_then_evict(path, verify=True, *, disk=None):
+    def load_then_evict(path, verify=True, *, disk=None, safeguards=SAFEGUARDS):
         # The eviction lands while the file is being read: unlinked, still open.
         handle = open(path, "rb")
         with store._lock:
@@ -147,7 +148,7 @@ def test_a_restore_that_has_its_file_open_when_the_entry_is_evicted_still_return
         store._unlink_removed(removed)
         assert not path.exists()
         try:
-            return original_load(f"/proc/self/fd/{handle.fileno()}", verify, disk=disk)
+            return original_load(f"/proc/self/fd/{handle.fileno()}", verify, disk=disk, safeguards=safeguards)
         finally:
             handle.close()
 
