@@ -289,7 +289,7 @@ class System:
             ssd = {
                 "entries": store_stats["entries"], "bytes": store_stats["bytes"],
                 "max_bytes": store_stats["max_bytes"], "restores": store_stats["restores"],
-                "spills": store_stats["spills"], "restore_ms_last": store_stats["restore_ms_last"],
+                "spills": store_stats["entries_stored"], "restore_ms_last": store_stats["restore_ms_last"],
                 "demotions": self.prompt_cache.stats()["demotions"],
                 "pending_snapshots": durability_stats.get("pending_snapshots", 0),
                 "pending_spills": queue_stats.get("pending", 0),

@@ -105,8 +105,10 @@ RestoreListener = Callable[[SsdMatch, IndexedEntry, list[Any]], None]
 
 @attrs.define(kw_only=True)
 class SsdCounters:
+    # Each field counts events of one kind; /stats names some differently
+    # (`System.stats` maps them): `entries_stored` is `ssd_cache.spills` there.
     restores: int = 0
-    spills: int = 0
+    entries_stored: int = 0  # entries written and indexed, whatever sent them (spill, demotion, write-behind)
     hits: int = 0
     restore_ms_last: float = 0.0
     quarantined: int = 0
@@ -582,7 +584,7 @@ class SsdStore:
                              trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset)
         with self._lock:
             self._index(entry)
-            self.counters.spills += 1
+            self.counters.entries_stored += 1
             self._event(ev.EntryStored(entry=self._fields(entry)))
             removed = self._supersede(entry) + self._evict_over_cap()
         self._unlink_removed(removed)

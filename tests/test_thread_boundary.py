@@ -97,7 +97,7 @@ def test_restores_writes_and_actor_journaling_on_three_threads_keep_the_journal_
     assert not errors, errors
     stats = store.stats()
     assert stats["journal"] == {"state": "ok", "reason": None}
-    assert stats["restores"] > 0 and stats["spills"] > 0 and stats["evictions"] + stats["supersessions"] > 0
+    assert stats["restores"] > 0 and stats["entries_stored"] > 0 and stats["evictions"] + stats["supersessions"] > 0
     admitted = list(store.journal.events(kind="request.admitted"))
     assert [record.event.request_id for record in admitted] == list(range(ACTOR_EVENTS))
     assert store.journal.entries() == store.journal.replay()
