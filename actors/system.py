@@ -44,7 +44,7 @@ from kvcellar.errors import UsageError
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError
-from kvcellar.store.prompt_cache import MAX_BYTES_DEFAULT, PromptCache, SpillSnapshot
+from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
@@ -66,7 +66,7 @@ class SystemConfig:
     ssd_dir: Path | None = None
     ssd_max_bytes: int | None = None
     ssd_verify: bool = True
-    prompt_cache_bytes: int = MAX_BYTES_DEFAULT
+    prompt_cache_bytes: int = BYTES_MAX_DEFAULT
     spill_queue_bytes: int | None = None
     write_behind: bool | None = None
     demote_idle_s: float = 300.0

@@ -26,7 +26,7 @@ log = logging.getLogger("kvcellar.serve")
 def banner(system: System, host: str, port: int) -> str:
     """One block naming the model, the URL, the tiers and what was restored."""
     stats = system.stats()
-    ram_gb = system.prompt_cache.max_bytes / 1e9
+    ram_gb = system.prompt_cache.bytes_max / 1e9
     lines = [f"kvcellar serving {system.loaded.model_dir} on http://{host}:{port}",
              f"  RAM prompt cache: {'off' if ram_gb <= 0 else f'{ram_gb:g} GB'}; KV scheme {system.scheme.cache_key}"]
     lane = stats["scheduler"]

@@ -34,7 +34,7 @@ from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_of
 
 log = logging.getLogger("kvcellar.prompt_cache")
 
-MAX_BYTES_DEFAULT = 8 * 10**9
+BYTES_MAX_DEFAULT = 8 * 10**9
 
 
 @attrs.frozen(kw_only=True)
@@ -114,11 +114,11 @@ class PromptCache:
     threads read only `stats()`: an immutable snapshot the owner publishes
     (one reference swap) at the end of each public call that changes it."""
 
-    def __init__(self, max_bytes: int = MAX_BYTES_DEFAULT, *, cold_tier: ColdTier | None = None,
+    def __init__(self, bytes_max: int = BYTES_MAX_DEFAULT, *, cold_tier: ColdTier | None = None,
                  spill_sink: SpillSink | None = None, on_put: Callable[[str, tuple[int, ...]], None] | None = None,
                  clock_s: Callable[[], float] = time.monotonic,
                  bill: Callable[[Sequence[Any], int], int] = logical_bytes) -> None:
-        self.max_bytes = max_bytes
+        self.bytes_max = bytes_max
         self.cold_tier = cold_tier
         self.spill_sink = spill_sink
         self.on_put = on_put
@@ -135,7 +135,7 @@ class PromptCache:
 
     @property
     def enabled(self) -> bool:
-        return self.max_bytes > 0
+        return self.bytes_max > 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -221,7 +221,7 @@ class PromptCache:
             minimum_reusable_offset=entry_minimum_reusable_offset(caches, token_array.size),
             last_used_tick=next(self._ticks), last_used_s=self._clock_s(),
         )
-        if entry.bytes > self.max_bytes:
+        if entry.bytes > self.bytes_max:
             self.counters.oversize += 1
             self._spill(entry, "oversize")
             # Still dirty: a flush must wait for this spill and report it missing
@@ -267,7 +267,7 @@ class PromptCache:
         return entry
 
     def _evict_until_under_cap(self, *, keep: str) -> None:
-        while self.bytes_total > self.max_bytes:
+        while self.bytes_total > self.bytes_max:
             victim = next((e for e in self._entries.values() if e.entry_id != keep), None)
             if victim is None:
                 return
@@ -323,5 +323,6 @@ class PromptCache:
         return dict(self._published)
 
     def _publish(self) -> None:
+        # The keys are /stats's `prompt_cache` keys: the cap keeps its public name `max_bytes`.
         self._published = MappingProxyType({"entries": len(self._entries), "bytes": self.bytes_total,
-                                            "max_bytes": self.max_bytes, **attrs.asdict(self.counters)})
+                                            "max_bytes": self.bytes_max, **attrs.asdict(self.counters)})

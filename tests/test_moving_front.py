@@ -156,7 +156,7 @@ def test_a_declared_bound_survives_lending_and_a_kvc_round_trip(tmp_path):
 
 
 def test_ram_tier_branch_at_every_depth_gives_the_cold_output(llama4):
-    probe = PromptCache(max_bytes=10**9)
+    probe = PromptCache(bytes_max=10**9)
     first, _ = _generate(llama4, probe, PROMPT)
     (entry,) = probe._entries.values()
     entry_tokens = [int(t) for t in entry.tokens]
@@ -164,7 +164,7 @@ def test_ram_tier_branch_at_every_depth_gives_the_cold_output(llama4):
     bound = entry.minimum_reusable_offset
     assert start < bound <= len(entry_tokens)
     for depth in _branch_points(entry_tokens, start, bound):
-        prompt_cache = PromptCache(max_bytes=10**9)
+        prompt_cache = PromptCache(bytes_max=10**9)
         assert _generate(llama4, prompt_cache, PROMPT)[0] == first
         prompt = _branch(entry_tokens, depth)
         warm, done = _generate(llama4, prompt_cache, prompt)
@@ -195,7 +195,7 @@ def test_ssd_header_records_the_bound_and_find_never_picks_a_trim_below_it(llama
                 continue
             assert match.usable_tokens == depth
             # The RAM tier in front of the store, empty: the take restores from the file.
-            warm, done = _generate(llama4, PromptCache(max_bytes=10**9, cold_tier=restarted), prompt)
+            warm, done = _generate(llama4, PromptCache(bytes_max=10**9, cold_tier=restarted), prompt)
             assert (done.cache_tier, done.cached_tokens) == ("ssd", depth)
             assert warm == _generate(llama4, None, prompt)[0], f"branch at {depth} (front {start}, bound {bound})"
     finally:
@@ -218,7 +218,7 @@ def test_an_ssd_header_that_understates_the_bound_is_refused_at_restore(llama4, 
         match = restarted.find(prompt)
         assert match is not None and match.usable_tokens == start + 1 < bound
         assert restarted.restore(match) is None
-        prompt_cache = PromptCache(max_bytes=10**9, cold_tier=restarted)
+        prompt_cache = PromptCache(bytes_max=10**9, cold_tier=restarted)
         warm, done = _generate(llama4, prompt_cache, prompt)
         assert done.cached_tokens == 0 and warm == _generate(llama4, None, prompt)[0]
     finally:
@@ -245,7 +245,7 @@ async def _run(system, prompt):
 def test_a_system_serves_branches_below_and_above_the_bound_from_ram_and_after_a_restart_from_ssd(
         llama4, model_dir_factory, tmp_path):
     model_dir = model_dir_factory("llama4")
-    probe = PromptCache(max_bytes=10**9)
+    probe = PromptCache(bytes_max=10**9)
     first, _ = _generate(llama4, probe, PROMPT)
     (entry,) = probe._entries.values()
     entry_tokens, bound = [int(t) for t in entry.tokens], entry.minimum_reusable_offset

@@ -46,7 +46,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     @initialize(cap_rows=st.integers(0, 30))
     def start(self, cap_rows):
         self.cap = cap_rows * KV_ROW_BYTES
-        self.cache = PromptCache(max_bytes=self.cap)
+        self.cache = PromptCache(bytes_max=self.cap)
         self.model: dict[str, dict] = {}
 
     @rule(tokens=tokens, ns=namespaces, trimmable=st.booleans())
@@ -177,7 +177,7 @@ def test_namespaces_never_seed_each_other(llama):
 
 def test_oversize_entry_is_spilled_not_stored_and_a_raising_sink_does_not_unwind(llama):
     spilled = []
-    cache = PromptCache(max_bytes=1000, spill_sink=spilled.append)
+    cache = PromptCache(bytes_max=1000, spill_sink=spilled.append)
     assert not cache.put(PROMPT, _prefill(llama, PROMPT)[0])
     assert len(cache) == 0 and [s.reason for s in spilled] == ["oversize"]
     assert spilled[0].tokens == tuple(PROMPT)
@@ -186,10 +186,10 @@ def test_oversize_entry_is_spilled_not_stored_and_a_raising_sink_does_not_unwind
         raise OSError("disk gone")
 
     entry_bytes = logical_bytes(_prefill(llama, PROMPT[:20])[0], 20)
-    failing = PromptCache(max_bytes=entry_bytes + 10, spill_sink=broken_sink)
+    failing = PromptCache(bytes_max=entry_bytes + 10, spill_sink=broken_sink)
     failing.put(PROMPT[:20], _prefill(llama, PROMPT[:20])[0])
     failing.put([1] + PROMPT[:19], _prefill(llama, [1] + PROMPT[:19])[0])
-    assert len(failing) == 1 and failing.bytes_total <= failing.max_bytes
+    assert len(failing) == 1 and failing.bytes_total <= failing.bytes_max
     assert failing.stats()["spill_failures"] == 1 and failing.stats()["evictions"] == 1
 
 
@@ -252,6 +252,6 @@ def test_demote_idle_without_a_cold_tier_keeps_everything(llama):
 
 
 def test_disabled_cache_holds_nothing(llama):
-    cache = PromptCache(max_bytes=0)
+    cache = PromptCache(bytes_max=0)
     assert not cache.put(PROMPT, _prefill(llama, PROMPT)[0])
     assert cache.take(PROMPT + [1]).tier == "none"
