@@ -288,7 +288,7 @@ class System:
             durability_stats = self.durability.stats() if self.durability else {}
             ssd = {
                 "entries": store_stats["entries"], "bytes": store_stats["bytes"],
-                "max_bytes": store_stats["max_bytes"], "restores": store_stats["restores"],
+                "max_bytes": store_stats["bytes_max"], "restores": store_stats["restores"],
                 "spills": store_stats["entries_stored"], "restore_ms_last": store_stats["restore_ms_last"],
                 "demotions": self.prompt_cache.stats()["demotions"],
                 "pending_snapshots": durability_stats.get("pending_snapshots", 0),

@@ -57,7 +57,7 @@ log = logging.getLogger("kvcellar.ssd")
 
 QUARANTINE_DIR_NAME = "quarantine"
 LOCK_FILE_NAME = "lock"
-QUARANTINE_MAX_BYTES_DEFAULT = 1 << 30
+QUARANTINE_BYTES_MAX_DEFAULT = 1 << 30
 _NS_HASH_HEX_CHARS = 16
 
 
@@ -122,8 +122,8 @@ class SsdStore:
     """The cold tier of one serving fingerprint. Thread-safe: one lock over
     the in-memory index, never held across file I/O (see the module doc)."""
 
-    def __init__(self, root_dir: Path, fingerprint: str, *, max_bytes: int | None, disk: Disk,
-                 fingerprint_fields: dict[str, str], quarantine_max_bytes: int, verify: bool,
+    def __init__(self, root_dir: Path, fingerprint: str, *, bytes_max: int | None, disk: Disk,
+                 fingerprint_fields: dict[str, str], quarantine_bytes_max: int, verify: bool,
                  clock_ns: Callable[[], int], new_entry_id: Callable[[], str] | None = None,
                  timer_ns: Callable[[], int] = time.perf_counter_ns,
                  index_lock: AbstractContextManager[Any] | None = None, safeguards: Safeguards = SAFEGUARDS,
@@ -132,10 +132,10 @@ class SsdStore:
         self.root_dir = Path(root_dir)
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
-        self.max_bytes = max_bytes or None
+        self.bytes_max = bytes_max or None
         self.disk = disk
         self.verify = verify
-        self.quarantine_max_bytes = quarantine_max_bytes
+        self.quarantine_bytes_max = quarantine_bytes_max
         self._fingerprint_fields = {**fingerprint_fields, "digest": fingerprint}
         self._clock_ns = clock_ns
         # Guards the index and counters only; never held across file I/O.
@@ -156,9 +156,9 @@ class SsdStore:
         self._restore_listeners = tuple(restore_listeners)
 
     @classmethod
-    def open(cls, root_dir: Path | str, fingerprint: str, max_bytes: int | None = None, disk: Disk | None = None,
+    def open(cls, root_dir: Path | str, fingerprint: str, bytes_max: int | None = None, disk: Disk | None = None,
              *, fingerprint_fields: dict[str, str] | None = None,
-             quarantine_max_bytes: int = QUARANTINE_MAX_BYTES_DEFAULT, verify: bool = True,
+             quarantine_bytes_max: int = QUARANTINE_BYTES_MAX_DEFAULT, verify: bool = True,
              journal: bool = True, clock_ns: Callable[[], int] = time.time_ns,
              journal_opener: Callable[[Path], Journal] | None = None,
              new_entry_id: Callable[[], str] | None = None,
@@ -183,8 +183,8 @@ class SsdStore:
         Each of `restore_listeners` sees every successful restore, outside
         the lock (the simulator's observer uses both).
         """
-        store = cls(Path(root_dir), fingerprint, max_bytes=max_bytes, disk=disk or RealDisk(),
-                    fingerprint_fields=fingerprint_fields or {}, quarantine_max_bytes=quarantine_max_bytes,
+        store = cls(Path(root_dir), fingerprint, bytes_max=bytes_max, disk=disk or RealDisk(),
+                    fingerprint_fields=fingerprint_fields or {}, quarantine_bytes_max=quarantine_bytes_max,
                     verify=verify, clock_ns=clock_ns, new_entry_id=new_entry_id, timer_ns=timer_ns,
                     index_lock=index_lock, safeguards=safeguards, event_listeners=event_listeners,
                     restore_listeners=restore_listeners)
@@ -385,7 +385,7 @@ class SsdStore:
             return
         total = sum(item.size_bytes for item in items)
         for item in items:
-            if total <= self.quarantine_max_bytes:
+            if total <= self.quarantine_bytes_max:
                 break
             try:
                 self.disk.unlink(quarantine_dir / item.name)
@@ -548,7 +548,7 @@ class SsdStore:
         writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id,
                                      safeguards=self.safeguards)
         planned = writer.planned_header.file_bytes
-        if self.max_bytes is not None and planned > self.max_bytes:
+        if self.bytes_max is not None and planned > self.bytes_max:
             with self._lock:
                 self._write_failed(ns, token_array.size, f"entry of {planned} bytes exceeds the cap", None)
             return None
@@ -648,9 +648,9 @@ class SsdStore:
     def _evict_over_cap(self) -> list[Path]:
         """Unindex the oldest entries until under the cap (under the lock); returns the files to unlink."""
         removed: list[Path] = []
-        if self.max_bytes is None:
+        if self.bytes_max is None:
             return removed
-        while self._bytes_total > self.max_bytes and self._entries:
+        while self._bytes_total > self.bytes_max and self._entries:
             oldest = min(self._entries.values(), key=lambda e: (e.mtime_ns, e.entry_id))
             removed += self._remove(oldest.entry_id, ev.EntryEvicted(entry_id=oldest.entry_id, bytes=oldest.bytes))
         return removed
@@ -669,7 +669,7 @@ class SsdStore:
         with self._lock:
             counters = attrs.asdict(self.counters)
             journal = self.journal.state() if self.journal is not None else {"state": "off", "reason": "no journal"}
-            return {"entries": len(self._entries), "bytes": self._bytes_total, "max_bytes": self.max_bytes,
+            return {"entries": len(self._entries), "bytes": self._bytes_total, "bytes_max": self.bytes_max,
                     **counters, "journal": journal}
 
 

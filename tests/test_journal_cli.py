@@ -45,7 +45,7 @@ def cache_dir(tmp_path):
     cap_bytes = store.entry(ids["long"]).bytes + 1
     store.close()
     # Reopening under a smaller cap evicts the least recently used entry ("other").
-    store = SsdStore.open(tmp_path, FINGERPRINT, max_bytes=cap_bytes)
+    store = SsdStore.open(tmp_path, FINGERPRINT, bytes_max=cap_bytes)
     assert store.entry_ids() == [ids["long"]]
     # The journal's own thread applies appends after the call that queued them
     # returns: every test (a follower above all) starts from an applied journal.

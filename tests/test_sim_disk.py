@@ -632,7 +632,7 @@ def test_an_eviction_lost_to_a_power_loss_is_redone_at_the_next_startup():
     probe = _open_store(SimDisk())
     one_entry_bytes = probe.entry(probe.store(TOKENS, _caches(1))).bytes
     disk = SimDisk()
-    store = _open_store(disk, max_bytes=one_entry_bytes)
+    store = _open_store(disk, bytes_max=one_entry_bytes)
     evicted_id = store.store(TOKENS, _caches(1))
     evicted_path = store.entry(evicted_id).path
     kept_id = store.store([t + 1 for t in TOKENS], _caches(2))
@@ -640,7 +640,7 @@ def test_an_eviction_lost_to_a_power_loss_is_redone_at_the_next_startup():
 
     disk.crash(_NoPendingDirectoryChangePersists())
     assert disk.exists(evicted_path), "the unsynced unlink reverted: the evicted file is back"
-    reopened = _open_store(disk, max_bytes=one_entry_bytes)
+    reopened = _open_store(disk, bytes_max=one_entry_bytes)
 
     assert reopened.entry_ids() == [kept_id] and not disk.exists(evicted_path)
     assert reopened.stats()["bytes"] <= one_entry_bytes

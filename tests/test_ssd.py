@@ -125,15 +125,15 @@ def test_byte_cap_evicts_least_recently_used_and_a_hit_refreshes(llama, tmp_path
     one_entry_bytes = probe.entry(probe.store(prompts[0], caches[0])).bytes
     probe.close()
     clock = iter(range(1, 10_000)).__next__
-    store = SsdStore.open(tmp_path / "real", FINGERPRINT, max_bytes=3 * one_entry_bytes,
+    store = SsdStore.open(tmp_path / "real", FINGERPRINT, bytes_max=3 * one_entry_bytes,
                           clock_ns=lambda: clock() * 1_000_000_000)
     ids = []
     for prompt, cache in zip(prompts[:3], caches[:3]):
         ids.append(store.store(prompt, cache))
-        assert store.stats()["bytes"] <= store.max_bytes
+        assert store.stats()["bytes"] <= store.bytes_max
     assert store.restore(store.find(prompts[0] + [1])) is not None
     ids.append(store.store(prompts[3], caches[3]))
-    assert store.stats()["bytes"] <= store.max_bytes
+    assert store.stats()["bytes"] <= store.bytes_max
     assert sorted(store.entry_ids()) == sorted([ids[0], ids[2], ids[3]]), "the untouched second entry goes first"
     ids.append(store.store(prompts[4], caches[4]))
     assert sorted(store.entry_ids()) == sorted([ids[0], ids[3], ids[4]])
@@ -202,7 +202,7 @@ def test_quarantine_stays_under_its_cap(llama, tmp_path):
     paths = [_store_one(tmp_path, llama, [200 + i] + BASE[:20])[1] for i in range(3)]
     for path in paths:
         _flip(path, kvfile.PREAMBLE_BYTES + 5)
-    store = SsdStore.open(tmp_path, FINGERPRINT, quarantine_max_bytes=paths[0].stat().st_size + 1)
+    store = SsdStore.open(tmp_path, FINGERPRINT, quarantine_bytes_max=paths[0].stat().st_size + 1)
     assert len(list((tmp_path / FINGERPRINT / QUARANTINE_DIR_NAME).iterdir())) == 1
     assert _kinds(store).count("quarantine.purged") == 2
     store.close()

@@ -81,7 +81,7 @@ def _writer(store: SsdStore, writes: queue.Queue, errors: list[BaseException]) -
 def test_restores_writes_and_actor_journaling_on_three_threads_keep_the_journal_sound(
         loaded_model_factory, tmp_path):
     model = loaded_model_factory("llama")[0]
-    store = SsdStore.open(tmp_path, FINGERPRINT, max_bytes=ENTRY_CAP_BYTES)
+    store = SsdStore.open(tmp_path, FINGERPRINT, bytes_max=ENTRY_CAP_BYTES)
     writes: queue.Queue = queue.Queue(maxsize=4)
     errors: list[BaseException] = []
     engine = threading.Thread(target=_engine, args=(store, model, writes, errors, 7), name="engine")
