@@ -64,7 +64,7 @@ def write_behind_from_env(environ: Any = os.environ) -> bool:
 class SystemConfig:
     model_dir: Path
     ssd_dir: Path | None = None
-    ssd_max_bytes: int | None = None
+    ssd_bytes_max: int | None = None
     ssd_verify: bool = True
     prompt_cache_bytes: int = BYTES_MAX_DEFAULT
     spill_queue_bytes: int | None = None
@@ -327,7 +327,7 @@ async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme
              memo.path or "(in RAM only)")
     # The scan, the reconciliation and the startup supersession are disk work too.
     store = await run_blocking(lambda: SsdStore.open(
-        config.ssd_dir, fingerprint.digest, config.ssd_max_bytes, seams.disk,
+        config.ssd_dir, fingerprint.digest, config.ssd_bytes_max, seams.disk,
         fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify, safeguards=seams.safeguards))
     return store, fingerprint.tokenizer_sha256
 

@@ -118,7 +118,7 @@ def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: floa
     config = SystemConfig(
         model_dir=resolve_model_dir(model),
         ssd_dir=ssd_dir,
-        ssd_max_bytes=int(ssd_max_gb * GB) if ssd_dir is not None and ssd_max_gb else None,
+        ssd_bytes_max=int(ssd_max_gb * GB) if ssd_dir is not None and ssd_max_gb else None,
         prompt_cache_bytes=int(prompt_cache_gb * GB),
         demote_idle_s=300.0 if demote_idle_s is None else demote_idle_s,
         kv_quant=kv_quant,

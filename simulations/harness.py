@@ -109,7 +109,7 @@ class RunOptions:
     real_model_dir: Path | None = None
     mutations: frozenset[str] = frozenset()
     prompt_cache_bytes: int = 96 * 1024
-    ssd_max_bytes: int = 1536 * 1024
+    ssd_bytes_max: int = 1536 * 1024
     batch_rows: int | None = None
 
 
@@ -217,7 +217,7 @@ def _open_store(run: _Run, *, journal: bool = True, observed: bool = False) -> S
     index_lock, journal_runner = run.boundary.new_store_seams()
     listeners = run.observer.store_listeners() if observed else {}
     return SsdStore.open(
-        CACHE_DIR, FINGERPRINT, run.options.ssd_max_bytes, run.disk, verify=True, journal=journal,
+        CACHE_DIR, FINGERPRINT, run.options.ssd_bytes_max, run.disk, verify=True, journal=journal,
         clock_ns=run.clock_ns, journal_opener=lambda path: Journal.open_in_memory(
             path, run.journal, clock_ns=run.clock_ns, runner=journal_runner, safeguards=run.safeguards),
         new_entry_id=new_entry_id, timer_ns=run.clock_ns, owner=f"simulated server, seed {run.options.seed}",
@@ -226,7 +226,7 @@ def _open_store(run: _Run, *, journal: bool = True, observed: bool = False) -> S
 
 def _config(run: _Run) -> SystemConfig:
     return SystemConfig(
-        model_dir=Path("/sim/model"), ssd_dir=CACHE_DIR, ssd_max_bytes=run.options.ssd_max_bytes,
+        model_dir=Path("/sim/model"), ssd_dir=CACHE_DIR, ssd_bytes_max=run.options.ssd_bytes_max,
         prompt_cache_bytes=run.options.prompt_cache_bytes, spill_queue_bytes=256 * 1024, write_behind=True,
         demote_idle_s=6.0, debounce_s=0.5, busy_rearm_s=1.0, prefill_step_tokens=64, shutdown_timeout_s=60.0,
         batch_rows_max=run.lane.rows, kv_budget_bytes=run.lane.kv_budget_bytes)
