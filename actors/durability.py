@@ -111,7 +111,7 @@ class RecordKey:
 
 @attrs.frozen(kw_only=True)
 class Dirty:
-    """`PromptCache.on_put(ns, tokens)`: an entry holding exactly `tokens` was put."""
+    """`PromptCache.on_put(namespace, tokens)`: an entry holding exactly `tokens` was put."""
 
     namespace: str
     tokens: tuple[int, ...] = attrs.field(converter=tuple)

@@ -44,11 +44,11 @@ class DurabilityPorts(Protocol):
         """Run `step` on the engine thread as one turn taken only when idle."""
         ...
 
-    def snapshot_exact(self, tokens: tuple[int, ...], ns: str) -> SpillSnapshot | None:
+    def snapshot_exact(self, tokens: tuple[int, ...], namespace: str) -> SpillSnapshot | None:
         """The RAM entry holding exactly `tokens`; MLX work, only inside `run_when_idle`."""
         ...
 
-    def covers(self, tokens: tuple[int, ...], ns: str) -> bool:
+    def covers(self, tokens: tuple[int, ...], namespace: str) -> bool:
         """Whether a committed SSD entry serves all of `tokens` (cheap, no I/O)."""
         ...
 
@@ -64,7 +64,7 @@ class DurabilityCoordinator:
 
     `dirty` must be called on the Trio thread: the RAM cache's `on_put` runs on
     the engine thread, so the wiring forwards it with
-    `trio_token.run_sync_soon(coordinator.dirty, ns, tokens)` (FIFO, so a put
+    `trio_token.run_sync_soon(coordinator.dirty, namespace, tokens)` (FIFO, so a put
     is recorded before the reply of the request that made it)."""
 
     def __init__(self, ports: DurabilityPorts, *, debounce_s: float = DEBOUNCE_S_DEFAULT,
@@ -85,11 +85,11 @@ class DurabilityCoordinator:
         """Stop: `run` returns, cancelling the attempts in flight."""
         self._actor.close()
 
-    def dirty(self, ns: str, tokens: Iterable[int]) -> None:
+    def dirty(self, namespace: str, tokens: Iterable[int]) -> None:
         """Record a put (Trio thread only; never blocks)."""
         # `on_put` hands a tuple of ints already: no second pass over a long prompt.
         tokens = tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
-        self._send(Dirty(namespace=ns, tokens=tokens))
+        self._send(Dirty(namespace=namespace, tokens=tokens))
 
     async def flush(self, timeout_s: float | None = None) -> FlushVerdict:
         """Force every put made before this call to the SSD tier and say whether
@@ -175,17 +175,17 @@ class DurabilityCoordinator:
         self._send(AttemptResult(key=start.key, version=start.version, outcome=outcome))
 
     async def _attempt_outcome(self, key: RecordKey) -> str:
-        ports, tokens, ns = self._ports, key.tokens, key.namespace
+        ports, tokens, namespace = self._ports, key.tokens, key.namespace
 
         def engine_turn() -> str | SpillSnapshot:
             # Coverage first: an entry already durable costs no clone.
-            if ports.covers(tokens, ns):
+            if ports.covers(tokens, namespace):
                 return "covered"
-            snapshot = ports.snapshot_exact(tokens, ns)
+            snapshot = ports.snapshot_exact(tokens, namespace)
             if snapshot is not None:
                 return snapshot
             # Gone from RAM: "stored" only if the committed index already covers it.
-            return "covered" if ports.covers(tokens, ns) else "missing"
+            return "covered" if ports.covers(tokens, namespace) else "missing"
 
         try:
             found = await ports.run_when_idle(engine_turn)

@@ -402,7 +402,7 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, seams: Syst
             busy_rearm_s=config.busy_rearm_s, journal=journal)
         await nursery.start(durability.run)
         system.durability = durability
-        prompt_cache.on_put = lambda ns, tokens: token.run_sync_soon(durability.dirty, ns, tokens)
+        prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(durability.dirty, namespace, tokens)
     if config.demote_idle_s > 0:
         nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
     return system
@@ -430,11 +430,11 @@ class _DurabilityPorts:
     async def run_when_idle(self, step: Any) -> Any:
         return await self._gateway.run_when_idle(lambda _: step())
 
-    def snapshot_exact(self, tokens: Any, ns: str) -> SpillSnapshot | None:
-        return self._prompt_cache.snapshot_exact(tokens, ns)
+    def snapshot_exact(self, tokens: Any, namespace: str) -> SpillSnapshot | None:
+        return self._prompt_cache.snapshot_exact(tokens, namespace)
 
-    def covers(self, tokens: Any, ns: str) -> bool:
-        return self._store.covers(tokens, ns)
+    def covers(self, tokens: Any, namespace: str) -> bool:
+        return self._store.covers(tokens, namespace)
 
     async def submit(self, snapshot: SpillSnapshot) -> str:
         return await self._queue.submit(snapshot)

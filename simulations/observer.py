@@ -80,14 +80,15 @@ class Observer:
         cache = system.prompt_cache
         put = cache.put
 
-        def observed_put(tokens: Sequence[int], caches: Sequence[Any], ns: str = "", *args: Any, **kw: Any) -> Any:
-            key = (ns, tuple(int(t) for t in tokens))
+        def observed_put(tokens: Sequence[int], caches: Sequence[Any], namespace: str = "", *args: Any,
+                         **kw: Any) -> Any:
+            key = (namespace, tuple(int(t) for t in tokens))
             arrays = cache_arrays(caches, len(key[1]))
             self._check_fresh(key, arrays)
             self.oracle[key] = arrays
             self.puts.append(key)
             self._put_epochs.append(self.evicted_since_put)
-            return put(tokens, caches, ns, *args, **kw)
+            return put(tokens, caches, namespace, *args, **kw)
 
         cache.put = observed_put
 
@@ -127,14 +128,14 @@ class Observer:
 
     # -- oracle -------------------------------------------------------------------
 
-    def expected(self, ns: str, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
+    def expected(self, namespace: str, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
         if isinstance(self.model, FakeModel):
             return self.model.expected_layer_arrays(tokens)
-        exact = self.oracle.get((ns, tokens))
+        exact = self.oracle.get((namespace, tokens))
         if exact is not None:
             return exact
-        for (put_ns, put_tokens), arrays in self.oracle.items():
-            if put_ns == ns and put_tokens[: len(tokens)] == tokens and all(a.ndim == 4 for a in arrays):
+        for (put_namespace, put_tokens), arrays in self.oracle.items():
+            if put_namespace == namespace and put_tokens[: len(tokens)] == tokens and all(a.ndim == 4 for a in arrays):
                 return [a[..., : len(tokens), :] for a in arrays]
         return None
 
@@ -143,13 +144,13 @@ class Observer:
             self.violate("ram_holds_exact_bytes",
                          f"a put of {len(key[1])} tokens in namespace {key[0]!r} holds bytes the model never made")
 
-    def check_restored(self, ns: str, tokens: tuple[int, ...], caches: Sequence[Any], where: str) -> bool:
-        want = self.expected(ns, tokens)
+    def check_restored(self, namespace: str, tokens: tuple[int, ...], caches: Sequence[Any], where: str) -> bool:
+        want = self.expected(namespace, tokens)
         if want is None:
             return True
         if not arrays_equal(cache_arrays(caches, len(tokens)), want):
             self.violate("no_corrupt_restore",
-                         f"{where}: {len(tokens)} tokens in namespace {ns!r} came back with different bytes")
+                         f"{where}: {len(tokens)} tokens in namespace {namespace!r} came back with different bytes")
             return False
         return True
 
@@ -163,17 +164,17 @@ class Observer:
             return
         durable_files: dict[Any, bytes] | None = None  # the platter's image, read once per verdict
         for index in range(puts_from, puts_before):
-            ns, tokens = self.puts[index]
-            if any(c.namespace == ns and c.tokens == tokens for c in self.claims):
+            namespace, tokens = self.puts[index]
+            if any(c.namespace == namespace and c.tokens == tokens for c in self.claims):
                 continue
-            match = store.find(probe(tokens), ns)
+            match = store.find(probe(tokens), namespace)
             if match is None or match.usable_tokens < len(tokens):
                 if self.evicted_since_put > self._put_epochs[index]:
                     continue
                 self.violate("durable_means_covered",
-                             f"flush said durable but {len(tokens)} tokens in {ns!r} have no SSD entry")
+                             f"flush said durable but {len(tokens)} tokens in {namespace!r} have no SSD entry")
                 continue
-            self.claims.append(Claim(namespace=ns, tokens=tokens, entry_id=match.entry_id))
+            self.claims.append(Claim(namespace=namespace, tokens=tokens, entry_id=match.entry_id))
             if durable_files is None:
                 durable_files = self.disk.files(durable=True)
             self._check_on_platter(store, match.entry_id, tokens, durable_files)

@@ -1,6 +1,6 @@
 """The RAM tier: a byte-capped LRU of whole prefix entries (spec §4).
 
-`take(prompt, ns)` lends the entry with the longest usable prefix as views
+`take(prompt, namespace)` lends the entry with the longest usable prefix as views
 (the donor stays intact), consulting the cold tier inside the call: the cold
 tier wins only with a strictly longer usable prefix. `put` stores a finished
 generation's caches: exact duplicates are replaced, strict prefix ancestors
@@ -59,7 +59,7 @@ class ColdMatch(Protocol):
 class ColdTier(Protocol):
     """What the RAM tier needs of the SSD tier (`SsdStore` fits)."""
 
-    def find(self, tokens: Sequence[int], ns: str = "") -> ColdMatch | None: ...
+    def find(self, tokens: Sequence[int], namespace: str = "") -> ColdMatch | None: ...
     def restore(self, match: Any) -> list[Any] | None: ...
 
 
@@ -142,22 +142,22 @@ class PromptCache:
 
     # -- take ------------------------------------------------------------------
 
-    def take(self, prompt: Sequence[int], ns: str = "") -> TakeResult:
-        """Borrow the longest usable prefix of `prompt` in `ns` (capped at
+    def take(self, prompt: Sequence[int], namespace: str = "") -> TakeResult:
+        """Borrow the longest usable prefix of `prompt` in `namespace` (capped at
         `len(prompt) - 1`), from RAM or, when strictly longer, from the cold tier."""
         try:
-            return self._take(np.asarray(prompt, dtype=np.uint32), ns)
+            return self._take(np.asarray(prompt, dtype=np.uint32), namespace)
         finally:
             self._publish()
 
-    def _take(self, query: np.ndarray, ns: str) -> TakeResult:
-        ram = self._ram_candidate(query, ns)
+    def _take(self, query: np.ndarray, namespace: str) -> TakeResult:
+        ram = self._ram_candidate(query, namespace)
         if ram is None:
             self.counters.misses += 1
         else:
             self.counters.hits += 1
         ram_tokens = ram[1] if ram is not None else 0
-        cold = self._cold_take(query, ns, ram_tokens)
+        cold = self._cold_take(query, namespace, ram_tokens)
         if cold is not None:
             return cold
         if ram is None:
@@ -167,8 +167,8 @@ class PromptCache:
         lent = lend_caches(entry.caches, drop_tokens=entry.tokens.size - usable)
         return TakeResult(caches=lent, reused_tokens=usable, tier="ram", entry_id=entry.entry_id)
 
-    def _ram_candidate(self, query: np.ndarray, ns: str) -> tuple[_RamEntry, int] | None:
-        index = self._indexes.get(ns)
+    def _ram_candidate(self, query: np.ndarray, namespace: str) -> tuple[_RamEntry, int] | None:
+        index = self._indexes.get(namespace)
         if not self.enabled or index is None or query.size < 2:
             return None
         match = index.best(query)
@@ -176,10 +176,10 @@ class PromptCache:
             return None
         return self._entries[match.entry_id], match.usable_tokens
 
-    def _cold_take(self, query: np.ndarray, ns: str, ram_tokens: int) -> TakeResult | None:
+    def _cold_take(self, query: np.ndarray, namespace: str, ram_tokens: int) -> TakeResult | None:
         if self.cold_tier is None or query.size < 2:
             return None
-        match = self.cold_tier.find(query, ns)
+        match = self.cold_tier.find(query, namespace)
         if match is None or match.usable_tokens <= ram_tokens:
             return None
         caches = self.cold_tier.restore(match)
@@ -203,20 +203,20 @@ class PromptCache:
 
     # -- put -------------------------------------------------------------------
 
-    def put(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "") -> bool:
+    def put(self, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> bool:
         """Take ownership of a finished generation's caches as an entry.
         Returns whether it is now held in RAM (an entry larger than the cap is
         spilled instead; a disabled cache holds nothing)."""
         if not self.enabled:
             return False
         try:
-            return self._put(np.asarray(tokens, dtype=np.uint32), list(caches), ns)
+            return self._put(np.asarray(tokens, dtype=np.uint32), list(caches), namespace)
         finally:
             self._publish()
 
-    def _put(self, token_array: np.ndarray, caches: list[Any], ns: str) -> bool:
+    def _put(self, token_array: np.ndarray, caches: list[Any], namespace: str) -> bool:
         entry = _RamEntry(
-            entry_id=f"r{next(self._ids)}", namespace=ns, tokens=token_array, caches=caches,
+            entry_id=f"r{next(self._ids)}", namespace=namespace, tokens=token_array, caches=caches,
             bytes=self._bill(caches, token_array.size), trimmable=caches_trimmable(caches),
             minimum_reusable_offset=entry_minimum_reusable_offset(caches, token_array.size),
             last_used_tick=next(self._ticks), last_used_s=self._clock_s(),
@@ -227,18 +227,18 @@ class PromptCache:
             # Still dirty: a flush must wait for this spill and report it missing
             # if the spill is dropped or fails (the simulator's seed 15 found
             # flushes saying durable while an oversize spill was lost).
-            self._notify_put(ns, token_array)
+            self._notify_put(namespace, token_array)
             return False
         self._supersede(entry)
         self._insert(entry)
         self.counters.puts += 1
         self._evict_until_under_cap(keep=entry.entry_id)
-        self._notify_put(ns, token_array)
+        self._notify_put(namespace, token_array)
         return True
 
-    def _notify_put(self, ns: str, token_array: np.ndarray) -> None:
+    def _notify_put(self, namespace: str, token_array: np.ndarray) -> None:
         if self.on_put is not None:
-            self.on_put(ns, tuple(int(t) for t in token_array))
+            self.on_put(namespace, tuple(int(t) for t in token_array))
 
     def _supersede(self, entry: _RamEntry) -> None:
         index = self._indexes.get(entry.namespace)
@@ -306,16 +306,16 @@ class PromptCache:
         self._publish()
         return len(idle)
 
-    def snapshot_exact(self, tokens: Sequence[int], ns: str = "") -> SpillSnapshot | None:
+    def snapshot_exact(self, tokens: Sequence[int], namespace: str = "") -> SpillSnapshot | None:
         """A snapshot of the entry holding exactly `tokens` (for write-behind), or None."""
-        index = self._indexes.get(ns)
+        index = self._indexes.get(namespace)
         if index is None:
             return None
         matches = index.exact(np.asarray(tokens, dtype=np.uint32))
         if not matches:
             return None
         entry = self._entries[matches[0]]
-        return SpillSnapshot(namespace=ns, tokens=tuple(int(t) for t in entry.tokens),
+        return SpillSnapshot(namespace=namespace, tokens=tuple(int(t) for t in entry.tokens),
                              caches=snapshot_caches(entry.caches), bytes=entry.bytes, reason="write-behind")
 
     def stats(self) -> dict[str, Any]:

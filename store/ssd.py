@@ -396,28 +396,28 @@ class SsdStore:
 
     # -- find / restore ------------------------------------------------------
 
-    def find(self, tokens: Sequence[int] | np.ndarray, ns: str = "") -> SsdMatch | None:
-        """The entry giving the longest usable prefix of `tokens` in `ns`
+    def find(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> SsdMatch | None:
+        """The entry giving the longest usable prefix of `tokens` in `namespace`
         (capped at `len(tokens) - 1`, untrimmable entries only for exact
         prefixes); index-only, no I/O. None when nothing is usable."""
         with self._lock:
-            index = self._indexes.get(ns)
+            index = self._indexes.get(namespace)
             if index is None or len(tokens) < 2:
                 return None
             match = index.best(np.asarray(tokens, dtype=np.uint32))
             if match is None:
                 return None
-            return SsdMatch(entry_id=match.entry_id, namespace=ns, usable_tokens=match.usable_tokens,
+            return SsdMatch(entry_id=match.entry_id, namespace=namespace, usable_tokens=match.usable_tokens,
                             entry_tokens=match.entry_tokens)
 
-    def covers(self, tokens: Sequence[int] | np.ndarray, ns: str = "") -> bool:
+    def covers(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> bool:
         """Whether a committed entry can serve all of `tokens`: an exact entry,
         or a trimmable descendant whose minimum reusable offset reaches it."""
         token_array = np.asarray(tokens, dtype=np.uint32)
         if token_array.size == 0:
             return True
         with self._lock:
-            index = self._indexes.get(ns)
+            index = self._indexes.get(namespace)
             if index is None:
                 return False
             if index.exact(token_array):
@@ -515,7 +515,7 @@ class SsdStore:
 
     # -- store ---------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], ns: str = "",
+    def store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str = "",
               *, tokenizer_hash: str = "") -> str | None:
         """Persist an entry atomically; returns its id, or None when it was not
         stored (disk full, I/O error, larger than the cap). Supersedes exact
@@ -525,7 +525,7 @@ class SsdStore:
         Raises `UnknownCacheKind`, `RefusedCacheKind` or `UsageError` for
         caches that cannot be persisted at all (the caller's bug).
         """
-        pending = self.prepare_store(tokens, caches, ns, tokenizer_hash=tokenizer_hash)
+        pending = self.prepare_store(tokens, caches, namespace, tokenizer_hash=tokenizer_hash)
         if pending is None:
             return None
         try:
@@ -535,30 +535,30 @@ class SsdStore:
             return None
         return self.finish_store(pending)
 
-    def prepare_store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], ns: str = "",
+    def prepare_store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str = "",
                       *, tokenizer_hash: str = "") -> PendingStore | None:
         """Plan a write (no I/O, no MLX work): None when the entry can never
         fit under the cap. The caller runs `pending.writer` (its tensors may
         each take their own engine turn), then `finish_store` or `fail_store`."""
         token_array = np.asarray(tokens, dtype=np.uint32)
         entry_id = self._new_entry_id()
-        path = self.directory / namespace_dir_name(ns) / f"{entry_id}{kvfile.FILE_SUFFIX}"
-        meta = kvfile.EntryMeta(namespace=ns, fingerprint=self._fingerprint_fields,
+        path = self.directory / namespace_dir_name(namespace) / f"{entry_id}{kvfile.FILE_SUFFIX}"
+        meta = kvfile.EntryMeta(namespace=namespace, fingerprint=self._fingerprint_fields,
                                 tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
         writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id,
                                      safeguards=self.safeguards)
         planned = writer.planned_header.file_bytes
         if self.bytes_max is not None and planned > self.bytes_max:
             with self._lock:
-                self._write_failed(ns, token_array.size, f"entry of {planned} bytes exceeds the cap", None)
+                self._write_failed(namespace, token_array.size, f"entry of {planned} bytes exceeds the cap", None)
             return None
         try:
             self._make_durable_dirs(path.parent, self.directory)
         except DiskError as e:
             with self._lock:
-                self._write_failed(ns, token_array.size, str(e), e.errno)
+                self._write_failed(namespace, token_array.size, str(e), e.errno)
             return None
-        return PendingStore(entry_id=entry_id, namespace=ns, tokens=token_array, writer=writer)
+        return PendingStore(entry_id=entry_id, namespace=namespace, tokens=token_array, writer=writer)
 
     def fail_store(self, pending: PendingStore, error: DiskError) -> None:
         """Record that a prepared write failed (its temp file already removed)."""
@@ -590,12 +590,12 @@ class SsdStore:
         self._unlink_removed(removed)
         return entry.entry_id
 
-    def _write_failed(self, ns: str, token_count: int, reason: str, errno: int | None) -> None:
+    def _write_failed(self, namespace: str, token_count: int, reason: str, errno: int | None) -> None:
         self.counters.write_failures += 1
         level = logging.DEBUG if self._warned_write_failure else logging.WARNING
         log.log(level, "SSD cache entry not stored (serving continues): %s", reason)
         self._warned_write_failure = True
-        self._event(ev.EntryWriteFailed(namespace=ns, token_count=token_count, reason=reason, errno=errno))
+        self._event(ev.EntryWriteFailed(namespace=namespace, token_count=token_count, reason=reason, errno=errno))
 
     def _supersede_all(self) -> None:
         """Redo supersession over the whole index at startup. Removals are not

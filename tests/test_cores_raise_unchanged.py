@@ -173,7 +173,7 @@ def test_spill_queue_core_is_unchanged_when_it_raises(data: st.DataObject) -> No
 
 # -- Durability -----------------------------------------------------------------
 
-KEYS = [dur.RecordKey(namespace=ns, tokens=tokens) for ns in ("a", "b") for tokens in ((1, 2), (1, 2, 3))]
+KEYS = [dur.RecordKey(namespace=namespace, tokens=tokens) for namespace in ("a", "b") for tokens in ((1, 2), (1, 2, 3))]
 KEY = st.sampled_from(KEYS)
 VERSION = st.integers(min_value=1, max_value=8)
 FLUSH_ID = st.integers(min_value=1, max_value=3)

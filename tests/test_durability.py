@@ -28,8 +28,8 @@ from kvcellar.store.prompt_cache import SpillSnapshot
 
 # -- the core against the spec's rules ----------------------------------------
 
-KEYS = [RecordKey(namespace=ns, tokens=tokens)
-        for ns, tokens in [("a", (1, 2, 3)), ("a", (1, 2, 4)), ("b", (1, 2, 3)), ("a", (1, 2))]]
+KEYS = [RecordKey(namespace=namespace, tokens=tokens)
+        for namespace, tokens in [("a", (1, 2, 3)), ("a", (1, 2, 4)), ("b", (1, 2, 3)), ("a", (1, 2))]]
 FLUSHING = {DurabilityState.FLUSH_SETTLING, DurabilityState.FLUSH_DRAINING, DurabilityState.FLUSH_FORCING,
             DurabilityState.FLUSH_RECHECK}
 
@@ -372,14 +372,14 @@ class FakePorts:
         finally:
             self.in_turn = False
 
-    def snapshot_exact(self, tokens: tuple[int, ...], ns: str) -> SpillSnapshot | None:
+    def snapshot_exact(self, tokens: tuple[int, ...], namespace: str) -> SpillSnapshot | None:
         assert self.in_turn, "snapshot_exact is MLX work: only inside run_when_idle"
-        if (ns, tokens) not in self.ram:
+        if (namespace, tokens) not in self.ram:
             return None
-        return SpillSnapshot(namespace=ns, tokens=tokens, caches=[], bytes=len(tokens), reason="write-behind")
+        return SpillSnapshot(namespace=namespace, tokens=tokens, caches=[], bytes=len(tokens), reason="write-behind")
 
-    def covers(self, tokens: tuple[int, ...], ns: str) -> bool:
-        return any(n == ns and t[:len(tokens)] == tokens for n, t in self.ssd)
+    def covers(self, tokens: tuple[int, ...], namespace: str) -> bool:
+        return any(n == namespace and t[:len(tokens)] == tokens for n, t in self.ssd)
 
     async def submit(self, snapshot: SpillSnapshot) -> str:
         assert not self.in_turn, "the write waits outside the engine turn"

@@ -39,7 +39,7 @@ def cache_dir(tmp_path):
     store = SsdStore.open(tmp_path, FINGERPRINT)
     ids = {"short": store.store(SHORT, _caches(SHORT))}
     ids["long"] = store.store(LONG, _caches(LONG))
-    ids["other"] = store.store(OTHER, _caches(OTHER), ns="adapter-x")
+    ids["other"] = store.store(OTHER, _caches(OTHER), namespace="adapter-x")
     match = store.find(LONG + [7])
     assert match is not None and store.restore(match) is not None
     cap_bytes = store.entry(ids["long"]).bytes + 1
@@ -119,7 +119,7 @@ def test_tail_follow_sees_an_append_by_the_running_store(cache_dir, monkeypatch)
     started = time.monotonic()
     follower.start()
     assert following.wait(10), "the follower never got past the existing events"
-    new_id = store.store(OTHER, _caches(OTHER), ns="adapter-x")
+    new_id = store.store(OTHER, _caches(OTHER), namespace="adapter-x")
     follower.join(timeout=15)
     result = outcome["result"]
     assert result.exit_code == 0, result.output
@@ -151,7 +151,7 @@ def test_entries_lists_the_index_with_namespace_filter_and_sort(cache_dir):
     store.close()
     # Without the fixture's cap, so that both entries stay.
     uncapped = SsdStore.open(root, FINGERPRINT)
-    newer = uncapped.store(OTHER, _caches(OTHER), ns="adapter-x")
+    newer = uncapped.store(OTHER, _caches(OTHER), namespace="adapter-x")
     uncapped.close()
     assert [r["entry_id"] for r in _json("entries", str(root), "--ns", "adapter-x")] == [newer]
     assert [r["entry_id"] for r in _json("entries", str(root), "--sort", "tokens")] == [ids["long"], newer]

@@ -49,36 +49,36 @@ class PromptCacheMachine(RuleBasedStateMachine):
         self.cache = PromptCache(bytes_max=self.cap)
         self.model: dict[str, dict] = {}
 
-    @rule(tokens=tokens, ns=namespaces, trimmable=st.booleans())
-    def put(self, tokens, ns, trimmable):
+    @rule(tokens=tokens, namespace=namespaces, trimmable=st.booleans())
+    def put(self, tokens, namespace, trimmable):
         caches = _token_caches(tokens, trimmable)
         size = logical_bytes(caches, len(tokens))
-        stored = self.cache.put(tokens, caches, ns)
+        stored = self.cache.put(tokens, caches, namespace)
         expected = 0 < size <= self.cap
         assert stored == expected
         if not stored:
             return
         for key, entry in list(self.model.items()):
-            if entry["ns"] != ns:
+            if entry["namespace"] != namespace:
                 continue
             same = entry["tokens"] == tokens
             ancestor = len(entry["tokens"]) < len(tokens) and tokens[: len(entry["tokens"])] == entry["tokens"]
             if same or (trimmable and ancestor):
                 del self.model[key]
         new_id = next(e.entry_id for e in self.cache._entries.values()
-                      if e.tokens.tolist() == tokens and e.namespace == ns and e.entry_id not in self.model)
-        self.model[new_id] = {"ns": ns, "tokens": list(tokens), "trimmable": trimmable, "bytes": size,
+                      if e.tokens.tolist() == tokens and e.namespace == namespace and e.entry_id not in self.model)
+        self.model[new_id] = {"namespace": namespace, "tokens": list(tokens), "trimmable": trimmable, "bytes": size,
                               "tick": self.cache._entries[new_id].last_used_tick}
         while sum(e["bytes"] for e in self.model.values()) > self.cap:
             victim = min((k for k in self.model if k != new_id), key=lambda k: self.model[k]["tick"])
             del self.model[victim]
 
-    @rule(prompt=tokens, ns=namespaces)
-    def take(self, prompt, ns):
-        result = self.cache.take(prompt, ns)
+    @rule(prompt=tokens, namespace=namespaces)
+    def take(self, prompt, namespace):
+        result = self.cache.take(prompt, namespace)
         best = 0
         for entry in self.model.values():
-            if entry["ns"] != ns:
+            if entry["namespace"] != namespace:
                 continue
             common = 0
             for a, b in zip(entry["tokens"], prompt):
@@ -92,7 +92,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         assert result.reused_tokens <= max(len(prompt) - 1, 0)
         if best:
             assert result.tier == "ram" and result.entry_id in self.model
-            assert self.model[result.entry_id]["ns"] == ns
+            assert self.model[result.entry_id]["namespace"] == namespace
             assert _lent_tokens(result.caches) == prompt[:best]
             self.model[result.entry_id]["tick"] = self.cache._entries[result.entry_id].last_used_tick
         else:
@@ -169,10 +169,10 @@ def test_partial_ram_hit_lends_a_trimmed_prefix(llama):
 
 def test_namespaces_never_seed_each_other(llama):
     cache = PromptCache()
-    cache.put(PROMPT, _prefill(llama, PROMPT)[0], ns="adapter-a")
-    assert cache.take(PROMPT + [1], ns="").tier == "none"
-    assert cache.take(PROMPT + [1], ns="adapter-b").tier == "none"
-    assert cache.take(PROMPT + [1], ns="adapter-a").tier == "ram"
+    cache.put(PROMPT, _prefill(llama, PROMPT)[0], namespace="adapter-a")
+    assert cache.take(PROMPT + [1], namespace="").tier == "none"
+    assert cache.take(PROMPT + [1], namespace="adapter-b").tier == "none"
+    assert cache.take(PROMPT + [1], namespace="adapter-a").tier == "ram"
 
 
 def test_oversize_entry_is_spilled_not_stored_and_a_raising_sink_does_not_unwind(llama):
@@ -195,8 +195,8 @@ def test_oversize_entry_is_spilled_not_stored_and_a_raising_sink_does_not_unwind
 
 def test_on_put_fires_after_every_successful_put(llama):
     seen = []
-    cache = PromptCache(on_put=lambda ns, tokens: seen.append((ns, len(tokens))))
-    cache.put(PROMPT, _prefill(llama, PROMPT)[0], ns="x")
+    cache = PromptCache(on_put=lambda namespace, tokens: seen.append((namespace, len(tokens))))
+    cache.put(PROMPT, _prefill(llama, PROMPT)[0], namespace="x")
     assert seen == [("x", len(PROMPT))]
 
 

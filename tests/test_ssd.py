@@ -356,7 +356,7 @@ def test_covers_means_an_entry_can_serve_every_token(llama, tmp_path, loaded_mod
     store.store(BASE, _prefill(llama, BASE)[0])
     assert store.covers(BASE) and store.covers(BASE[:40]) and store.covers([])
     assert not store.covers(BASE + [1]) and not store.covers([1] + BASE[:10])
-    assert not store.covers(BASE[:40], ns="other")
+    assert not store.covers(BASE[:40], namespace="other")
     assert store.longest_entry_tokens() == len(BASE)
     qwen = loaded_model_factory("qwen3_next")[0]
     store.store([5] + BASE[:30], _prefill(qwen, [5] + BASE[:30])[0])
