@@ -203,15 +203,15 @@ class NamespaceTracker:
 @click.option("--kind", default=None, type=click.Choice(sorted(ev.EVENT_TYPES)), help="Only events of this kind.")
 @click.option("--ns", "namespace", default=None, help="Only events about entries of this namespace.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing events as the server appends them.")
-@click.option("--interval-seconds", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
+@click.option("--interval-seconds", "interval_s", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
               help="How often --follow polls the journal.")
-@click.option("--max-seconds", type=click.FloatRange(min=0), default=None,
+@click.option("--max-seconds", "follow_max_s", type=click.FloatRange(min=0), default=None,
               help="Stop following after this many seconds (default: until interrupted).")
-@click.option("--max-events", type=click.IntRange(min=1), default=None,
+@click.option("--max-events", "events_max", type=click.IntRange(min=1), default=None,
               help="Stop following after this many new events (default: until interrupted).")
 def tail_command(directory: Path, fingerprint: str | None, as_json: bool, count: int, kind: str | None,
-                 namespace: str | None, follow: bool, interval_seconds: float, max_seconds: float | None,
-                 max_events: int | None) -> None:
+                 namespace: str | None, follow: bool, interval_s: float, follow_max_s: float | None,
+                 events_max: int | None) -> None:
     """Show the most recent events; with -f, follow new events as they are appended.
 
     JSON output is one event per line, so it can be piped while following.
@@ -231,12 +231,12 @@ def tail_command(directory: Path, fingerprint: str | None, as_json: bool, count:
             print_events(list(recent))
         if follow:
             _follow(journal, tracker, last_seq, kind=kind, namespace=namespace, as_json=as_json,
-                    interval_seconds=interval_seconds, max_seconds=max_seconds, max_events=max_events)
+                    interval_s=interval_s, follow_max_s=follow_max_s, events_max=events_max)
 
 
 def _follow(journal: Journal, tracker: NamespaceTracker, last_seq: int, *, kind: str | None, namespace: str | None,
-            as_json: bool, interval_seconds: float, max_seconds: float | None, max_events: int | None) -> None:
-    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+            as_json: bool, interval_s: float, follow_max_s: float | None, events_max: int | None) -> None:
+    deadline = None if follow_max_s is None else time.monotonic() + follow_max_s
     shown = 0
     try:
         while True:
@@ -246,11 +246,11 @@ def _follow(journal: Journal, tracker: NamespaceTracker, last_seq: int, *, kind:
                     continue
                 click.echo(json.dumps(event_as_json(record)) if as_json else event_line(record))
                 shown += 1
-                if max_events is not None and shown >= max_events:
+                if events_max is not None and shown >= events_max:
                     return
             if deadline is not None and time.monotonic() >= deadline:
                 return
-            time.sleep(interval_seconds)
+            time.sleep(interval_s)
     except KeyboardInterrupt:
         # Interrupting is how an operator ends following: not an error.
         return
