@@ -317,10 +317,12 @@ class _FlushRun:
 
 @attrs.define(kw_only=True)
 class DurabilityCounters:
-    puts: int = 0
-    attempts: int = 0
+    # Running counts, published with a `_total` suffix by `stats`.
+    puts: int = 0  # `Dirty` notifications (RAM puts)
+    attempts: int = 0  # write-behind attempts started, forced ones included
     forced_attempts: int = 0
-    deferred: int = 0
+    deferred: int = 0  # timed attempts not started: the gateway was busy
+    # Settled attempts, one counter per outcome (named as in OUTCOMES).
     stored: int = 0
     covered: int = 0
     dropped: int = 0

@@ -89,17 +89,18 @@ class _RamEntry:
 
 @attrs.define(kw_only=True)
 class PromptCacheCounters:
-    hits: int = 0
-    misses: int = 0
-    cold_hits: int = 0
-    cold_refused: int = 0
-    puts: int = 0
-    evictions: int = 0
-    supersessions: int = 0
-    spills: int = 0
-    spill_failures: int = 0
-    demotions: int = 0
-    oversize: int = 0
+    # Running counts, published under these names as /stats's `prompt_cache`.
+    hits: int = 0  # takes with a RAM candidate prefix
+    misses: int = 0  # takes without one
+    cold_hits: int = 0  # takes served from the cold tier
+    cold_refused: int = 0  # cold restores refused: they could not be cut to the usable prefix
+    puts: int = 0  # entries inserted
+    evictions: int = 0  # entries dropped over the byte cap
+    supersessions: int = 0  # entries dropped because a new one stands in for them
+    spills: int = 0  # snapshots the spill sink took
+    spill_failures: int = 0  # snapshots the spill sink raised on (dropped without a cold copy)
+    demotions: int = 0  # idle entries spilled and dropped
+    oversize: int = 0  # puts larger than the cap: spilled, never held
 
 
 def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:

@@ -105,17 +105,17 @@ RestoreListener = Callable[[SsdMatch, IndexedEntry, list[Any]], None]
 
 @attrs.define(kw_only=True)
 class SsdCounters:
-    # Each field counts events of one kind; /stats names some differently
+    # Running counts (and one latency); /stats names some differently
     # (`System.stats` maps them): `entries_stored` is `ssd_cache.spills` there.
-    restores: int = 0
+    restores: int = 0  # caches handed back by `restore`
     entries_stored: int = 0  # entries written and indexed, whatever sent them (spill, demotion, write-behind)
-    hits: int = 0
+    hits: int = 0  # restored entries still indexed afterwards, whose mtime was bumped (`entry.hit`)
     restore_ms_last: float = 0.0
-    quarantined: int = 0
-    evictions: int = 0
-    supersessions: int = 0
-    write_failures: int = 0
-    restore_failures: int = 0
+    quarantined: int = 0  # files moved to quarantine/
+    evictions: int = 0  # entries removed over the byte cap
+    supersessions: int = 0  # entries removed because a newer one stands in for them
+    write_failures: int = 0  # stores that wrote nothing (a DiskError, or larger than the cap)
+    restore_failures: int = 0  # restores that failed on a bad file or an I/O error
 
 
 class SsdStore:
