@@ -62,7 +62,7 @@ from kvcellar.actors.gateway import (
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
-from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.errors import KvCellarError, UsageError
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 from kvcellar.store.prompt_cache import PromptCache
@@ -379,7 +379,7 @@ class Scheduler:
     def __init__(self, gateway: Gateway, prompt_cache: PromptCache | None, scheme: KvScheme, prototypes: list, *,
                  rows_max: int = ROWS_MAX_DEFAULT, kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS, journal: Journal | None = None,
+                 snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN, journal: Journal | None = None,
                  wait_for_rows: bool = True) -> None:
         self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
         self.shell = ActorShell("scheduler", self.core, self._perform, journal=journal)
@@ -389,7 +389,7 @@ class Scheduler:
         # Warmed-up prototype caches: only their shapes and dtypes are read.
         self._prototypes = prototypes
         self._prefill_step_tokens = prefill_step_tokens
-        self._snapshot_min_prefill_tokens = snapshot_min_prefill_tokens
+        self._snapshot_prefill_tokens_min = snapshot_prefill_tokens_min
         # BatchLoop's seam: False for an engine that runs jobs on the Trio thread.
         self._wait_for_rows = wait_for_rows
         self._rows: dict[int, _RowChannel] = {}
@@ -487,7 +487,7 @@ class Scheduler:
         cancelled = threading.Event()
         loop = BatchLoop(self.prompt_cache, inbox, rows_max=self.core.rows_max, cancelled=cancelled,
                          prefill_step_tokens=self._prefill_step_tokens,
-                         snapshot_min_prefill_tokens=self._snapshot_min_prefill_tokens,
+                         snapshot_prefill_tokens_min=self._snapshot_prefill_tokens_min,
                          wait_for_rows=self._wait_for_rows)
         error = "the batch job was cancelled"
         try:

@@ -28,7 +28,7 @@ from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
 from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE
 from kvcellar.engine.engine import SamplingParams
-from kvcellar.engine.generation import SNAPSHOT_MIN_PREFILL_TOKENS, GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 
 MIB_BYTES = 1 << 20
 TARGET_DECODE_RATIO = 0.97
@@ -289,7 +289,7 @@ def interpretation(result: dict[str, Any]) -> str:
 
 
 def _snapshot_sentence(result: dict[str, Any]) -> str:
-    if result["context_tokens"] < SNAPSHOT_MIN_PREFILL_TOKENS:
+    if result["context_tokens"] < SNAPSHOT_PREFILL_TOKENS_MIN:
         return ""
     counters = result["runs"]["on"][0]["durability_counters"]
     return (f" So the prompt-boundary snapshot put after the cold prefill is not written during the request; once it "

@@ -9,7 +9,7 @@ logits processors (engine/sampling.py), `max_tokens`, stop tokens and stop
 strings (the serial lane's `TextAssembler`) and finish independently. A finished or cancelled row's caches are extracted
 per row before the batched caches are filtered and are `put` back to the RAM
 tier (spec §4, extract-and-put); after a cold prefill of
-`snapshot_min_prefill_tokens` or more, the row's prompt-only caches are
+`snapshot_prefill_tokens_min` or more, the row's prompt-only caches are
 extracted and put as the prompt-boundary snapshot, as the serial lane does.
 The job ends when the Scheduler sends `END_OF_BATCH`, which it does only when
 no row is active or waiting (or when its consumer has gone). While no row is
@@ -48,7 +48,7 @@ from kvcellar.engine.engine import (
     release_cached_buffers,
 )
 from kvcellar.engine.generation import (
-    SNAPSHOT_MIN_PREFILL_TOKENS,
+    SNAPSHOT_PREFILL_TOKENS_MIN,
     GenerationDone,
     GenerationRequest,
     TokenDelta,
@@ -155,14 +155,14 @@ class BatchLoop:
 
     def __init__(self, prompt_cache: PromptCache | None, inbox: queue.Queue, *, rows_max: int,
                  cancelled: threading.Event, prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS, wait_for_rows: bool = True) -> None:
+                 snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN, wait_for_rows: bool = True) -> None:
         self.prompt_cache = prompt_cache
         self.inbox = inbox
         self.rows_max = rows_max
         self.cancelled = cancelled
         self.wait_for_rows = wait_for_rows
         self.prefill_step_tokens = prefill_step_tokens
-        self.snapshot_min_prefill_tokens = snapshot_min_prefill_tokens
+        self.snapshot_prefill_tokens_min = snapshot_prefill_tokens_min
         self._rows: dict[int, _Row] = {}
         self._shared_samplers: dict[tuple, Any] = {}
         self._generator: BatchGenerator | None = None
@@ -235,7 +235,7 @@ class BatchLoop:
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()])
         self._rows[uid] = _Row(
             row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens, cache_tier=reuse.tier,
-            use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(len(prompt), self.snapshot_min_prefill_tokens),
+            use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(len(prompt), self.snapshot_prefill_tokens_min),
             assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings))
 
     def _sampler(self, params: SamplingParams) -> Any:

@@ -30,7 +30,7 @@ from kvcellar.store.lending import lend_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
 
-SNAPSHOT_MIN_PREFILL_TOKENS = 512
+SNAPSHOT_PREFILL_TOKENS_MIN = 512
 
 
 @attrs.frozen(kw_only=True)
@@ -60,9 +60,9 @@ class Reuse:
     cached_tokens: int
     tier: str
 
-    def snapshot_due(self, prompt_tokens: int, snapshot_min_prefill_tokens: int) -> bool:
+    def snapshot_due(self, prompt_tokens: int, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the prompt-boundary snapshot is owed: a cold prefill of at least the minimum."""
-        return self.use_cache and prompt_tokens - self.cached_tokens >= snapshot_min_prefill_tokens
+        return self.use_cache and prompt_tokens - self.cached_tokens >= snapshot_prefill_tokens_min
 
 
 def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> Reuse:
@@ -104,7 +104,7 @@ class GenerationDone:
 def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, request: GenerationRequest,
                    cancelled: threading.Event, *, scheme: KvScheme | None = None,
                    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                   snapshot_min_prefill_tokens: int = SNAPSHOT_MIN_PREFILL_TOKENS,
+                   snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
                    ) -> Iterator[TokenDelta | GenerationDone]:
     """Yield a `TokenDelta` per sampled token, then one `GenerationDone`."""
     params = request.params
@@ -116,7 +116,7 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
-    if reuse.snapshot_due(len(prompt), snapshot_min_prefill_tokens):
+    if reuse.snapshot_due(len(prompt), snapshot_prefill_tokens_min):
         mx.eval(logits)
         prompt_cache.put(prompt, lend_caches(cache), request.namespace)
     sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())
