@@ -59,7 +59,7 @@ KIND_CONFIG = "affine-config"
 KINDS = (KIND_BF16, KIND_UNIFORM, KIND_CONFIG)
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
+GROUP_SIZE_DEFAULT = 64
 KV_CONFIG_FILE_NAME = "kv_config.json"
 CONFIG_KEY_HEX_CHARS = 8
 
@@ -87,7 +87,7 @@ class KvScheme:
 
     kind: str
     bits: int | None = None
-    group_size: int = DEFAULT_GROUP_SIZE
+    group_size: int = GROUP_SIZE_DEFAULT
     layer_bits: tuple[int | None, ...] | None = None
     # Which "stays unquantized" warnings this instance has logged; excluded
     # from equality so the bookkeeping never changes a scheme's identity.
@@ -115,11 +115,11 @@ class KvScheme:
         return cls(kind=KIND_BF16)
 
     @classmethod
-    def uniform(cls, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> KvScheme:
+    def uniform(cls, bits: int, group_size: int = GROUP_SIZE_DEFAULT) -> KvScheme:
         return cls(kind=KIND_UNIFORM, bits=bits, group_size=group_size)
 
     @classmethod
-    def per_layer(cls, layer_bits: Sequence[int | None], group_size: int = DEFAULT_GROUP_SIZE) -> KvScheme:
+    def per_layer(cls, layer_bits: Sequence[int | None], group_size: int = GROUP_SIZE_DEFAULT) -> KvScheme:
         return cls(kind=KIND_CONFIG, layer_bits=tuple(layer_bits), group_size=group_size)
 
     @property
@@ -138,7 +138,7 @@ class KvScheme:
         if self.kind == KIND_BF16:
             return "bf16"
         if self.kind == KIND_UNIFORM:
-            suffix = "" if self.group_size == DEFAULT_GROUP_SIZE else f"g{self.group_size}"
+            suffix = "" if self.group_size == GROUP_SIZE_DEFAULT else f"g{self.group_size}"
             return f"kv{self.bits}{suffix}"
         canonical = json.dumps({"group_size": self.group_size, "layers": list(self.layer_bits or ())},
                                sort_keys=True, separators=(",", ":"))
@@ -338,7 +338,7 @@ def warm_up_prototype_caches(model: Any) -> list:
 
 
 def resolve_kv_scheme(kv_quant: str, model_dir: Path | None = None, *,
-                      group_size: int = DEFAULT_GROUP_SIZE) -> KvScheme:
+                      group_size: int = GROUP_SIZE_DEFAULT) -> KvScheme:
     """The scheme for the `--kv-quant` value, resolved once at server start.
 
     `off`/`bf16` -> bf16; `4`/`kv4`/`8`/`kv8` -> uniform affine at

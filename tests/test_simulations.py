@@ -23,7 +23,7 @@ from kvcellar.simulations.sweep import EXIT_CORRECTNESS, SweepPlan, run_sweep
 from kvcellar.simulations.workload import SMALL_SHAPES
 from kvcellar.store.mutations import MUTATIONS
 
-DEFAULT_SWEEP_SEEDS = 200
+SWEEP_SEEDS_DEFAULT = 200
 
 
 def _describe(outcome) -> str:
@@ -68,12 +68,12 @@ def test_a_run_uses_no_worker_threads(monkeypatch, batch_rows):
 
 
 def test_the_default_sweep_holds_every_invariant():
-    outcome = run_sweep(SweepPlan(seed=0, runs=DEFAULT_SWEEP_SEEDS, faults="mixed", crash_points="random"))
+    outcome = run_sweep(SweepPlan(seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random"))
     assert not outcome.failures, _describe(outcome)
     results = [result for result, _ in outcome.results]
-    assert len(results) == 2 * DEFAULT_SWEEP_SEEDS
-    assert sum(r.crashes for r in results) > DEFAULT_SWEEP_SEEDS
-    assert sum(r.claims_checked for r in results) > DEFAULT_SWEEP_SEEDS
+    assert len(results) == 2 * SWEEP_SEEDS_DEFAULT
+    assert sum(r.crashes for r in results) > SWEEP_SEEDS_DEFAULT
+    assert sum(r.claims_checked for r in results) > SWEEP_SEEDS_DEFAULT
     assert sum(r.restarts for r in results) > 0
     batched = [r for r in results if r.batch_rows > 1]
     assert 0 < len(batched) < len(results)
@@ -96,7 +96,7 @@ def test_every_crash_point_of_a_small_workload_recovers(workload, seed, batch_ro
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_each_deliberate_durability_bug_is_caught_by_the_default_sweep(mutation):
-    outcome = run_sweep(SweepPlan(seed=0, runs=DEFAULT_SWEEP_SEEDS, faults="mixed", crash_points="random",
+    outcome = run_sweep(SweepPlan(seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random",
                                   mutations=frozenset({mutation})), stop_on_failure=True)
     assert outcome.failures, f"{mutation} went unnoticed"
     assert outcome.exit_code() == EXIT_CORRECTNESS
@@ -107,7 +107,7 @@ def test_each_deliberate_durability_bug_is_caught_by_the_default_sweep(mutation)
     ("journal-unowned-append", "journal_has_one_owner"),
 ])
 def test_the_thread_boundary_bugs_are_each_caught_by_their_own_invariant(mutation, invariant):
-    outcome = run_sweep(SweepPlan(seed=0, runs=DEFAULT_SWEEP_SEEDS, faults="mixed", crash_points="random",
+    outcome = run_sweep(SweepPlan(seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random",
                                   mutations=frozenset({mutation})), stop_on_failure=True)
     result, _ = outcome.failures[0]
     assert result.violations[0].invariant == invariant
