@@ -1,8 +1,9 @@
 """The OpenAI-compatible ASGI app over a running `System`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming
-and not), `GET /v1/models`, `GET /health`, `GET /stats`, `GET /metrics`
-(Prometheus text), `POST /admin/cache/flush` (optional `timeout_s`, default
+and not), `POST /v1/responses` (the stateless Responses API, http/responses.py;
+`/v1/responses/{id}` is a 404: nothing is stored), `GET /v1/models`,
+`GET /health`, `GET /stats`, `GET /metrics` (Prometheus text), `POST /admin/cache/flush` (optional `timeout_s`, default
 60, in the query or a JSON body; 200 when durable, 503 with the reason and
 the evidence otherwise, a timeout included). A client that goes away
 mid-generation cancels it between two steps; its reusable cache is still put
@@ -41,6 +42,7 @@ from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
+from kvcellar.http.responses import ResponsesRoute
 
 log = logging.getLogger("kvcellar.http")
 
@@ -193,11 +195,16 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     def admin_token() -> str | None:
         return settings.admin_token
 
+    responses = ResponsesRoute(system, tokenizer_lane, model_id=model_id,
+                               max_tokens_default=settings.max_tokens_default, failure_body=failure_body)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(api_key, chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
+        Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id:path}", _guarded(api_key, responses.not_stored),
+              methods=["GET", "DELETE", "POST"]),
         Route("/stats", _guarded(admin_token, stats), methods=["GET"]),
         Route("/metrics", _guarded(admin_token, metrics), methods=["GET"]),
         Route("/admin/cache/flush", _guarded(admin_token, flush), methods=["POST"]),
