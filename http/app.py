@@ -3,9 +3,10 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming
 and not), `POST /v1/responses` (the stateless Responses API, http/responses.py;
 `/v1/responses/{id}` is a 404: nothing is stored), `GET /v1/models`,
-`GET /health`, `GET /stats`, `GET /metrics` (Prometheus text), `POST /admin/cache/flush` (optional `timeout_s`, default
-60, in the query or a JSON body; 200 when durable, 503 with the reason and
-the evidence otherwise, a timeout included). A client that goes away
+`GET /health`, `GET /stats`, `GET /metrics` (Prometheus text),
+`POST /admin/cache/flush` (optional `timeout_s`, default 60, in the query or a
+JSON body; 200 when durable, 503 with the reason and the evidence otherwise, a
+timeout included). A client that goes away
 mid-generation cancels it between two steps; its reusable cache is still put
 back.
 
