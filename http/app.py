@@ -39,6 +39,7 @@ from starlette.routing import Route
 from kvcellar.actors.system import System
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
+from kvcellar.http.anthropic import messages_routes
 from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
@@ -203,6 +204,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(api_key, chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
+        *messages_routes(system, tokenizer_lane, api_key),
         Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id:path}", _guarded(api_key, responses.not_stored),
               methods=["GET", "DELETE", "POST"]),
