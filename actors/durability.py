@@ -109,12 +109,17 @@ class RecordKey:
 
 # -- messages (received by the core) ------------------------------------------
 
+
+def token_tuple(tokens: Iterable[int]) -> tuple[int, ...]:
+    """A message's tokens as a tuple (hashable, immutable)."""
+    return tuple(tokens)
+
 @attrs.frozen(kw_only=True)
 class Dirty:
     """`PromptCache.on_put(namespace, tokens)`: an entry holding exactly `tokens` was put."""
 
     namespace: str
-    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    tokens: tuple[int, ...] = attrs.field(converter=token_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -412,7 +417,7 @@ class DurabilityCore:
         return effects
 
     def _on_timer(self, msg: TimerFired) -> list[Any]:
-        record = self._records.get(msg.key)  # type: ignore[arg-type]
+        record = self._records.get(msg.key) if isinstance(msg.key, RecordKey) else None
         if record is None or not record.timer_armed:
             return []  # stale: the timer was cancelled after its message was queued
         record.timer_armed = False

@@ -23,9 +23,24 @@ import attrs
 import trio
 
 from kvcellar.actors.durability import (
-    BUSY_REARM_S_DEFAULT, DEBOUNCE_S_DEFAULT, RETRY_MAX_S_DEFAULT, RETRY_S_DEFAULT, SUBMIT_OUTCOMES, AttemptDeferred,
-    AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore, Flush, FlushTimedOut,
-    FlushVerdict, QueueDrained, RecordKey, StartAttempt,
+    BUSY_REARM_S_DEFAULT,
+    DEBOUNCE_S_DEFAULT,
+    RETRY_MAX_S_DEFAULT,
+    RETRY_S_DEFAULT,
+    SUBMIT_OUTCOMES,
+    AttemptDeferred,
+    AttemptResult,
+    CheckCoverage,
+    CoverageChecked,
+    Dirty,
+    DrainQueue,
+    DurabilityCore,
+    Flush,
+    FlushTimedOut,
+    FlushVerdict,
+    QueueDrained,
+    RecordKey,
+    StartAttempt,
 )
 from kvcellar.actors.runtime import ActorShell, Journal, Reply
 from kvcellar.store.prompt_cache import SpillSnapshot
@@ -88,8 +103,8 @@ class DurabilityCoordinator:
     def dirty(self, namespace: str, tokens: Iterable[int]) -> None:
         """Record a put (Trio thread only; never blocks)."""
         # `on_put` hands a tuple of ints already: no second pass over a long prompt.
-        tokens = tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
-        self._send(Dirty(namespace=namespace, tokens=tokens))
+        token_tuple: tuple[int, ...] = tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
+        self._send(Dirty(namespace=namespace, tokens=token_tuple))
 
     async def flush(self, timeout_s: float | None = None) -> FlushVerdict:
         """Force every put made before this call to the SSD tier and say whether

@@ -24,6 +24,7 @@ has nothing left (`OtherLaneIdle`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import threading
@@ -305,10 +306,9 @@ class Gateway:
 
     def other_lane_idle(self) -> None:
         """Told by the lane behind a busy probe once the probe turns false."""
-        try:
+        # The gateway may have shut down: then no step is left to start.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self.shell.send_nowait(OtherLaneIdle())
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the gateway has shut down: no step is left to start
 
     def new_id(self) -> int:
         """An id unique among this gateway's requests, steps and waiters (the

@@ -36,6 +36,7 @@ job has reported its end, so a job never sees rows after its end-of-batch.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -43,7 +44,7 @@ import math
 import queue
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import attrs
@@ -414,7 +415,7 @@ class Scheduler:
     def close(self) -> None:
         self.shell.close()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
         """Stream one request as a batch row. Raises `AdmissionClosed` after
         shutdown began and `BatchAborted` when its batch failed under it."""
         request_id = self.gateway.new_id()
@@ -452,10 +453,9 @@ class Scheduler:
                 "batch_size_history": {str(rows): steps for rows, steps in sorted(self.decode_steps_by_rows.items())}}
 
     def _send_quietly(self, msg: SchedulerMessage) -> None:
-        try:
+        # The scheduler may have shut down: then nothing is left to tell.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self.shell.send_nowait(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the scheduler has shut down: nothing is left to tell
 
     def _perform(self, effect: Any) -> None:
         if isinstance(effect, StartBatch):
@@ -466,8 +466,8 @@ class Scheduler:
             assert self._inbox is not None
             self._inbox.put(BatchRow(row_id=effect.request_id, request=row.request, cancelled=row.cancelled))
         elif isinstance(effect, CancelRow):
-            if (row := self._rows.get(effect.request_id)) is not None:
-                row.cancelled.set()
+            if (cancelled := self._rows.get(effect.request_id)) is not None:
+                cancelled.cancelled.set()
         elif isinstance(effect, EndBatch):
             assert self._inbox is not None
             self._inbox.put(END_OF_BATCH)
@@ -476,8 +476,8 @@ class Scheduler:
         elif isinstance(effect, Withdrawn):
             self._rows.pop(effect.request_id).finish(None)
         elif isinstance(effect, RowAborted):
-            if (row := self._rows.pop(effect.request_id, None)) is not None:
-                row.finish(_Failure(BatchAborted(effect.reason)))
+            if (aborted := self._rows.pop(effect.request_id, None)) is not None:
+                aborted.finish(_Failure(BatchAborted(effect.reason)))
         elif isinstance(effect, Drained):
             self._drains.pop(effect.waiter_id).set(None)
         elif isinstance(effect, WentIdle):
@@ -509,10 +509,9 @@ class Scheduler:
             row = self._rows.get(event.row_id)
             if isinstance(event, RowToken):
                 if row is not None:
-                    try:
+                    # The client may have left; the Cancel it sent ends the row.
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                         row.send.send_nowait(event.delta)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass  # the client left; the Cancel it sent ends the row
                 continue
             self._end_row(event, row)
 

@@ -24,7 +24,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from kvcellar.engine.reply import CrossThreadReply
-from kvcellar.errors import KvCellarError, ModelError
+from kvcellar.engine.scalars import item_int
+from kvcellar.errors import KvCellarError, ModelError, UsageError
 
 PREFILL_STEP_TOKENS = 512
 
@@ -96,6 +97,8 @@ class _SeededSampler:
     categorical draw with the next key of a chain seeded by `params.seed`."""
 
     def __init__(self, params: SamplingParams) -> None:
+        if params.seed is None:
+            raise UsageError("a seeded sampler needs a seed")
         self._params = params
         self._key = mx.random.key(params.seed)
 
@@ -122,7 +125,7 @@ def generate_tokens(model: Any, prompt_ids: Sequence[int], params: SamplingParam
     logits = prefill(model, prompt_ids, cache)
     for _ in range(params.max_tokens):
         token = sample_next(sampler, logits)
-        token_id = int(token.item())
+        token_id = item_int(token)
         yield token_id
         if token_id in params.stop_token_ids:
             return
@@ -190,7 +193,8 @@ class EngineThread:
             self._thread.join(timeout_s)
 
     def _logged(self, label: str, run: Callable[[], None]) -> Callable[[], None]:
-        if self.turn_log is None:
+        turn_log = self.turn_log
+        if turn_log is None:
             return run
 
         def logged() -> None:
@@ -198,7 +202,7 @@ class EngineThread:
             try:
                 run()
             finally:
-                self.turn_log.append((label, started, time.perf_counter()))
+                turn_log.append((label, started, time.perf_counter()))
 
         return logged
 
@@ -227,6 +231,8 @@ class EngineThread:
         def run() -> None:
             items = None
             try:
+                if self._loaded is None:
+                    raise EngineStopped("the model is not loaded")
                 items = job(self._loaded)
                 for item in items:
                     token.run_sync_soon(send.send_nowait, ("item", item))
@@ -259,7 +265,8 @@ def _load(model_dir: Path) -> LoadedModel:
     from mlx_lm import load
 
     try:
-        model, tokenizer = load(str(model_dir))
+        loaded = load(str(model_dir))
+        model, tokenizer = loaded[0], loaded[1]
     except Exception as e:
         raise ModelError(f"cannot load the model in {model_dir}: {e}") from e
     config = getattr(model, "args", None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import mlx.core as mx
@@ -29,6 +29,7 @@ from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvcellar.engine.engine import SamplingParams, make_params_sampler
+from kvcellar.engine.scalars import item_float
 from kvcellar.engine.structured import GrammarMask, token_table
 
 # Penalties look back this many tokens of the context (prompt and completion),
@@ -85,13 +86,14 @@ def token_logprob(tokenizer: Any, logprobs: mx.array, token_id: int, top_n: int)
         best = mx.argsort(-row)[:top_n]
         values = row[best]
         mx.eval(best, values)
-        for candidate, value in zip(best.tolist(), values.tolist(), strict=True):
+        for candidate, value in zip(cast(list[int], best.tolist()), cast(list[float], values.tolist()),
+                                    strict=True):
             raw = table.decode_bytes([candidate])
             top.append(TopLogprob(token=raw.decode("utf-8", "replace"), token_bytes=tuple(raw),
                                   logprob=_finite(value)))
     raw = table.decode_bytes([token_id])
     return TokenLogprob(token=raw.decode("utf-8", "replace"), token_bytes=tuple(raw),
-                        logprob=_finite(float(row[token_id].item())), top=tuple(top))
+                        logprob=_finite(item_float(row[token_id])), top=tuple(top))
 
 
 class SerialSampling:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -28,6 +28,11 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from kvcellar.engine.scalars import item_int
+
+if TYPE_CHECKING:
+    # A TypedDict of the extension's stub only; not importable at run time.
+    from llguidance._lib import JsonCompileOptions
 from kvcellar.errors import KvCellarError
 
 log = logging.getLogger("kvcellar.engine")
@@ -40,7 +45,7 @@ class GrammarError(KvCellarError):
 
 # Compact JSON: a random or small model given "any whitespace" spends its
 # tokens on whitespace instead of closing the object.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 _token_tables: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _token_tables_lock = threading.Lock()
@@ -95,7 +100,7 @@ class GrammarMask:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._calls > 0 and not self._matcher.is_error():
-            sampled = int(tokens[-1].item())
+            sampled = item_int(tokens[-1])
             if not self._matcher.consume_token(sampled):
                 log.warning("the grammar refused sampled token %d (%s); ending the generation",
                             sampled, self._matcher.get_error())

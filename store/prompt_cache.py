@@ -52,8 +52,12 @@ SpillSink = Callable[[SpillSnapshot], None]
 
 
 class ColdMatch(Protocol):
-    usable_tokens: int
-    entry_tokens: int
+    # Read-only: the SSD tier's match is frozen.
+    @property
+    def usable_tokens(self) -> int: ...
+
+    @property
+    def entry_tokens(self) -> int: ...
 
 
 class ColdTier(Protocol):

@@ -10,12 +10,12 @@ from contextlib import aclosing, contextmanager
 
 import pytest
 import trio
+from polling import DEADLINE_S, wait_until
 
 from kvcellar.actors.scheduler import BatchState
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
-from polling import DEADLINE_S, wait_until
 
 # Lengths chosen around gemma3_text's tiny sliding window (32) so rings wrap in some rows and not others.
 PROMPTS = tuple(tuple((7 * i + 13 * k) % 1000 + 3 for i in range(length))
@@ -124,12 +124,12 @@ def test_each_finished_rows_caches_serve_its_next_turn(model_dir_factory, arch):
         async with open_system(_config(model_dir)) as system:
             first = await _concurrently(system, [_greedy(prompt) for prompt in PROMPTS[:3]])
             follow_ups = [_greedy(prompt + tuple(tokens) + (5, 6, 7), 2)
-                          for prompt, (tokens, _, _) in zip(PROMPTS, first)]
+                          for prompt, (tokens, _, _) in zip(PROMPTS, first, strict=True)]
             second = await _concurrently(system, follow_ups)
             return first, second, system.stats()
 
     first, second, stats = trio.run(main)
-    for prompt, (tokens, _, _), (_, _, done) in zip(PROMPTS, first, second):
+    for prompt, (tokens, _, _), (_, _, done) in zip(PROMPTS, first, second, strict=True):
         assert done.cache_tier == "ram"
         # The row's entry holds its prompt and every token it generated (the last one was fed too).
         assert done.cached_tokens == len(prompt) + len(tokens)

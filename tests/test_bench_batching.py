@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from kvcellar.bench import batching, common
 from kvcellar.engine.demo_models import create_model
 
-
 NEW_TOKENS = 48
 CLIENT_COUNTS = ("1", "2", "4", "8")
 

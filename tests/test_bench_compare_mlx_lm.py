@@ -6,8 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvcellar.bench import common
-from kvcellar.bench import compare_mlx_lm
+from kvcellar.bench import common, compare_mlx_lm
 from kvcellar.engine.demo_models import create_model
 
 

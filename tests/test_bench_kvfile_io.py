@@ -6,8 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvcellar.bench import common
-from kvcellar.bench import kvfile_io
+from kvcellar.bench import common, kvfile_io
 
 
 def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):

@@ -6,8 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvcellar.bench import common
-from kvcellar.bench import prompt_cache
+from kvcellar.bench import common, prompt_cache
 
 TINY_SETTINGS = [
     "--lengths", "64", "--repeats", "1", "--entries", "20", "--queries", "30", "--turns", "4",

@@ -6,8 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvcellar.bench import common
-from kvcellar.bench import writebehind
+from kvcellar.bench import common, writebehind
 from kvcellar.engine.demo_models import create_model
 
 TINY_SETTINGS = ["--context-tokens", "64", "--new-tokens", "8", "--repeats", "1", "--json"]
@@ -31,7 +30,7 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])
-    assert EXPECTED_KEYS <= set(figures)
+    assert set(figures) >= EXPECTED_KEYS
     for key in ("decode_ratio", "decode_tok_s_on", "decode_tok_s_off", "ttft_s_on", "ttft_s_off", "flush_s",
                 "flush_bytes"):
         assert figures[key] > 0, key

@@ -16,9 +16,27 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcellar.actors.durability import (
-    OUTCOMES, AttemptDeferred, AttemptResult, CheckCoverage, CoverageChecked, Dirty, DrainQueue, DurabilityCore,
-    DurabilitySettled, DurabilityState, Flush, FlushBegun, FlushTimedOut, FlushTimedOutRecorded, FlushVerdict,
-    FlushVerdictRecorded, QueueDrained, RecordKey, RecordStatus, StartAttempt, tokens_hash,
+    OUTCOMES,
+    AttemptDeferred,
+    AttemptResult,
+    CheckCoverage,
+    CoverageChecked,
+    Dirty,
+    DrainQueue,
+    DurabilityCore,
+    DurabilitySettled,
+    DurabilityState,
+    Flush,
+    FlushBegun,
+    FlushTimedOut,
+    FlushTimedOutRecorded,
+    FlushVerdict,
+    FlushVerdictRecorded,
+    QueueDrained,
+    RecordKey,
+    RecordStatus,
+    StartAttempt,
+    tokens_hash,
 )
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
@@ -710,7 +728,7 @@ def test_a_timeout_arriving_after_the_verdict_is_stale() -> None:
     core = DurabilityCore()
     core.handle(Flush(flush_id=1), 0.0)
     effects = core.handle(QueueDrained(flush_id=1), 0.0)
-    assert [e for e in effects if isinstance(e, FlushVerdict)][0].durable
+    assert next(e for e in effects if isinstance(e, FlushVerdict)).durable
     stats = core.stats()
     assert core.handle(FlushTimedOut(flush_id=1), 1.0) == [] and core.stats() == stats
 

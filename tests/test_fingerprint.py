@@ -21,6 +21,7 @@ from kvcellar.engine.demo_models import create_model
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.errors import ModelError
+from kvcellar.serialization import to_cbor
 from kvcellar.store import kvfile
 from kvcellar.store.fingerprint import (
     MEMO_FILE_NAME,
@@ -32,7 +33,6 @@ from kvcellar.store.fingerprint import (
     describe_device_architecture,
     tokenizer_files,
 )
-from kvcellar.serialization import to_cbor
 
 WEIGHTS = "model.safetensors"
 
@@ -291,7 +291,7 @@ def test_unwritable_memo_directory_still_gives_the_right_digest(model_dir, tmp_p
 def test_model_errors_name_the_directory(tmp_path, model_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelError, match="config.json") as error:
+    with pytest.raises(ModelError, match=r"config\.json") as error:
         compute_fingerprint(empty)
     assert str(empty) in str(error.value)
 

@@ -157,7 +157,7 @@ def test_future_format_version_and_foreign_files_are_refused(llama_entry, tmp_pa
         kvfile.read_header(future)
     foreign = tmp_path / "foreign.kvc"
     foreign.write_text(json.dumps({"not": "a kv file"}))
-    with pytest.raises(UnsupportedFormat, match="not a .kvc file"):
+    with pytest.raises(UnsupportedFormat, match=r"not a \.kvc file"):
         kvfile.load(foreign)
     empty = tmp_path / "empty.kvc"
     empty.write_bytes(b"")
@@ -171,7 +171,7 @@ def test_file_holds_header_plus_aligned_rows_up_to_offset_and_no_slack(llama_ent
     assert os.path.getsize(path) == header.file_bytes
     expected_end = header.payload_offset
     records = list(header.tensor_records())
-    for index, (record, layer) in enumerate(zip(records, [a for c in cache for a in (c.keys, c.values)])):
+    for index, (record, layer) in enumerate(zip(records, [a for c in cache for a in (c.keys, c.values)], strict=True)):
         batch, heads, capacity, head_dim = layer.shape
         assert capacity > token_count, "the live cache has slack, so this test can tell"
         assert record.shape == (batch, heads, token_count, head_dim)

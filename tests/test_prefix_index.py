@@ -25,7 +25,7 @@ entry_ids = st.sampled_from([f"e{number}" for number in range(8)])
 
 def _common_prefix_length(left: list[int], right: list[int]) -> int:
     length = 0
-    for left_token, right_token in zip(left, right):
+    for left_token, right_token in zip(left, right, strict=False):
         if left_token != right_token:
             break
         length += 1

@@ -81,7 +81,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             if entry["namespace"] != namespace:
                 continue
             common = 0
-            for a, b in zip(entry["tokens"], prompt):
+            for a, b in zip(entry["tokens"], prompt, strict=False):
                 if a != b:
                     break
                 common += 1
@@ -155,7 +155,7 @@ def test_borrowers_decode_without_touching_the_donor_and_diverge_independently(l
     for token, got in ((5, got_first), (9, got_second)):
         fresh, _ = _prefill(llama, PROMPT)
         expected = _decode(llama, fresh, token, 6)
-        assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got))
+        assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got, strict=True))
 
 
 def test_partial_ram_hit_lends_a_trimmed_prefix(llama):
@@ -239,7 +239,7 @@ def test_demote_idle_spills_frees_and_the_restored_prefix_continues_bit_identica
     assert result.tier == "ssd" and result.reused_tokens == len(PROMPT)
     expected = _decode(llama, live, 3, 8)
     got = _decode(llama, result.caches, 3, 8)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got, strict=True))
     store.close()
 
 

@@ -184,7 +184,7 @@ def test_cache_list_members_convert_and_recurrent_state_is_untouched(loaded_mode
     for layer in prefilled:
         assert type(layer) is mlx_cache.CacheList
         assert [type(member).__name__ for member in layer.caches] == ["ArraysCache", "QuantizedKVCache"]
-    assert all(mx.array_equal(a, b).item() for a, b in zip(recurrent_before, prefilled[0].caches[0].cache))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(recurrent_before, prefilled[0].caches[0].cache, strict=True))
     logits = model(mx.array([[11]]), cache=prefilled)
     assert bool(mx.all(mx.isfinite(logits)).item())
 
@@ -195,7 +195,7 @@ def test_offset_zero_caches_are_skipped_and_converted_once_populated(loaded_mode
     fresh = mlx_cache.make_prompt_cache(model)
     originals = list(fresh)
     assert scheme.convert(fresh) is fresh
-    assert all(a is b for a, b in zip(fresh, originals))
+    assert all(a is b for a, b in zip(fresh, originals, strict=True))
     caches, _ = prefill_like_mlx_lm(model, PROMPT[:8], KvScheme.bf16())
     empty = mlx_cache.KVCache()
     caches[2] = empty
@@ -215,15 +215,15 @@ def test_convert_is_idempotent_and_bf16_is_identity(loaded_model_factory):
     model, _ = loaded_model_factory("llama", "small")
     caches, _ = prefill_like_mlx_lm(model, PROMPT[:8], KvScheme.bf16())
     untouched = list(caches)
-    assert KvScheme.bf16().convert(caches) is caches and all(a is b for a, b in zip(caches, untouched))
+    assert KvScheme.bf16().convert(caches) is caches and all(a is b for a, b in zip(caches, untouched, strict=True))
     scheme = KvScheme.uniform(8, GROUP_32)
     scheme.convert(caches)
     converted = list(caches)
     states = [[mx.array(part) for part in (*cache.keys, *cache.values)] for cache in caches]
     scheme.convert(caches)
-    assert all(a is b for a, b in zip(caches, converted))
-    for cache, before in zip(caches, states):
-        assert all(mx.array_equal(a, b).item() for a, b in zip((*cache.keys, *cache.values), before))
+    assert all(a is b for a, b in zip(caches, converted, strict=True))
+    for cache, before in zip(caches, states, strict=True):
+        assert all(mx.array_equal(a, b).item() for a, b in zip((*cache.keys, *cache.values), before, strict=True))
 
 
 def test_affine_config_quantizes_each_layer_to_its_bits(loaded_model_factory):

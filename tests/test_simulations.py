@@ -6,8 +6,8 @@ checks are in test_sim_batch_lane.py."""
 from __future__ import annotations
 
 import json
-import random
 import os
+import random
 import subprocess
 import sys
 import threading

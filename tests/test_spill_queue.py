@@ -17,8 +17,24 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvcellar.actors.runtime import IllegalTransition, JournalEvent
 from kvcellar.actors.spill_queue import (
-    BYTES_MAX_DEFAULT, GIB, KINDS, AwaitIdle, Dispatch, Enqueue, Release, Settled, Shutdown, SpillDispatched,
-    SpillDropped, SpillEnqueued, SpillQueue, SpillQueueCore, SpillSettled, SpillState, Wake, WriteResult,
+    BYTES_MAX_DEFAULT,
+    GIB,
+    KINDS,
+    AwaitIdle,
+    Dispatch,
+    Enqueue,
+    Release,
+    Settled,
+    Shutdown,
+    SpillDispatched,
+    SpillDropped,
+    SpillEnqueued,
+    SpillQueue,
+    SpillQueueCore,
+    SpillSettled,
+    SpillState,
+    Wake,
+    WriteResult,
     bytes_max_from_env,
 )
 from kvcellar.errors import UsageError

@@ -128,7 +128,7 @@ def test_byte_cap_evicts_least_recently_used_and_a_hit_refreshes(llama, tmp_path
     store = SsdStore.open(tmp_path / "real", FINGERPRINT, bytes_max=3 * one_entry_bytes,
                           clock_ns=lambda: clock() * 1_000_000_000)
     ids = []
-    for prompt, cache in zip(prompts[:3], caches[:3]):
+    for prompt, cache in zip(prompts[:3], caches[:3], strict=True):
         ids.append(store.store(prompt, cache))
         assert store.stats()["bytes"] <= store.bytes_max
     assert store.restore(store.find(prompts[0] + [1])) is not None
@@ -158,7 +158,7 @@ def _flip(path: Path, offset: int) -> None:
 @pytest.mark.parametrize("damage", ["header", "truncated", "future_version", "foreign", "wrong_fingerprint",
                                     "wrong_namespace_dir"])
 def test_damaged_or_mismatched_files_are_quarantined_at_startup(damage, llama, tmp_path):
-    entry_id, path = _store_one(tmp_path, llama)
+    _, path = _store_one(tmp_path, llama)
     if damage == "header":
         _flip(path, kvfile.PREAMBLE_BYTES + 5)
     elif damage == "truncated":

@@ -8,13 +8,13 @@ from functools import partial
 
 import pytest
 import trio
+from polling import wait_until
 
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.errors import DiskError
 from kvcellar.store.disk import RealDisk
-from polling import wait_until
 
 PROMPT = tuple((17 * i + 11) % 1000 + 3 for i in range(120))
 

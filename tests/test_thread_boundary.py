@@ -25,8 +25,8 @@ from kvcellar.actors.gateway import RequestAdmitted
 from kvcellar.cli import cli
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
-from kvcellar.store.ssd import SsdStore
 from kvcellar.store.safeguards import SAFEGUARDS
+from kvcellar.store.ssd import SsdStore
 
 FINGERPRINT = "b" * 32
 ROUNDS = 60
@@ -142,15 +142,12 @@ def test_a_restore_that_has_its_file_open_when_the_entry_is_evicted_still_return
 
     def load_then_evict(path, verify=True, *, disk=None, safeguards=SAFEGUARDS):
         # The eviction lands while the file is being read: unlinked, still open.
-        handle = open(path, "rb")
-        with store._lock:
-            removed = store._remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0))
-        store._unlink_removed(removed)
-        assert not path.exists()
-        try:
+        with open(path, "rb") as handle:
+            with store._lock:
+                removed = store._remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0))
+            store._unlink_removed(removed)
+            assert not path.exists()
             return original_load(f"/proc/self/fd/{handle.fileno()}", verify, disk=disk, safeguards=safeguards)
-        finally:
-            handle.close()
 
     kvfile.load = load_then_evict
     try:
