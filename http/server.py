@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import trio
@@ -19,6 +20,9 @@ from hypercorn.trio import serve
 
 from kvcellar.actors.system import System, SystemConfig, open_system
 from kvcellar.http.app import HttpSettings, build_app
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
 
 log = logging.getLogger("kvcellar.serve")
 
@@ -59,8 +63,10 @@ async def serve_forever(config: SystemConfig, host: str, port: int, settings: Ht
             await stop_serving.wait()
 
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(serve, build_app(system, settings), hypercorn_config,
-                                        shutdown_trigger=shutdown_trigger))
+            # Starlette is an ASGI 3 app; hypercorn's stub spells the ASGI callable
+            # with its own event types, which Starlette's annotations do not name.
+            app = cast("ASGIFramework", build_app(system, settings))
+            await nursery.start(partial(serve, app, hypercorn_config, shutdown_trigger=shutdown_trigger))
             log.info("%s", banner(system, host, port))
             if ready is not None:
                 ready.set()
