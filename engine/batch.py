@@ -8,9 +8,14 @@ every step's tokens back as one `BatchStep`. Rows carry their own sampler,
 logits processors (engine/sampling.py), `max_tokens`, stop tokens and stop
 strings (the serial lane's `TextAssembler`) and finish independently. A finished or cancelled row's caches are extracted
 per row before the batched caches are filtered and are `put` back to the RAM
-tier (spec §4, extract-and-put); after a cold prefill of
-`snapshot_prefill_tokens_min` or more, the row's prompt-only caches are
-extracted and put as the prompt-boundary snapshot, as the serial lane does.
+tier (spec §4, extract-and-put). The prompt-boundary snapshot follows the
+serial lane's rule (engine/generation.py): a row carrying the template
+probe's stable boundary beyond what the tiers served is inserted as two
+segments (mlx-lm's `insert_segments`, which stops its prefill at the segment
+end), and when the first one ends the row's caches, extracted, hold exactly
+`prompt[:boundary]` and are put; a row without a boundary puts its
+prompt-only caches after a cold prefill of `snapshot_prefill_tokens_min` or
+more.
 The job ends when the Scheduler sends `END_OF_BATCH`, which it does only when
 no row is active or waiting (or when its consumer has gone). While no row is
 active it waits on the inbox; with `wait_for_rows=False` (an engine that runs
@@ -57,6 +62,7 @@ from kvcellar.engine.generation import (
 )
 from kvcellar.engine.sampling import build_processors
 from kvcellar.store import signature as sig
+from kvcellar.store.lending import snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
 
@@ -146,6 +152,8 @@ class _Row:
     cache_tier: str
     use_cache: bool
     snapshot: bool
+    # The stable boundary whose snapshot is still owed (the end of the row's first segment), or None.
+    boundary: int | None
     assembler: TextAssembler
     produced: int = 0
 
@@ -229,13 +237,16 @@ class BatchLoop:
         prompt = list(request.prompt_ids)
         reuse = take_reuse(self.prompt_cache, request)
         cached_tokens = reuse.cached_tokens
-        (uid,) = self._generator.insert(
-            [prompt[cached_tokens:]], max_tokens=[params.max_tokens], caches=[reuse.caches],
+        boundary = reuse.boundary_snapshot_at(request)
+        segments = [prompt[cached_tokens:]] if boundary is None else [prompt[cached_tokens:boundary], prompt[boundary:]]
+        (uid,) = self._generator.insert_segments(
+            [segments], max_tokens=[params.max_tokens], caches=[reuse.caches],
             all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()])
         self._rows[uid] = _Row(
             row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens, cache_tier=reuse.tier,
-            use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(len(prompt), self.snapshot_prefill_tokens_min),
+            use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
+            boundary=boundary,
             assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings))
 
     def _sampler(self, params: SamplingParams) -> Any:
@@ -262,7 +273,11 @@ class BatchLoop:
         prompt_responses, generation_responses = self._generator.next()
         for response in prompt_responses:
             state = self._rows.get(response.uid)
-            if response.end_of_prompt and state is not None and state.snapshot:
+            if state is None:
+                continue
+            if response.end_of_segment and state.boundary is not None:
+                self._put_boundary_snapshot(state)
+            elif response.end_of_prompt and state.snapshot:
                 self._put_snapshot(state)
         for response in generation_responses:
             state = self._rows[response.uid]
@@ -284,6 +299,16 @@ class BatchLoop:
         caches, tokens = self._generator.extract_cache([state.uid])[state.uid]
         if list(tokens) == state.prompt:
             self.prompt_cache.put(state.prompt, caches, state.row.request.namespace)
+
+    def _put_boundary_snapshot(self, state: _Row) -> None:
+        """The stable-boundary snapshot: the row's first segment ended, so its
+        extracted caches hold exactly `prompt[:boundary]`; put an evaluated
+        copy (the batched caches go on changing)."""
+        assert self._generator is not None and self.prompt_cache is not None and state.boundary is not None
+        boundary, state.boundary = state.boundary, None
+        caches, tokens = self._generator.extract_cache([state.uid])[state.uid]
+        if list(tokens) == state.prompt[:boundary]:
+            self.prompt_cache.put(state.prompt[:boundary], snapshot_caches(caches), state.row.request.namespace)
 
     def _finish(self, state: _Row, outcome: str, events: list[RowToken | RowDone],
                 removed: tuple[list[Any], list[int]] | None) -> None:

@@ -2,9 +2,19 @@
 
 `run_generation` is a generator run as a single engine job: take the longest
 usable prefix from the RAM tier (which consults the SSD tier), prefill only
-the remainder in chunks, put a prompt-only snapshot after a substantial cold
-prefill (spec §4, "prompt-boundary snapshot"), decode with mlx-lm's samplers,
-and put the finished caches back, also when the client went away.
+the remainder in chunks, put a prompt-only snapshot (spec §4, "prompt-boundary
+snapshot"), decode with mlx-lm's samplers, and put the finished caches back,
+also when the client went away.
+
+Where the snapshot goes: a chat request carries the template probe's stable
+boundary (`GenerationRequest.snapshot_at_tokens`, spec §4 "template probe"),
+the leading prompt tokens the next turn's rendering keeps; the prefill is
+split there and the snapshot holds exactly `prompt[:boundary]`, whenever the
+tiers served less than that (no minimum: an agent's turns are often short,
+and an untrimmable cache, recurrent state or a wrapped ring, serves the next
+turn only from an entry that is an exact prefix of it). A request without a
+boundary (completions) gets the whole-prompt snapshot after a cold prefill of
+`SNAPSHOT_PREFILL_TOKENS_MIN` or more.
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ from kvcellar.engine.engine import (
     release_cached_buffers,
 )
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
-from kvcellar.store.lending import lend_caches
+from kvcellar.errors import UsageError
+from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
 
@@ -45,6 +56,15 @@ class GenerationRequest:
     # processors on both lanes; called once per generation, on the engine
     # thread, since a processor may keep state.
     logits_processors: tuple[Callable[[], Any], ...] = attrs.field(default=(), eq=False)
+    # The template probe's stable boundary (spec §4): how many leading prompt
+    # tokens the next turn's rendering keeps, strictly inside the prompt; the
+    # prompt-boundary snapshot goes there. None: no boundary known.
+    snapshot_at_tokens: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        boundary = self.snapshot_at_tokens
+        if boundary is not None and not 0 < boundary < len(self.prompt_ids):
+            raise UsageError(f"snapshot boundary {boundary} is not inside the {len(self.prompt_ids)}-token prompt")
 
     def make_logits_processors(self) -> list[Any]:
         return [make() for make in self.logits_processors]
@@ -60,9 +80,19 @@ class Reuse:
     cached_tokens: int
     tier: str
 
-    def snapshot_due(self, prompt_tokens: int, snapshot_prefill_tokens_min: int) -> bool:
-        """Whether the prompt-boundary snapshot is owed: a cold prefill of at least the minimum."""
-        return self.use_cache and prompt_tokens - self.cached_tokens >= snapshot_prefill_tokens_min
+    def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
+        """Whether the whole-prompt snapshot is owed: no stable boundary is
+        known and the cold prefill is at least the minimum."""
+        return (self.use_cache and request.snapshot_at_tokens is None
+                and len(request.prompt_ids) - self.cached_tokens >= snapshot_prefill_tokens_min)
+
+    def boundary_snapshot_at(self, request: GenerationRequest) -> int | None:
+        """Where the stable-boundary snapshot goes (`prompt[:boundary]`), or
+        None: no boundary, no tiers, or the tiers already served it."""
+        boundary = request.snapshot_at_tokens
+        if not self.use_cache or boundary is None or boundary <= self.cached_tokens:
+            return None
+        return boundary
 
 
 def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> Reuse:
@@ -101,6 +131,22 @@ class GenerationDone:
     cache_tier: str
 
 
+def _prefill_boundary_snapshot(loaded: LoadedModel, prompt_cache: PromptCache, request: GenerationRequest,
+                               reuse: Reuse, cache: list, *, scheme: KvScheme | None,
+                               prefill_step_tokens: int) -> list:
+    """Prefill from what the tiers served up to the stable boundary and put
+    an owned, evaluated snapshot of the caches, which then hold exactly
+    `prompt[:boundary]`; returns the (converted) caches to go on with."""
+    boundary = request.snapshot_at_tokens
+    assert boundary is not None
+    prefill(loaded.model, request.prompt_ids[reuse.cached_tokens:boundary], cache, prefill_step_tokens)
+    if scheme is not None:
+        # The snapshot is put in the form every entry has: converted.
+        cache = scheme.convert(cache)
+    prompt_cache.put(request.prompt_ids[:boundary], snapshot_caches(cache), request.namespace)
+    return cache
+
+
 def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, request: GenerationRequest,
                    cancelled: threading.Event, *, scheme: KvScheme | None = None,
                    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
@@ -112,11 +158,16 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     reuse = take_reuse(prompt_cache, request)
     use_cache, cached_tokens = reuse.use_cache, reuse.cached_tokens
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
-    logits = prefill(loaded.model, prompt[cached_tokens:], cache, prefill_step_tokens)
+    prefilled_tokens = cached_tokens
+    if reuse.boundary_snapshot_at(request) is not None:
+        cache = _prefill_boundary_snapshot(loaded, prompt_cache, request, reuse, cache, scheme=scheme,
+                                           prefill_step_tokens=prefill_step_tokens)
+        prefilled_tokens = request.snapshot_at_tokens
+    logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens)
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
-    if reuse.snapshot_due(len(prompt), snapshot_prefill_tokens_min):
+    if reuse.snapshot_due(request, snapshot_prefill_tokens_min):
         mx.eval(logits)
         prompt_cache.put(prompt, lend_caches(cache), request.namespace)
     sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())

@@ -202,7 +202,7 @@ def parse_messages_body(raw: bytes, loaded: LoadedModel) -> MessagesJob:
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
         raise BadRequest(f"'max_tokens' is required: an integer between 1 and {MAX_TOKENS_LIMIT}", param="max_tokens")
-    rendered, plan = _render(body, loaded.tokenizer)
+    rendered, plan = _render(body, loaded.tokenizer, probe=True)
     prompt_ids = rendered.prompt_ids
     if len(prompt_ids) + max_tokens > loaded.context_tokens_max:
         raise BadRequest(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
@@ -219,7 +219,8 @@ def parse_messages_body(raw: bytes, loaded: LoadedModel) -> MessagesJob:
         **_sampling_fields(body, loaded),
     )
     request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_sequences(body),
-                                logits_processors=forced_reply_start(rendered))
+                                logits_processors=forced_reply_start(rendered),
+                                snapshot_at_tokens=rendered.snapshot_at_tokens)
     return MessagesJob(request=request, stream=stream, tools=plan, reply_in_reasoning=rendered.in_reasoning)
 
 
@@ -249,14 +250,16 @@ def _sampling_fields(body: dict[str, Any], loaded: LoadedModel) -> dict[str, Any
                          param="output_config.format") from e
 
 
-def _render(body: dict[str, Any], tokenizer: Any) -> tuple[RenderedPrompt, ToolPlan]:
+def _render(body: dict[str, Any], tokenizer: Any, *, probe: bool = False) -> tuple[RenderedPrompt, ToolPlan]:
+    """Render the body's messages and tools; `probe` also finds the stable
+    boundary the prompt-boundary snapshot goes to (count_tokens needs none)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required: a string (any name; this server serves one model)", param="model")
     plan = _tool_plan(body)
     messages = _template_messages(body)
     try:
-        return render_prompt(tokenizer, messages, plan), plan
+        return render_prompt(tokenizer, messages, plan, probe=probe), plan
     except PromptRefused as e:
         raise BadRequest(str(e), param=e.param) from e
 

@@ -153,7 +153,8 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
     if not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
     request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_strings(body),
-                                logits_processors=forced_reply_start(rendered))
+                                logits_processors=forced_reply_start(rendered),
+                                snapshot_at_tokens=rendered.snapshot_at_tokens if rendered else None)
     return CompletionJob(request=request, stream=stream, include_usage=bool(stream_options.get("include_usage")),
                          chat=chat, tools=tool_plan, reply_in_reasoning=bool(rendered and rendered.in_reasoning))
 
@@ -350,7 +351,8 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any) -> tuple[RenderedPrompt, T
     and the tool plan the reply is parsed with; raises `BadRequest`."""
     plan = tool_plan(body)
     try:
-        return render_prompt(tokenizer, chat_messages(body), plan), plan
+        # The template probe finds where the prompt-boundary snapshot goes (engine/generation.py).
+        return render_prompt(tokenizer, chat_messages(body), plan, probe=True), plan
     except PromptRefused as e:
         raise BadRequest(str(e), param=e.param) from e
 

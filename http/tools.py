@@ -107,6 +107,13 @@ class RenderedPrompt:
     forced_ids: tuple[int, ...]
     stable_prefix_tokens: int
 
+    @property
+    def snapshot_at_tokens(self) -> int | None:
+        """The stable boundary as `GenerationRequest.snapshot_at_tokens`:
+        None unless the probe found one strictly inside the prompt."""
+        stable = self.stable_prefix_tokens
+        return stable if 0 < stable < len(self.prompt_ids) else None
+
 
 @attrs.frozen(kw_only=True)
 class ReasoningText:
