@@ -68,16 +68,16 @@ def materialise(array: mx.array) -> list[memoryview]:
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
     mx.eval(array)
-    host = np.asarray(memoryview(array))
+    host = np.asarray(memoryview(array))  # type: ignore[arg-type]  # stubs omit mx.array's buffer protocol
     if host.flags.c_contiguous:
-        return [memoryview(host).cast("B")]
+        return [host.data.cast("B")]
     if host.ndim >= 2:
         segments = [host[index] for index in np.ndindex(host.shape[:-2])]
         if all(segment.flags.c_contiguous for segment in segments):
-            return [memoryview(segment).cast("B") for segment in segments]
+            return [segment.data.cast("B") for segment in segments]
     contiguous = mx.contiguous(array)
     mx.eval(contiguous)
-    return [memoryview(contiguous).cast("B")]
+    return [memoryview(contiguous).cast("B")]  # type: ignore[arg-type]  # stubs omit mx.array's buffer protocol
 
 
 def host_dtype(dtype: str) -> Any:
@@ -247,7 +247,8 @@ def _rebuild_member(record: CacheRecord, read: TensorReader) -> Any:
 
 
 def _rebuild_quantized(record: CacheRecord, read: TensorReader) -> Any:
-    cache = mlx_cache.QuantizedKVCache(group_size=record.fields["group_size"], bits=record.fields["bits"])
+    # Any: mlx-lm leaves its cache attributes unannotated, so mypy types `keys` as None.
+    cache: Any = mlx_cache.QuantizedKVCache(group_size=record.fields["group_size"], bits=record.fields["bits"])
     if record.tensors:
         capacity = _step_capacity(record.offset)
         parts = [read(tensor, capacity) for tensor in record.tensors]
@@ -281,7 +282,8 @@ def _rebuild_rotating(record: CacheRecord, read: TensorReader) -> Any:
 
 
 def _rebuild_arrays(record: CacheRecord, read: TensorReader) -> Any:
-    cache = mlx_cache.ArraysCache(record.fields["slots"])
+    # Any: mlx-lm's unannotated `[None] * size` types the slots as None.
+    cache: Any = mlx_cache.ArraysCache(record.fields["slots"])
     for tensor in record.tensors:
         label = tensor.name.rsplit(".", 1)[-1]
         if label.startswith("slot"):

@@ -106,9 +106,8 @@ def apply_event(db: sqlite_utils.Database, event: ev.Event) -> None:
         _upsert_entry(db, event.entry, keep_counters=False)
     elif isinstance(event, ev.ReconcileUpdated):
         _upsert_entry(db, event.entry, keep_counters=True)
-    elif isinstance(event, (ev.EntrySuperseded, ev.EntryEvicted, ev.ReconcileRemoved)):
-        db.execute("DELETE FROM entries WHERE entry_id = ?", [event.entry_id])
-    elif isinstance(event, ev.EntryQuarantined) and event.entry_id:
+    elif isinstance(event, (ev.EntrySuperseded, ev.EntryEvicted, ev.ReconcileRemoved)) or (
+            isinstance(event, ev.EntryQuarantined) and event.entry_id):
         db.execute("DELETE FROM entries WHERE entry_id = ?", [event.entry_id])
     elif isinstance(event, ev.EntryHit):
         db.execute("UPDATE entries SET hits = hits + 1, mtime_ns = ? WHERE entry_id = ?",
@@ -367,7 +366,8 @@ class Journal:
                entry_id: str | None = None) -> Iterator[JournalEvent]:
         """Stored events in sequence order, optionally filtered (read on the
         runner after every queued append, decoded on the caller's thread)."""
-        clauses, params = ["seq > ?"], [after_seq]
+        clauses: list[str] = ["seq > ?"]
+        params: list[int | str] = [after_seq]
         if until_seq is not None:
             clauses.append("seq <= ?")
             params.append(until_seq)
@@ -377,7 +377,8 @@ class Journal:
         if entry_id is not None:
             clauses.append("entry_id = ?")
             params.append(entry_id)
-        query = f"SELECT seq, time_ns, actor, kind, entry_id, payload FROM events WHERE {' AND '.join(clauses)} ORDER BY seq"
+        query = (f"SELECT seq, time_ns, actor, kind, entry_id, payload FROM events"
+                 f" WHERE {' AND '.join(clauses)} ORDER BY seq")
         rows = self._runner.call(lambda: self._db.execute(query, params).fetchall() if self._db is not None else [])
         for seq, time_ns, actor, kind_, entry, payload in rows:
             yield JournalEvent(seq=seq, time_ns=time_ns, actor=actor, kind=kind_, entry_id=entry,
@@ -422,7 +423,7 @@ def _connect(path: Path) -> sqlite_utils.Database:
 
 def _entry_rows(db: sqlite_utils.Database) -> list[dict[str, Any]]:
     cursor = db.execute(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM entries ORDER BY entry_id")
-    return [dict(zip(ENTRY_COLUMNS, row)) for row in cursor.fetchall()]
+    return [dict(zip(ENTRY_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
 
 
 def _migrate(db: sqlite_utils.Database) -> None:

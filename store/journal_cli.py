@@ -314,7 +314,7 @@ def show_command(directory: Path, fingerprint: str | None, as_json: bool, refere
             print_entries([row], title=f"entry {entry_id}")
         else:
             click.echo(f"entry {entry_id} is no longer in the index")
-        if header is not None:
+        if row is not None and header is not None:  # a header implies a row (`_file_header`)
             click.echo(f"file {row['path']}: format {header.format_version}, namespace {header.namespace!r}, "
                        f"{len(header.tokens)} tokens, {header.file_bytes} bytes, "
                        f"{sum(1 for _ in header.tensor_records())} tensors")

@@ -38,7 +38,7 @@ def header_as_json(header: kvfile.Header) -> dict[str, Any]:
 
 
 def _cache_rows(records: tuple[kvfile.CacheRecord, ...], prefix: str = "") -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for index, record in enumerate(records):
         label = f"{prefix}{index}"
         fields = " ".join(f"{key}={value}" for key, value in sorted(record.fields.items()))
@@ -102,4 +102,5 @@ def verify_command(file: Path) -> None:
         click.echo(f"FAILED: {e}", err=True)
         click.get_current_context().exit(1)
     tensor_count = sum(1 for _ in header.tensor_records())
-    click.echo(f"ok: {file} ({len(header.tokens)} tokens, {tensor_count} tensors, {header.payload_bytes} payload bytes)")
+    click.echo(f"ok: {file} ({len(header.tokens)} tokens, {tensor_count} tensors, "
+               f"{header.payload_bytes} payload bytes)")

@@ -25,6 +25,7 @@ through `Disk`.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 import uuid
@@ -61,7 +62,7 @@ def _align(offset: int) -> int:
     return -(-offset // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
 
 
-def _checksum(data: bytes | memoryview) -> bytes:
+def _checksum(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_64_digest(data)
 
 
@@ -212,15 +213,11 @@ class KvFileWriter:
     def abort(self) -> None:
         """Close and remove the temp file; never raises."""
         if self._handle is not None:
-            try:
+            with contextlib.suppress(DiskError):
                 self.disk.close(self._handle)
-            except DiskError:
-                pass
             self._handle = None
-        try:
+        with contextlib.suppress(DiskError):
             self.disk.unlink(self.temp_path)
-        except DiskError:
-            pass
 
 
 def _packed_token_ids(tokens: Sequence[int]) -> bytes:
@@ -415,7 +412,7 @@ def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, pa
     hasher = xxhash.xxh3_64()
     offset = record.file_offset
     for segment in segments:
-        view = memoryview(segment).cast("B")
+        view = segment.data.cast("B")
         got = disk.read_into(handle, offset, view)
         if got != len(view):
             raise CorruptEntry(f"{path}: truncated {part}", part=part)

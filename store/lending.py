@@ -38,6 +38,9 @@ def _rows_view(array: mx.array | None, rows: int) -> mx.array | None:
 def _lend_attention(cache: Any, drop_tokens: int) -> Any:
     kind = type(cache)
     offset = cache.offset - drop_tokens
+    # Any: mlx-lm leaves its cache attributes unannotated, so mypy types
+    # QuantizedKVCache.keys as None, and one variable holds every kind here.
+    lent: Any
     if kind is mlx_cache.QuantizedKVCache:
         lent = mlx_cache.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
         if cache.keys is not None:
@@ -114,7 +117,9 @@ def cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
         if type(cache) is mlx_cache.CacheList:
             arrays.extend(cache_arrays(cache.caches))
         elif type(cache) is mlx_cache.ArraysCache:
-            arrays.extend(a for a in cache.cache if a is not None)
+            # list[Any]: mlx-lm's unannotated `[None] * size` types the slots as None.
+            slots: list[Any] = cache.cache
+            arrays.extend(a for a in slots if a is not None)
         elif getattr(cache, "keys", None) is not None:
             for part in (cache.keys, cache.values):
                 arrays.extend(part if isinstance(part, tuple) else (part,))

@@ -63,7 +63,7 @@ class ColdMatch(Protocol):
 class ColdTier(Protocol):
     """What the RAM tier needs of the SSD tier (`SsdStore` fits)."""
 
-    def find(self, tokens: Sequence[int], namespace: str = "") -> ColdMatch | None: ...
+    def find(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> ColdMatch | None: ...
     def restore(self, match: Any) -> list[Any] | None: ...
 
 
@@ -208,7 +208,7 @@ class PromptCache:
 
     # -- put -------------------------------------------------------------------
 
-    def put(self, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> bool:
+    def put(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str = "") -> bool:
         """Take ownership of a finished generation's caches as an entry.
         Returns whether it is now held in RAM (an entry larger than the cap is
         spilled instead; a disabled cache holds nothing)."""

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import os
+import re
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -368,10 +368,8 @@ class SsdStore:
             self.disk.rename(path, target)
         except DiskError as e:
             log.warning("cannot quarantine %s (%s); removing it", path, e)
-            try:
+            with suppress(DiskError):
                 self.disk.unlink(path)
-            except DiskError:
-                pass
             target = Path("")
         self._event(ev.EntryQuarantined(entry_id=entry_id, path=self._relative(path),
                                         quarantine_path=str(target.name), reason=reason))
