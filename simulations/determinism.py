@@ -33,5 +33,5 @@ def check_trio() -> None:
 def seed_trio(seed: int) -> None:
     """Seed Trio's scheduler and switch its deterministic ordering on (process-wide)."""
     check_trio()
-    trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
+    trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]  # Final in trio; set on purpose (pinned)
     trio_run._r.seed(f"trio-{seed}")

@@ -66,7 +66,7 @@ def _key_values(tokens: np.ndarray, positions: np.ndarray, layer: int, heads: in
 
 
 def _recurrent_state(tokens: np.ndarray, positions: np.ndarray, state: int) -> int:
-    for token, position in zip(tokens.tolist(), positions.tolist()):
+    for token, position in zip(tokens.tolist(), positions.tolist(), strict=True):
         state = (state * 31 + (int(token) + 1) * (int(position) + 1)) % STATE_MODULUS
     return state
 
@@ -101,7 +101,7 @@ class FakeModel:
         if self.recurrent:
             self._advance_state(cache[len(self.layers)], tokens, positions)
         logits = np.zeros((*tokens.shape, VOCAB_SIZE), dtype=np.float32)
-        for row, (token, position) in enumerate(zip(tokens[:, -1].tolist(), positions[:, -1].tolist())):
+        for row, (token, position) in enumerate(zip(tokens[:, -1].tolist(), positions[:, -1].tolist(), strict=True)):
             logits[row, -1, next_token(token, position)] = 10.0
         return mx.array(logits)
 
@@ -114,7 +114,7 @@ class FakeModel:
         previous = (np.zeros(tokens.shape[0], dtype=np.int64) if state_cache[0] is None
                     else np.array(state_cache[0])[:, 0].astype(np.int64))
         states = [_recurrent_state(row_tokens[keep], row_positions[keep], int(state))
-                  for row_tokens, row_positions, keep, state in zip(tokens, positions, real, previous)]
+                  for row_tokens, row_positions, keep, state in zip(tokens, positions, real, previous, strict=True)]
         state_cache[0] = mx.array(np.repeat(np.array(states, dtype=np.float32)[:, None], self.head_dim, axis=1))
         state_cache.advance(tokens.shape[1])
 
@@ -192,5 +192,8 @@ class InlineEngine:
                         break
                     await trio.sleep(self.token_cost_s + self._delay_s())
             finally:
-                items.close()
+                # As the real engine does: a generator's cleanup runs here, not at collection.
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()
                 cancelled.set()

@@ -6,7 +6,7 @@ with Trio's scheduler seeded; no threads (the `InlineEngine`, blocking I/O
 run inline); every random choice comes from `random.Random` objects derived
 from the seed. The lane comes from its own stream (`lane_for_seed`): about
 half the seeds run every request through the batch lane (the Scheduler and
-`BatchLoop` over mlx-lm's `BatchGenerator`, 2–4 rows, sometimes a KV budget
+`BatchLoop` over mlx-lm's `BatchGenerator`, 2-4 rows, sometimes a KV budget
 small enough to make rows wait), the rest through the serial lane. The
 journal is an in-memory SQLite database whose durable image is taken at each
 commit (`JournalImage`), so a crash keeps exactly the committed transactions
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import Counter
 import logging
 import random
 import sqlite3
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -36,18 +36,28 @@ from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.errors import KvCellarError
-from kvcellar.store import mutations
-from kvcellar.store.journal import Journal, decode_event
-from kvcellar.store.safeguards import Safeguards
-from kvcellar.store.ssd import SsdStore
 from kvcellar.simulations import determinism
 from kvcellar.simulations.boundary import BoundaryChecks, BoundarySchedule, SeededBlocking
 from kvcellar.simulations.fake_engine import InlineEngine, fake_loaded_model
 from kvcellar.simulations.observer import Observer
 from kvcellar.simulations.sim_disk import FaultConfig, SimDisk, SimulatedCrash
 from kvcellar.simulations.workload import (
-    Burst, Crash, Flush, Fork, Idle, Request, Restart, Step, WorkloadShape, build_workload, system_prompt,
+    Burst,
+    Crash,
+    Flush,
+    Fork,
+    Idle,
+    Request,
+    Restart,
+    Step,
+    WorkloadShape,
+    build_workload,
+    system_prompt,
 )
+from kvcellar.store import mutations
+from kvcellar.store.journal import Journal, decode_event
+from kvcellar.store.safeguards import Safeguards
+from kvcellar.store.ssd import IndexedEntry, SsdStore
 
 SIM_ROOT = PurePosixPath("/sim")
 CACHE_DIR = Path("/sim/cache")
@@ -103,7 +113,7 @@ class RunOptions:
     """`batch_rows`: None draws the lane from the seed; 1 forces the serial lane."""
 
     seed: int
-    shape: WorkloadShape = WorkloadShape()
+    shape: WorkloadShape = attrs.field(factory=WorkloadShape)
     faults: frozenset[str] = frozenset()
     crash_at_op: int | None = None
     real_model_dir: Path | None = None
@@ -436,12 +446,20 @@ def _loaded_model(options: RunOptions) -> Any:
     return _load(options.real_model_dir)
 
 
-def _index_of(store: SsdStore) -> list[tuple[str, str, tuple[int, ...]]]:
-    rows = []
+def _indexed_entries(store: SsdStore) -> list[IndexedEntry]:
+    """Every indexed entry in `entry_ids()` order; nothing else uses the store meanwhile."""
+    entries = []
     for entry_id in store.entry_ids():
         entry = store.entry(entry_id)
-        rows.append((entry_id, entry.namespace, tuple(int(t) for t in entry.tokens)))
-    return rows
+        if entry is None:
+            raise RuntimeError(f"entry {entry_id} left the SSD index while the harness read it")
+        entries.append(entry)
+    return entries
+
+
+def _index_of(store: SsdStore) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(entry.entry_id, entry.namespace, tuple(int(t) for t in entry.tokens))
+            for entry in _indexed_entries(store)]
 
 
 def _verify_recovery(run: _Run) -> int:
@@ -477,7 +495,7 @@ def _check_nothing_left_to_supersede(run: _Run, store: SsdStore) -> None:
     strict prefix of a trimmable one that can be trimmed that far: a removal
     is not directory-fsynced, so startup must redo what a power loss undid.
     Checked pairwise, independently of the store's prefix index."""
-    entries = [store.entry(entry_id) for entry_id in store.entry_ids()]
+    entries = _indexed_entries(store)
     for entry in entries:
         for other in entries:
             if other is entry or other.namespace != entry.namespace or other.tokens.size < entry.tokens.size:

@@ -21,9 +21,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcellar.store import events as ev
 from kvcellar.simulations.fake_engine import FakeModel, cache_arrays
 from kvcellar.simulations.sim_disk import SimDisk
+from kvcellar.store import events as ev
 
 PROBE_TOKEN = 0xFFFFFFFF
 
@@ -51,7 +51,7 @@ def probe(tokens: Sequence[int]) -> list[int]:
 
 def arrays_equal(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> bool:
     return len(got) == len(want) and all(
-        g.shape == w.shape and g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want))
+        g.shape == w.shape and g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 class Observer:

@@ -56,7 +56,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
 
@@ -133,20 +133,21 @@ def _error(operation: str, subject: object, code: int) -> DiskError:
     return DiskError(f"{operation} {subject}: {os.strerror(code)}", errno=code)
 
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-def _operation(method: _Method) -> _Method:
+def _operation(method: Callable[Concatenate[SimDisk, _P], _R]) -> Callable[Concatenate[SimDisk, _P], _R]:
     """A `Disk` call: counted, traced, and a possible crash point."""
     name = method.__name__
 
     @functools.wraps(method)
-    def run(self: SimDisk, *args: Any, **kwargs: Any) -> Any:
+    def run(self: SimDisk, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._mutex:
             self._enter(name, args)
             return method(self, *args, **kwargs)
 
-    return run  # type: ignore[return-value]
+    return run
 
 
 class SimDisk:
@@ -268,13 +269,13 @@ class SimDisk:
         assert isinstance(directory, DirectoryInode)
         return directory
 
-    def _parent(self, path: object, operation: str) -> tuple[DirectoryInode, str]:
+    def _parent(self, path: PurePosixPath | Path | str, operation: str) -> tuple[DirectoryInode, str]:
         parts = self._parts(path, operation)
         if not parts:
             raise _error(operation, path, errno_codes.EBUSY)
         return self._directory_at(parts[:-1], operation, path), parts[-1]
 
-    def _lookup(self, path: object, operation: str) -> Inode:
+    def _lookup(self, path: PurePosixPath | Path | str, operation: str) -> Inode:
         parts = self._parts(path, operation)
         if not parts:
             return self._inodes[_ROOT_INODE]
@@ -437,8 +438,8 @@ class SimDisk:
             self._change(source_parent, removals=((source_name, number),))
             self._change(target_parent, additions=((target_name, number),))
 
-    def _check_rename(self, number: int, replaced: int | None, source: object, target: object,
-                      subject: str) -> None:
+    def _check_rename(self, number: int, replaced: int | None, source: PurePosixPath | Path | str,
+                      target: PurePosixPath | Path | str, subject: str) -> None:
         moving_dir = isinstance(self._inodes[number], DirectoryInode)
         if replaced is not None:
             onto = self._inodes[replaced]
@@ -671,10 +672,10 @@ class SimDisk:
         digest = hashlib.sha256()
         with self._mutex:
             for relative, inode in sorted(self._walk(durable), key=lambda item: item[0].parts):
-                content = inode.durable if durable else inode.volatile
                 kind = b"F" if isinstance(inode, FileInode) else b"D"
                 digest.update(kind + str(relative).encode() + b"\0")
                 if isinstance(inode, FileInode):
+                    content = inode.durable if durable else inode.volatile
                     digest.update(len(content).to_bytes(8, "little") + bytes(content))
         return digest.hexdigest()
 

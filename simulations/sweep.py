@@ -40,8 +40,8 @@ def parse_faults(text: str) -> str | frozenset[str]:
 def faults_for_seed(faults: str | frozenset[str], seed: int) -> frozenset[str]:
     if isinstance(faults, str) and faults != "mixed":
         faults = parse_faults(faults)
-    if faults != "mixed":
-        return faults  # type: ignore[return-value]
+    if not isinstance(faults, str):  # the only string left is "mixed"
+        return faults
     rng = random.Random(f"faults-{seed}")
     if rng.random() < 0.35:
         return frozenset()

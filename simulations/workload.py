@@ -12,7 +12,6 @@ tokens drawn here.
 from __future__ import annotations
 
 import random
-from typing import Union
 
 import attrs
 
@@ -67,7 +66,7 @@ class Crash:
     power: bool
 
 
-Step = Union[Request, Burst, Fork, Flush, Idle, Restart, Crash]
+Step = Request | Burst | Fork | Flush | Idle | Restart | Crash
 
 
 @attrs.frozen(kw_only=True)
