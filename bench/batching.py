@@ -324,7 +324,8 @@ def run_benchmark(model_dir: Path, options: dict[str, Any], workdir: Path, progr
         for key in keys if pass_index % 2 == 0 else keys[::-1]:
             runs[key].append(run_session(key, setup, progress, pass_index))
     sessions = {key: {
-        "by_clients": {str(c): decode_figures([run["rounds"][str(c)] for run in runs[key]]) for c in options["clients"]},
+        "by_clients": {str(c): decode_figures([run["rounds"][str(c)] for run in runs[key]])
+                       for c in options["clients"]},
         "passes": runs[key], "others_cpus": max(run["others_cpus"] for run in runs[key]),
         "exit_status": [run["exit_status"] for run in runs[key]]} for key in keys}
     return summarise(sessions, options, forward_ms)

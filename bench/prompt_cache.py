@@ -385,7 +385,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{_mib(memory['entry_bytes_per_token'] * conversation_tokens)} billed, at a conversation's end); median turn "
         f"{memory['turn_median_s']:.2f} s; baseline RSS {_mib(memory['baseline_rss_bytes'])} after loading, a "
         f"warm-up, gc, mx.clear_cache() and malloc_trim(0); mx.clear_cache() {clearing}; glibc's mmap "
-        f"threshold {'pinned at 128 KiB, as the engine thread does' if result.get('allocator_configured') else 'left dynamic'}",
+        f"threshold "
+        f"{'pinned at 128 KiB, as the engine thread does' if result.get('allocator_configured') else 'left dynamic'}",
         "cache counters at the end: " + ", ".join(f"{key} {value}" for key, value in memory["stats"].items()
                                                   if key != "max_bytes"),
         f"load average (1 min) before and after the run: {result['load_average'][0]:.2f} and "

@@ -28,6 +28,7 @@ raised: the exit status is 0 whenever the soak ran.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -54,7 +55,8 @@ REQUEST_TIMEOUT_S, PROBE_TIMEOUT_S, VERIFY_TIMEOUT_S = 120.0, 30.0, 300.0
 TARGET_HEALTH_S = 0.05
 REPLY_HEAD_CHARS, BODY_HEAD_CHARS, VERIFY_TAIL_CHARS, LOG_LINES_KEPT = 40, 300, 2000, 8
 OPTION_KEYS = ("clients", "duration_s", "prompts", "families", "prefix_tokens", "suffix_tokens", "new_tokens",
-               "stream_share", "think_s", "baseline_s", "prompt_cache_gb", "health_interval_s", "stats_interval_s", "seed")
+               "stream_share", "think_s", "baseline_s", "prompt_cache_gb", "health_interval_s", "stats_interval_s",
+               "seed")
 DOCS_NAME = "soak"
 DOCS_BEGIN, DOCS_END = docs_markers(DOCS_NAME)
 
@@ -327,7 +329,7 @@ def run_soak(model_dir: Path, workdir: Path, options: dict[str, Any], progress: 
 
 def restore_windows(samples: list[StatsSample]) -> list[tuple[float, float]]:
     """The stats intervals in which `ssd_cache.restores` rose: restores ran somewhere inside them."""
-    return [(before.at_s, after.at_s) for before, after in zip(samples, samples[1:])
+    return [(before.at_s, after.at_s) for before, after in itertools.pairwise(samples)
             if after.restores > before.restores]
 
 
@@ -387,7 +389,8 @@ def summarise(replies: list[Reply], probes: list[HealthProbe], samples: list[Sta
         "p50_s": _percentile(latencies, 0.5), "p99_s": _percentile(latencies, 0.99),
         "restores": ssd.get("restores", 0), "spills": ssd.get("spills", 0), "evictions": ram.get("evictions", 0),
         "ram_hits": ram.get("hits", 0), "cold_hits": ram.get("cold_hits", 0),
-        "cached_tokens_mean": _cached_mean(replies), "ssd_entries": ssd.get("entries", 0), "ssd_bytes": ssd.get("bytes", 0),
+        "cached_tokens_mean": _cached_mean(replies), "ssd_entries": ssd.get("entries", 0),
+        "ssd_bytes": ssd.get("bytes", 0),
         "health_probes": len(probes), "health_worst_s": max((p.latency_s for p in probes), default=None),
         "health_p99_s": _percentile([p.latency_s for p in probes], 0.99),
         "health_not_200": sum(probe.status != 200 for probe in probes),
@@ -442,7 +445,8 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
          f"FAILED (exit {result['verify']['rc']}, {result['verify'].get('mismatches', '?')} mismatches)",
          "clean", verdict("verify_clean")),
         ("greedy outputs", "stable" if result["outputs_stable"] else
-         f"{len(result['unstable_prompts'])} prompts with differing replies", "stable", verdict("greedy_outputs_stable")),
+         f"{len(result['unstable_prompts'])} prompts with differing replies", "stable",
+         verdict("greedy_outputs_stable")),
         ("worst /health on top of a restore (p99)",
          f"{_ms(result['health_worst_on_restore_s'])} ({_ms(result['health_p99_on_restore_s'])})",
          f"< {TARGET_HEALTH_S * 1000:.0f} ms", verdict("health_on_restore_lt_50ms")),
@@ -471,7 +475,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"({result['load_s']:.1f} s with the last requests in flight); RAM tier {options['prompt_cache_gb']} GB; "
         f"{options['prompts']} prompts in {options['families']} families ({options['prefix_tokens']}-token shared "
         f"prefix + {options['suffix_tokens']}-token suffix), {options['new_tokens']} new tokens, greedy, "
-        f"{options['stream_share']:.0%} streaming, up to {options['think_s']} s think time; each prompt came back {result['repeats_min']} times or more "
+        f"{options['stream_share']:.0%} streaming, up to {options['think_s']} s think time; "
+        f"each prompt came back {result['repeats_min']} times or more "
         f"(median {result['repeats_median']})",
         f"/health: {result['health_probes']} probes every {options['health_interval_s'] * 1000:.0f} ms, "
         f"{result['health_probes_on_restore']} of them overlapping one of {result['restore_windows']} "

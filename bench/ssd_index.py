@@ -302,7 +302,8 @@ def verify_find(store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: l
         differs = matrix[:, :length] != query[:length]
         common = np.where(differs.any(axis=1), differs.argmax(axis=1), length)
         usable = [usable_prefix_length(int(shared), matrix.shape[1], len(query), entry.trimmable,
-                                       entry.minimum_reusable_offset) for shared, entry in zip(common, indexed)]
+                                       entry.minimum_reusable_offset)
+                  for shared, entry in zip(common, indexed, strict=True)]
         match = store.find(query)
         found = 0 if match is None else match.usable_tokens
         serves = 0 if match is None else usable[row_of[match.entry_id]]
@@ -321,7 +322,7 @@ def measure_find(store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: 
     find_latencies(store, arrays[:WARMUP_QUERIES])
     array_seconds = find_latencies(store, arrays)
     list_seconds = find_latencies(store, [query.tolist() for query in arrays])
-    by_kind = {kind: [seconds for (label, _), seconds in zip(labelled, array_seconds) if label == kind]
+    by_kind = {kind: [seconds for (label, _), seconds in zip(labelled, array_seconds, strict=True) if label == kind]
                for kind in ("extend", "diverge")}
     sample = arrays[:: max(1, len(arrays) // VERIFIED_QUERIES)][:VERIFIED_QUERIES]
     return {

@@ -159,7 +159,8 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) 
         for start in ("first", "second"):
             progress.print(f"run {run + 1}/{runs}: {start} start")
             pair[start] = time_one_start(model_dir, ssd_dir, cache_dir, workdir / f"serve-{run}-{start}.log")
-        pair["memo_file_bytes"] = sum(path.stat().st_size for path in (cache_dir / SHARD_DIGEST_MEMO_DIR_NAME).iterdir())
+        memo_dir = cache_dir / SHARD_DIGEST_MEMO_DIR_NAME
+        pair["memo_file_bytes"] = sum(path.stat().st_size for path in memo_dir.iterdir())
         pairs.append(pair)
         shutil.rmtree(ssd_dir, ignore_errors=True)
     first_s = statistics.median(pair["first"]["start_s"] for pair in pairs)

@@ -167,7 +167,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], options: dict[str, Any]) ->
     defaults = SystemConfig(model_dir=Path("."))
     result: dict[str, Any] = {
         "decode_ratio_paired_median": statistics.median(
-            run_on["decode_tok_s"] / run_off["decode_tok_s"] for run_on, run_off in zip(on, off)),
+            run_on["decode_tok_s"] / run_off["decode_tok_s"] for run_on, run_off in zip(on, off, strict=True)),
         "all_prefills_cold": all(run["cached_tokens"] == 0 for run in on + off),
         "same_tokens_every_run": len({run["token_ids_hash"] for run in on + off}) == 1,
         "context_tokens": options["context_tokens"],
@@ -240,7 +240,7 @@ def _others_cpus(result: dict[str, Any]) -> list[float]:
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     pairs = ", ".join(f"{run_on['decode_tok_s'] / run_off['decode_tok_s']:.3f}"
-                      for run_on, run_off in zip(result["runs"]["on"], result["runs"]["off"]))
+                      for run_on, run_off in zip(result["runs"]["on"], result["runs"]["off"], strict=True))
     others = _others_cpus(result)
     return [
         f"model: {result['model']}; prompt {result['context_tokens']} random token ids (seed {result['seed']}), "
