@@ -38,7 +38,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from mlx_lm.generate import BatchGenerator
@@ -240,7 +240,8 @@ class BatchLoop:
         boundary = reuse.boundary_snapshot_at(request)
         segments = [prompt[cached_tokens:]] if boundary is None else [prompt[cached_tokens:boundary], prompt[boundary:]]
         (uid,) = self._generator.insert_segments(
-            [segments], max_tokens=[params.max_tokens], caches=[reuse.caches],
+            # A cold row has no caches: mlx-lm takes None for it, which its annotation does not say.
+            [segments], max_tokens=[params.max_tokens], caches=cast("list[list[Any]]", [reuse.caches]),
             all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()])
         self._rows[uid] = _Row(
@@ -269,7 +270,8 @@ class BatchLoop:
             self._finish(state, "cancelled", events, removed=None)
 
     def _step(self, events: list[RowToken | RowDone]) -> int:
-        assert self._generator is not None
+        assert self._generator is not None and self._loaded is not None
+        loaded = self._loaded
         prompt_responses, generation_responses = self._generator.next()
         for response in prompt_responses:
             state = self._rows.get(response.uid)
@@ -283,7 +285,7 @@ class BatchLoop:
             state = self._rows[response.uid]
             state.produced += 1
             text = state.assembler.add(response.token)
-            logprob = delta_logprob(self._loaded, state.row.request.params, response.token, response.logprobs)
+            logprob = delta_logprob(loaded, state.row.request.params, response.token, response.logprobs)
             events.append(RowToken(row_id=state.row.row_id,
                                    delta=TokenDelta(token_id=response.token, text=text, logprob=logprob)))
             if response.finish_reason is not None:

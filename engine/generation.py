@@ -36,6 +36,7 @@ from kvcellar.engine.engine import (
     release_cached_buffers,
 )
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
+from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
@@ -97,8 +98,7 @@ class Reuse:
 
 def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> Reuse:
     """Take the longest usable prefix of the request's prompt from the tiers, when it uses them."""
-    use_cache = request.use_prompt_cache and prompt_cache is not None and prompt_cache.enabled
-    if not use_cache:
+    if not request.use_prompt_cache or prompt_cache is None or not prompt_cache.enabled:
         return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
     taken = prompt_cache.take(list(request.prompt_ids), request.namespace)
     return Reuse(use_cache=True, caches=taken.caches, cached_tokens=taken.reused_tokens, tier=taken.tier)
@@ -156,20 +156,23 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     params = request.params
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request)
-    use_cache, cached_tokens = reuse.use_cache, reuse.cached_tokens
+    # The tiers this request uses: None exactly when `reuse.use_cache` is false.
+    tiers = prompt_cache if reuse.use_cache else None
+    cached_tokens = reuse.cached_tokens
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
     prefilled_tokens = cached_tokens
-    if reuse.boundary_snapshot_at(request) is not None:
-        cache = _prefill_boundary_snapshot(loaded, prompt_cache, request, reuse, cache, scheme=scheme,
+    boundary = reuse.boundary_snapshot_at(request)
+    if boundary is not None and tiers is not None:
+        cache = _prefill_boundary_snapshot(loaded, tiers, request, reuse, cache, scheme=scheme,
                                            prefill_step_tokens=prefill_step_tokens)
-        prefilled_tokens = request.snapshot_at_tokens
+        prefilled_tokens = boundary
     logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens)
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
-    if reuse.snapshot_due(request, snapshot_prefill_tokens_min):
+    if tiers is not None and reuse.snapshot_due(request, snapshot_prefill_tokens_min):
         mx.eval(logits)
-        prompt_cache.put(prompt, lend_caches(cache), request.namespace)
+        tiers.put(prompt, lend_caches(cache), request.namespace)
     sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
@@ -177,7 +180,7 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     try:
         while produced < params.max_tokens and not cancelled.is_set():
             token, logprobs = sampling.sample(logits)
-            token_id = int(token.item())
+            token_id = item_int(token)
             produced += 1
             text = assembler.add(token_id)
             yield TokenDelta(token_id=token_id, text=text,
@@ -190,9 +193,9 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
         if tail:
             yield TokenDelta(token_id=-1, text=tail)
     finally:
-        if use_cache:
+        if tiers is not None:
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
-            prompt_cache.put(prompt + fed, cache, request.namespace)
+            tiers.put(prompt + fed, cache, request.namespace)
         release_cached_buffers()
     yield GenerationDone(finish_reason=assembler.finish_reason,
                          prompt_tokens=len(prompt), completion_tokens=produced, cached_tokens=cached_tokens,

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvcellar.engine.engine import SamplingParams, make_params_sampler
-from kvcellar.engine.scalars import item_float
+from kvcellar.engine.scalars import item_float, item_int
 from kvcellar.engine.structured import GrammarMask, token_table
 
 # Penalties look back this many tokens of the context (prompt and completion),
@@ -118,5 +118,5 @@ class SerialSampling:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs)
         mx.eval(token, logprobs)
-        self._next_input = int(token.item())
+        self._next_input = item_int(token)
         return token, logprobs

@@ -381,16 +381,16 @@ def stable_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]], prompt_
     raises (the caller decides what a refusal means)."""
     continued = tokenizer.apply_chat_template(messages + [_PROBE_MESSAGE], tools=tools,
                                               add_generation_prompt=False, tokenize=False)
-    common_chars = 0
-    for ours, theirs in zip(rendered, continued, strict=False):
-        if ours != theirs:
-            break
-        common_chars += 1
-    common_ids = tokenizer.encode(rendered[:common_chars], add_special_tokens=False)
+    common_ids = tokenizer.encode(rendered[:_common_length(rendered, continued)], add_special_tokens=False)
     # The text's last token may merge differently once cut: count only tokens both agree on.
-    matched = 0
-    for ours, theirs in zip(prompt_ids, common_ids, strict=False):
+    return _common_length(prompt_ids, common_ids)
+
+
+def _common_length(left: Sequence[Any], right: Sequence[Any]) -> int:
+    """How many leading items two sequences share."""
+    shared = 0
+    for ours, theirs in zip(left, right, strict=False):
         if ours != theirs:
             break
-        matched += 1
-    return matched
+        shared += 1
+    return shared
