@@ -114,6 +114,7 @@ def token_tuple(tokens: Iterable[int]) -> tuple[int, ...]:
     """A message's tokens as a tuple (hashable, immutable)."""
     return tuple(tokens)
 
+
 @attrs.frozen(kw_only=True)
 class Dirty:
     """`PromptCache.on_put(namespace, tokens)`: an entry holding exactly `tokens` was put."""
@@ -167,11 +168,13 @@ class CoverageChecked:
     covered: frozenset[RecordKey]
 
 
-DurabilityMessage = (Dirty | TimerFired | AttemptResult | AttemptDeferred | Flush | FlushTimedOut | QueueDrained
-                     | CoverageChecked)
+DurabilityMessage = (
+    Dirty | TimerFired | AttemptResult | AttemptDeferred | Flush | FlushTimedOut | QueueDrained | CoverageChecked
+)
 
 
 # -- effects (besides the runtime's ArmTimer, CancelTimer, JournalEvent) ------
+
 
 @attrs.frozen(kw_only=True)
 class StartAttempt:
@@ -232,25 +235,30 @@ class FlushVerdict:
             return ""
         if self.timed_out:
             return "timeout"
-        counts = {"failed": self.failed, "dropped": self.dropped, "missing": self.missing_uncovered,
-                  "pending": self.pending}
+        counts = {
+            "failed": self.failed,
+            "dropped": self.dropped,
+            "missing": self.missing_uncovered,
+            "pending": self.pending,
+        }
         return next((name for name, count in counts.items() if count), "pending")
 
 
 # -- the core -----------------------------------------------------------------
 
+
 class DurabilityState(enum.Enum):
     RUNNING = "running"
     FLUSH_SETTLING = "flush_settling"  # awaiting the attempts in flight when the flush began
     FLUSH_DRAINING = "flush_draining"  # awaiting the spill queue's drain
-    FLUSH_FORCING = "flush_forcing"    # one forced attempt in flight
-    FLUSH_RECHECK = "flush_recheck"    # awaiting the committed index's answer for missing records
+    FLUSH_FORCING = "flush_forcing"  # one forced attempt in flight
+    FLUSH_RECHECK = "flush_recheck"  # awaiting the committed index's answer for missing records
 
 
 class RecordStatus(enum.Enum):
-    DIRTY = "dirty"            # needs an attempt
+    DIRTY = "dirty"  # needs an attempt
     ATTEMPTING = "attempting"  # exactly one attempt in flight
-    MISSING = "missing"        # gone from RAM and not covered by the committed index
+    MISSING = "missing"  # gone from RAM and not covered by the committed index
 
 
 _S = DurabilityState
@@ -342,8 +350,14 @@ class DurabilityCounters:
 class DurabilityCore:
     """The sans-IO DurabilityCoordinator: `handle(msg, now) -> effects`."""
 
-    def __init__(self, debounce_s: float = DEBOUNCE_S_DEFAULT, busy_rearm_s: float = BUSY_REARM_S_DEFAULT, *,
-                 retry_s: float = RETRY_S_DEFAULT, retry_max_s: float = RETRY_MAX_S_DEFAULT) -> None:
+    def __init__(
+        self,
+        debounce_s: float = DEBOUNCE_S_DEFAULT,
+        busy_rearm_s: float = BUSY_REARM_S_DEFAULT,
+        *,
+        retry_s: float = RETRY_S_DEFAULT,
+        retry_max_s: float = RETRY_MAX_S_DEFAULT,
+    ) -> None:
         self.debounce_s = debounce_s
         self.busy_rearm_s = busy_rearm_s
         self.retry_s = retry_s
@@ -440,8 +454,9 @@ class DurabilityCore:
         """The record whose attempt at `version` is in flight; anything else is a protocol bug."""
         record = self._records.get(key)
         if record is None or record.status is not RecordStatus.ATTEMPTING or record.attempt_version != version:
-            raise IllegalTransition(f"durability: no attempt at version {version} in flight for this key "
-                                    f"(state {self.state.name})")
+            raise IllegalTransition(
+                f"durability: no attempt at version {version} in flight for this key (state {self.state.name})"
+            )
         return record
 
     def _settle(self, record: _Record) -> _Record:
@@ -546,8 +561,11 @@ class DurabilityCore:
                 run.forced_versions.add(record.version)
                 run.forced += 1
                 return self._start(record, forced=True)
-        recheck = {r.key: r.version for r in in_scope
-                   if r.status is RecordStatus.MISSING and r.version not in run.rechecked_versions}
+        recheck = {
+            r.key: r.version
+            for r in in_scope
+            if r.status is RecordStatus.MISSING and r.version not in run.rechecked_versions
+        }
         if recheck:
             self._goto(_S.FLUSH_RECHECK)
             run.rechecked_versions.update(recheck.values())
@@ -561,8 +579,12 @@ class DurabilityCore:
         for key, version in run.awaiting_recheck.items():
             record = self._records.get(key)
             # A put since the question was asked has its own version and attempt.
-            if key in msg.covered and record is not None and record.status is RecordStatus.MISSING \
-                    and record.version == version:
+            if (
+                key in msg.covered
+                and record is not None
+                and record.status is RecordStatus.MISSING
+                and record.version == version
+            ):
                 del self._records[key]
                 run.rechecked_covered += 1
                 self.counters.rechecked_covered += 1
@@ -599,10 +621,19 @@ class DurabilityCore:
         missing = sum(r.status is RecordStatus.MISSING for r in in_scope)
         pending = len(in_scope) - missing
         durable = not timed_out and pending == 0 and missing == 0 and run.dropped == 0 and run.failed == 0
-        return FlushVerdict(flush_id=flush_id, durable=durable, pending=pending, dropped=run.dropped,
-                            failed=run.failed, missing_uncovered=missing, dirty_keys_count=len(self._records),
-                            forced=run.forced, rechecked_covered=run.rechecked_covered,
-                            elapsed_s=now - run.began_s, timed_out=timed_out)
+        return FlushVerdict(
+            flush_id=flush_id,
+            durable=durable,
+            pending=pending,
+            dropped=run.dropped,
+            failed=run.failed,
+            missing_uncovered=missing,
+            dirty_keys_count=len(self._records),
+            forced=run.forced,
+            rechecked_covered=run.rechecked_covered,
+            elapsed_s=now - run.began_s,
+            timed_out=timed_out,
+        )
 
     def timed_out_verdict(self, flush_id: int, now: float) -> FlushVerdict:
         """The answer for a flush whose caller stops waiting now: not durable,
@@ -611,8 +642,9 @@ class DurabilityCore:
         run = self._run if self._run is not None and flush_id in self._run.flush_ids else None
         if run is None:
             run = _FlushRun(flush_ids=(flush_id,), began_s=now, scope=frozenset(self._records))
-        return attrs.evolve(self._verdict(run, flush_id, now, timed_out=True),
-                            elapsed_s=now - self._asked_s.get(flush_id, now))
+        return attrs.evolve(
+            self._verdict(run, flush_id, now, timed_out=True), elapsed_s=now - self._asked_s.get(flush_id, now)
+        )
 
     def _on_flush_timed_out(self, msg: FlushTimedOut, now: float) -> list[Any]:
         flush_id = msg.flush_id
@@ -630,27 +662,46 @@ class DurabilityCore:
             self._known_flushes.discard(flush_id)
             self._asked_s.pop(flush_id, None)
         self.counters.timed_out_flushes += 1
-        event = FlushTimedOutRecorded(flush_id=flush_id, begun=run is not None, pending=verdict.pending,
-                                      dropped=verdict.dropped, failed=verdict.failed,
-                                      missing_uncovered=verdict.missing_uncovered,
-                                      dirty_keys_count=verdict.dirty_keys_count, forced=verdict.forced,
-                                      elapsed_s=verdict.elapsed_s)
+        event = FlushTimedOutRecorded(
+            flush_id=flush_id,
+            begun=run is not None,
+            pending=verdict.pending,
+            dropped=verdict.dropped,
+            failed=verdict.failed,
+            missing_uncovered=verdict.missing_uncovered,
+            dirty_keys_count=verdict.dirty_keys_count,
+            forced=verdict.forced,
+            elapsed_s=verdict.elapsed_s,
+        )
         return [JournalEvent(event=event)]
 
     # -- views -----------------------------------------------------------------
 
     def _fields(self, record: _Record) -> dict[str, Any]:
-        return {"namespace": record.key.namespace, "token_count": len(record.key.tokens),
-                "tokens_hash": record.tokens_hash, "version": record.version}
+        return {
+            "namespace": record.key.namespace,
+            "token_count": len(record.key.tokens),
+            "tokens_hash": record.tokens_hash,
+            "version": record.version,
+        }
 
     def _settled_event(self, record: _Record, version: int, outcome: str, *, clean: bool) -> JournalEvent:
         fields = {**self._fields(record), "version": version}
-        return JournalEvent(event=DurabilitySettled(**fields, outcome=outcome, current=version == record.version,
-                                                    clean=clean))
+        return JournalEvent(
+            event=DurabilitySettled(**fields, outcome=outcome, current=version == record.version, clean=clean)
+        )
 
     def records(self) -> list[RecordView]:
-        return [RecordView(key=r.key, version=r.version, status=r.status, attempt_version=r.attempt_version,
-                           timer_armed=r.timer_armed) for r in self._records.values()]
+        return [
+            RecordView(
+                key=r.key,
+                version=r.version,
+                status=r.status,
+                attempt_version=r.attempt_version,
+                timer_armed=r.timer_armed,
+            )
+            for r in self._records.values()
+        ]
 
     @property
     def in_flight(self) -> int:

@@ -82,14 +82,20 @@ class DurabilityCoordinator:
     `trio_token.run_sync_soon(coordinator.dirty, namespace, tokens)` (FIFO, so a put
     is recorded before the reply of the request that made it)."""
 
-    def __init__(self, ports: DurabilityPorts, *, debounce_s: float = DEBOUNCE_S_DEFAULT,
-                 busy_rearm_s: float = BUSY_REARM_S_DEFAULT, retry_s: float = RETRY_S_DEFAULT,
-                 retry_max_s: float = RETRY_MAX_S_DEFAULT, journal: Journal | None = None) -> None:
+    def __init__(
+        self,
+        ports: DurabilityPorts,
+        *,
+        debounce_s: float = DEBOUNCE_S_DEFAULT,
+        busy_rearm_s: float = BUSY_REARM_S_DEFAULT,
+        retry_s: float = RETRY_S_DEFAULT,
+        retry_max_s: float = RETRY_MAX_S_DEFAULT,
+        journal: Journal | None = None,
+    ) -> None:
         self.core = DurabilityCore(debounce_s, busy_rearm_s, retry_s=retry_s, retry_max_s=retry_max_s)
         self._ports = ports
         # Closed, the attempts still in flight have nobody to report to: they are cancelled.
-        self._actor = ActorShell("durability", self.core, self._perform, journal=journal,
-                                 cancel_tasks_on_close=True)
+        self._actor = ActorShell("durability", self.core, self._perform, journal=journal, cancel_tasks_on_close=True)
         self._flush_ids = itertools.count(1)
         self._verdicts: dict[int, Reply[FlushVerdict]] = {}
 
@@ -129,10 +135,17 @@ class DurabilityCoordinator:
         now = trio.current_time()
         verdict = attrs.evolve(self.core.timed_out_verdict(flush_id, now), elapsed_s=now - asked_s)
         self._send(FlushTimedOut(flush_id=flush_id))
-        log.warning("flush %d not answered within %s s: not durable (%d pending, %d dropped, %d failed, "
-                    "%d missing, %d dirty in all); begun, it goes on in the background", flush_id, timeout_s,
-                    verdict.pending, verdict.dropped, verdict.failed, verdict.missing_uncovered,
-                    verdict.dirty_keys_count)
+        log.warning(
+            "flush %d not answered within %s s: not durable (%d pending, %d dropped, %d failed, "
+            "%d missing, %d dirty in all); begun, it goes on in the background",
+            flush_id,
+            timeout_s,
+            verdict.pending,
+            verdict.dropped,
+            verdict.failed,
+            verdict.missing_uncovered,
+            verdict.dirty_keys_count,
+        )
         return verdict
 
     def stats(self) -> dict[str, Any]:
@@ -163,9 +176,16 @@ class DurabilityCoordinator:
                 assert_never(effect)
 
     def _answer(self, verdict: FlushVerdict) -> None:
-        log.info("flush %d: durable=%s pending=%d dropped=%d failed=%d missing=%d (%.3f s)", verdict.flush_id,
-                 verdict.durable, verdict.pending, verdict.dropped, verdict.failed, verdict.missing_uncovered,
-                 verdict.elapsed_s)
+        log.info(
+            "flush %d: durable=%s pending=%d dropped=%d failed=%d missing=%d (%.3f s)",
+            verdict.flush_id,
+            verdict.durable,
+            verdict.pending,
+            verdict.dropped,
+            verdict.failed,
+            verdict.missing_uncovered,
+            verdict.elapsed_s,
+        )
         answered = self._verdicts.get(verdict.flush_id)
         if answered is not None:
             answered.set(verdict)

@@ -89,8 +89,9 @@ class AwaitDrained:
     waiter_id: int
 
 
-GatewayMessage = (Generate | GenerationFinished | RunWhenIdle | StepFinished | OtherLaneIdle | StopAdmission
-                  | AwaitDrained)
+GatewayMessage = (
+    Generate | GenerationFinished | RunWhenIdle | StepFinished | OtherLaneIdle | StopAdmission | AwaitDrained
+)
 
 # -- effects --------------------------------------------------------------------
 
@@ -134,7 +135,10 @@ _HOLDER_LANES = {LANE_SERIAL: Lane.GENERATING, LANE_BATCH: Lane.BATCHING}
 # place where the gateway's transitions are decided.
 _ANY_LANE = frozenset(Lane)
 _ACCEPTS: dict[type, frozenset[Lane]] = {
-    Generate: _ANY_LANE, RunWhenIdle: _ANY_LANE, OtherLaneIdle: _ANY_LANE, StopAdmission: _ANY_LANE,
+    Generate: _ANY_LANE,
+    RunWhenIdle: _ANY_LANE,
+    OtherLaneIdle: _ANY_LANE,
+    StopAdmission: _ANY_LANE,
     AwaitDrained: _ANY_LANE,
     GenerationFinished: frozenset({Lane.GENERATING, Lane.BATCHING}),
     StepFinished: frozenset({Lane.BACKGROUND}),
@@ -208,8 +212,10 @@ class GatewayCore:
         if msg.lane not in _HOLDER_LANES:
             raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for lane {msg.lane!r}")
         if msg.request_id in self.holder_lanes:
-            raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for request "
-                                    f"{msg.request_id}, which it holds already")
+            raise IllegalTransition(
+                f"gateway in lane state {self.lane.value} got Generate for request "
+                f"{msg.request_id}, which it holds already"
+            )
         serial = msg.lane == LANE_SERIAL
         if serial and not self.admitting:
             return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
@@ -225,13 +231,19 @@ class GatewayCore:
         del self.holder_lanes[msg.request_id]
         if holder_lane != LANE_SERIAL:
             return []
-        return [JournalEvent(event=RequestFinished(request_id=msg.request_id, completion_tokens=msg.completion_tokens,
-                                                   outcome=msg.outcome))]
+        return [
+            JournalEvent(
+                event=RequestFinished(
+                    request_id=msg.request_id, completion_tokens=msg.completion_tokens, outcome=msg.outcome
+                )
+            )
+        ]
 
     def _release(self, expected: Lane, ident: int, msg: GatewayMessage) -> None:
         if self.lane is not expected or self.running != ident:
-            raise IllegalTransition(f"gateway in lane state {self.lane.value} (running {self.running}) "
-                                    f"got {type(msg).__name__} for {ident}")
+            raise IllegalTransition(
+                f"gateway in lane state {self.lane.value} (running {self.running}) got {type(msg).__name__} for {ident}"
+            )
         self._move(Lane.IDLE)
         self.running = None
 
@@ -349,8 +361,9 @@ class Gateway:
         await self.shell.send(RunWhenIdle(step_id=step_id))
         return await reply.wait()
 
-    async def generate(self, job: Callable[[Any], Any], *, prompt_tokens: int,
-                       cancelled: threading.Event, lane: str = LANE_SERIAL) -> AsyncIterator[Any]:
+    async def generate(
+        self, job: Callable[[Any], Any], *, prompt_tokens: int, cancelled: threading.Event, lane: str = LANE_SERIAL
+    ) -> AsyncIterator[Any]:
         """Admit a generation (FIFO), then stream what `job(loaded_model)`
         yields on the engine thread. Raises `AdmissionClosed` after shutdown
         began (serial lane only; see the module docstring)."""
@@ -370,8 +383,9 @@ class Gateway:
             outcome = "completed"
         finally:
             with trio.CancelScope(shield=True):
-                await self.shell.send(GenerationFinished(request_id=request_id, completion_tokens=produced,
-                                                         outcome=outcome))
+                await self.shell.send(
+                    GenerationFinished(request_id=request_id, completion_tokens=produced, outcome=outcome)
+                )
 
     async def stop_admission(self) -> None:
         await self.shell.send(StopAdmission())
@@ -385,5 +399,10 @@ class Gateway:
         await drained.wait()
 
     def stats(self) -> dict[str, Any]:
-        return {"busy": self.core.busy, "lane": self.core.lane.value, "waiting": len(self.core.waiting),
-                "background_waiting": len(self.core.steps), "admitting": self.core.admitting}
+        return {
+            "busy": self.core.busy,
+            "lane": self.core.lane.value,
+            "waiting": len(self.core.waiting),
+            "background_waiting": len(self.core.steps),
+            "admitting": self.core.admitting,
+        }

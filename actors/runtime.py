@@ -41,8 +41,17 @@ from kvcellar.engine.reply import CrossThreadReply, Reply
 from kvcellar.errors import KvCellarError
 
 __all__ = [
-    "ActorShell", "ArmTimer", "CancelTimer", "Core", "CrossThreadReply", "IllegalTransition", "Journal",
-    "JournalEvent", "Perform", "Reply", "TimerFired",
+    "ActorShell",
+    "ArmTimer",
+    "CancelTimer",
+    "Core",
+    "CrossThreadReply",
+    "IllegalTransition",
+    "Journal",
+    "JournalEvent",
+    "Perform",
+    "Reply",
+    "TimerFired",
 ]
 
 log = logging.getLogger("kvcellar.actors")
@@ -96,8 +105,16 @@ class ActorShell:
     `perform(effect)` handles the effects that are not generic;
     `start_soon` runs one of the actor's tasks in its nursery."""
 
-    def __init__(self, name: str, core: Core, perform: Perform, *, journal: Journal | None = None,
-                 buffer_messages: float = math.inf, cancel_tasks_on_close: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        core: Core,
+        perform: Perform,
+        *,
+        journal: Journal | None = None,
+        buffer_messages: float = math.inf,
+        cancel_tasks_on_close: bool = False,
+    ) -> None:
         self.name = name
         self.core = core
         self._perform = perform

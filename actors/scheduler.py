@@ -164,8 +164,9 @@ class WentIdle:
     start the background steps it held back for this lane (its busy probe)."""
 
 
-SchedulerEffect = (StartBatch | AdmitRow | CancelRow | EndBatch | Rejected | Withdrawn | RowAborted | Drained
-                   | WentIdle | JournalEvent)
+SchedulerEffect = (
+    StartBatch | AdmitRow | CancelRow | EndBatch | Rejected | Withdrawn | RowAborted | Drained | WentIdle | JournalEvent
+)
 
 # -- core -----------------------------------------------------------------------
 
@@ -180,7 +181,10 @@ class BatchState(enum.Enum):
 # where the scheduler's transitions are decided.
 _ANY_STATE = frozenset(BatchState)
 _ACCEPTS: dict[type, frozenset[BatchState]] = {
-    Submit: _ANY_STATE, Cancel: _ANY_STATE, StopAdmission: _ANY_STATE, AwaitDrained: _ANY_STATE,
+    Submit: _ANY_STATE,
+    Cancel: _ANY_STATE,
+    StopAdmission: _ANY_STATE,
+    AwaitDrained: _ANY_STATE,
     RowFinished: frozenset({BatchState.RUNNING}),
     BatchEnded: frozenset({BatchState.RUNNING, BatchState.ENDING}),
 }
@@ -258,9 +262,15 @@ class SchedulerCore:
         return effects
 
     def stats(self) -> dict[str, Any]:
-        return {"state": self.state.value, "rows_active": len(self.active), "waiting": len(self.waiting),
-                "kv_bytes_active": self.kv_bytes_active, "kv_bytes_peak": self.kv_bytes_peak,
-                "admitting": self.admitting, **self.counts}
+        return {
+            "state": self.state.value,
+            "rows_active": len(self.active),
+            "waiting": len(self.waiting),
+            "kv_bytes_active": self.kv_bytes_active,
+            "kv_bytes_peak": self.kv_bytes_peak,
+            "admitting": self.admitting,
+            **self.counts,
+        }
 
     def _move(self, to: BatchState) -> None:
         if to not in _MOVES[self.state]:
@@ -269,8 +279,9 @@ class SchedulerCore:
 
     def _on_submit(self, msg: Submit) -> list[SchedulerEffect]:
         if msg.request_id in self.waiting or msg.request_id in self.active:
-            raise IllegalTransition(f"request {msg.request_id} is already held by the scheduler "
-                                    f"(state {self.state.name})")
+            raise IllegalTransition(
+                f"request {msg.request_id} is already held by the scheduler (state {self.state.name})"
+            )
         if not self.admitting:
             self.counts["rejected"] += 1
             return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
@@ -286,28 +297,33 @@ class SchedulerCore:
 
     def _on_row_finished(self, msg: RowFinished) -> list[SchedulerEffect]:
         if msg.request_id not in self.active or msg.outcome not in OUTCOMES:
-            raise IllegalTransition(f"RowFinished({msg.request_id}, {msg.outcome!r}) for a row that is not active "
-                                    f"(state {self.state.name}, active {sorted(self.active)})")
+            raise IllegalTransition(
+                f"RowFinished({msg.request_id}, {msg.outcome!r}) for a row that is not active "
+                f"(state {self.state.name}, active {sorted(self.active)})"
+            )
         del self.active[msg.request_id]
         return self._finished(msg.request_id, msg.outcome, msg.completion_tokens)
 
     def _on_batch_ended(self, msg: BatchEnded) -> list[SchedulerEffect]:
         if msg.batch_id != self.batch_id:
-            raise IllegalTransition(f"BatchEnded for batch {msg.batch_id} while batch {self.batch_id} is current "
-                                    f"(state {self.state.name})")
+            raise IllegalTransition(
+                f"BatchEnded for batch {msg.batch_id} while batch {self.batch_id} is current (state {self.state.name})"
+            )
         effects: list[SchedulerEffect] = []
         reason = msg.error or "the batch ended before the row did"
         for request_id in list(self.active):
             del self.active[request_id]
-            effects += [RowAborted(request_id=request_id, reason=reason),
-                        *self._finished(request_id, "failed", 0)]
+            effects += [RowAborted(request_id=request_id, reason=reason), *self._finished(request_id, "failed", 0)]
         self._move(BatchState.IDLE)
         return effects
 
     def _finished(self, request_id: int, outcome: str, completion_tokens: int) -> list[SchedulerEffect]:
         self.counts[outcome] += 1
-        return [JournalEvent(event=RequestFinished(request_id=request_id, completion_tokens=completion_tokens,
-                                                   outcome=outcome))]
+        return [
+            JournalEvent(
+                event=RequestFinished(request_id=request_id, completion_tokens=completion_tokens, outcome=outcome)
+            )
+        ]
 
     def _settle(self) -> list[SchedulerEffect]:
         """Start a batch for waiting work, admit what fits, end an empty batch."""
@@ -377,11 +393,20 @@ class Scheduler:
     """The Trio shell around `SchedulerCore`. Start with `nursery.start(run)`;
     `generate(request)` streams a request's `TokenDelta`s and `GenerationDone`."""
 
-    def __init__(self, gateway: Gateway, prompt_cache: PromptCache | None, scheme: KvScheme, prototypes: list, *,
-                 rows_max: int = ROWS_MAX_DEFAULT, kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT,
-                 prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN, journal: Journal | None = None,
-                 wait_for_rows: bool = True) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        prompt_cache: PromptCache | None,
+        scheme: KvScheme,
+        prototypes: list,
+        *,
+        rows_max: int = ROWS_MAX_DEFAULT,
+        kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT,
+        prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+        snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
+        journal: Journal | None = None,
+        wait_for_rows: bool = True,
+    ) -> None:
         self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
         self.shell = ActorShell("scheduler", self.core, self._perform, journal=journal)
         self.gateway = gateway
@@ -421,8 +446,11 @@ class Scheduler:
         request_id = self.gateway.new_id()
         send, receive = trio.open_memory_channel[Any](math.inf)
         self._rows[request_id] = _RowChannel(request=request, cancelled=threading.Event(), send=send, receive=receive)
-        self.shell.send_nowait(Submit(request_id=request_id, prompt_tokens=len(request.prompt_ids),
-                                      kv_bytes=self.projected_kv_bytes(request)))
+        self.shell.send_nowait(
+            Submit(
+                request_id=request_id, prompt_tokens=len(request.prompt_ids), kv_bytes=self.projected_kv_bytes(request)
+            )
+        )
         done = False
         try:
             async with receive:
@@ -448,9 +476,14 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         core = self.core.stats()
-        return {"lane": "batch", "reason": "", "batch_size": self.core.rows_max,
-                "kv_budget_bytes": self.core.kv_budget_bytes, **core,
-                "batch_size_history": {str(rows): steps for rows, steps in sorted(self.decode_steps_by_rows.items())}}
+        return {
+            "lane": "batch",
+            "reason": "",
+            "batch_size": self.core.rows_max,
+            "kv_budget_bytes": self.core.kv_budget_bytes,
+            **core,
+            "batch_size_history": {str(rows): steps for rows, steps in sorted(self.decode_steps_by_rows.items())},
+        }
 
     def _send_quietly(self, msg: SchedulerMessage) -> None:
         # The scheduler may have shut down: then nothing is left to tell.
@@ -485,10 +518,15 @@ class Scheduler:
 
     async def _run_batch(self, batch_id: int, inbox: queue.Queue) -> None:
         cancelled = threading.Event()
-        loop = BatchLoop(self.prompt_cache, inbox, rows_max=self.core.rows_max, cancelled=cancelled,
-                         prefill_step_tokens=self._prefill_step_tokens,
-                         snapshot_prefill_tokens_min=self._snapshot_prefill_tokens_min,
-                         wait_for_rows=self._wait_for_rows)
+        loop = BatchLoop(
+            self.prompt_cache,
+            inbox,
+            rows_max=self.core.rows_max,
+            cancelled=cancelled,
+            prefill_step_tokens=self._prefill_step_tokens,
+            snapshot_prefill_tokens_min=self._snapshot_prefill_tokens_min,
+            wait_for_rows=self._wait_for_rows,
+        )
         error = "the batch job was cancelled"
         try:
             async for step in self.gateway.generate(loop.run, prompt_tokens=0, cancelled=cancelled, lane=LANE_BATCH):
@@ -523,14 +561,23 @@ class Scheduler:
             else:
                 row.finish(event.done)
         completion_tokens = event.done.completion_tokens if event.done is not None else 0
-        self.shell.send_nowait(RowFinished(request_id=event.row_id, outcome=event.outcome,
-                                           completion_tokens=completion_tokens))
+        self.shell.send_nowait(
+            RowFinished(request_id=event.row_id, outcome=event.outcome, completion_tokens=completion_tokens)
+        )
 
 
-async def open_batch_lane(nursery: trio.Nursery, *, engine: Any, gateway: Gateway, prompt_cache: PromptCache,
-                          scheme: KvScheme, rows_max: int, kv_budget_bytes: int,
-                          prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                          journal: Journal | None = None) -> tuple[Scheduler | None, str]:
+async def open_batch_lane(
+    nursery: trio.Nursery,
+    *,
+    engine: Any,
+    gateway: Gateway,
+    prompt_cache: PromptCache,
+    scheme: KvScheme,
+    rows_max: int,
+    kv_budget_bytes: int,
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+    journal: Journal | None = None,
+) -> tuple[Scheduler | None, str]:
     """Start the Scheduler when the gates allow it; otherwise log why requests
     take the serial lane. Returns the scheduler (or None) and that reason."""
     if rows_max <= 1:
@@ -547,9 +594,17 @@ async def open_batch_lane(nursery: trio.Nursery, *, engine: Any, gateway: Gatewa
         log.warning("batch lane off, every request takes the serial lane: %s", reason)
         return None, reason
     # An engine that runs jobs on the Trio thread says so (`blocking_waits = False`).
-    scheduler = Scheduler(gateway, prompt_cache, scheme, prototypes, rows_max=rows_max,
-                          kv_budget_bytes=kv_budget_bytes, prefill_step_tokens=prefill_step_tokens, journal=journal,
-                          wait_for_rows=getattr(engine, "blocking_waits", True))
+    scheduler = Scheduler(
+        gateway,
+        prompt_cache,
+        scheme,
+        prototypes,
+        rows_max=rows_max,
+        kv_budget_bytes=kv_budget_bytes,
+        prefill_step_tokens=prefill_step_tokens,
+        journal=journal,
+        wait_for_rows=getattr(engine, "blocking_waits", True),
+    )
     await nursery.start(scheduler.run)
     log.info("batch lane on: up to %d rows, KV budget %.3g GB", rows_max, kv_budget_bytes / 1e9)
     return scheduler, ""

@@ -48,9 +48,11 @@ OUTCOMES = ("stored", "dropped", "failed")
 
 # Messages (received by the core).
 
+
 @attrs.frozen(kw_only=True)
 class Enqueue:
     """A producer hands over one snapshot of `bytes`; `kind` says which producer."""
+
     item_id: int
     bytes: int = attrs.field(validator=attrs.validators.ge(0))
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
@@ -59,6 +61,7 @@ class Enqueue:
 @attrs.frozen(kw_only=True)
 class WriteResult:
     """The writer finished the in-flight item ("stored" or "failed")."""
+
     item_id: int
     outcome: str = attrs.field(validator=attrs.validators.in_(WRITE_OUTCOMES))
 
@@ -66,6 +69,7 @@ class WriteResult:
 @attrs.frozen(kw_only=True)
 class AwaitIdle:
     """Answer `Wake(waiter_id)` once nothing is queued or in flight."""
+
     waiter_id: int
 
 
@@ -79,21 +83,25 @@ SpillMessage = Enqueue | WriteResult | AwaitIdle | Shutdown
 
 # Effects (emitted by the core, carried out by the shell).
 
+
 @attrs.frozen(kw_only=True)
 class Dispatch:
     """Write this item's snapshot now (it is the only one in flight)."""
+
     item_id: int
 
 
 @attrs.frozen(kw_only=True)
 class Release:
     """Drop every reference to this item's snapshot now."""
+
     item_id: int
 
 
 @attrs.frozen(kw_only=True)
 class Settled:
     """The item's final outcome: "stored", "dropped" or "failed"."""
+
     item_id: int
     outcome: str = attrs.field(validator=attrs.validators.in_(OUTCOMES))
 
@@ -101,6 +109,7 @@ class Settled:
 @attrs.frozen(kw_only=True)
 class Wake:
     """The answer to `AwaitIdle`: the queue is idle."""
+
     waiter_id: int
 
 
@@ -133,8 +142,12 @@ class SpillState(enum.Enum):
 # Which messages each state takes, and the legal state changes: the one place
 # where the queue's transitions are decided.
 _ANY_STATE = frozenset(SpillState)
-_ACCEPTS = {Enqueue: _ANY_STATE, WriteResult: frozenset({SpillState.WRITING}), AwaitIdle: _ANY_STATE,
-            Shutdown: _ANY_STATE}
+_ACCEPTS = {
+    Enqueue: _ANY_STATE,
+    WriteResult: frozenset({SpillState.WRITING}),
+    AwaitIdle: _ANY_STATE,
+    Shutdown: _ANY_STATE,
+}
 _MOVES = {
     SpillState.IDLE: {SpillState.WRITING, SpillState.CLOSED},
     SpillState.WRITING: {SpillState.WRITING, SpillState.IDLE, SpillState.CLOSED},
@@ -205,8 +218,9 @@ class SpillQueueCore:
             return self._drop(item, "closed")
         self._queue[item.item_id] = item
         self._queued_bytes += item.bytes
-        effects: list[SpillEffect] = [JournalEvent(event=SpillEnqueued(
-            item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind))]
+        effects: list[SpillEffect] = [
+            JournalEvent(event=SpillEnqueued(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind))
+        ]
         # The newest item is last in the FIFO, so with two or more queued the
         # head is the oldest item that is neither in flight nor just enqueued.
         while self._queued_bytes + self._in_flight_bytes() > self.bytes_max and len(self._queue) > 1:
@@ -221,15 +235,18 @@ class SpillQueueCore:
         item = self._in_flight
         if item is None or item.item_id != msg.item_id:
             in_flight = item.item_id if item is not None else None
-            raise IllegalTransition(f"WriteResult for item {msg.item_id}, which is not in flight "
-                                    f"(state {self.state.name}, in flight: {in_flight})")
+            raise IllegalTransition(
+                f"WriteResult for item {msg.item_id}, which is not in flight "
+                f"(state {self.state.name}, in flight: {in_flight})"
+            )
         self._in_flight = None
         self._counts[msg.outcome] += 1
         effects: list[SpillEffect] = [
             Release(item_id=item.item_id),
             Settled(item_id=item.item_id, outcome=msg.outcome),
-            JournalEvent(event=SpillSettled(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind,
-                                            outcome=msg.outcome)),
+            JournalEvent(
+                event=SpillSettled(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind, outcome=msg.outcome)
+            ),
         ]
         if self._queue:
             return effects + self._dispatch_next()
@@ -264,8 +281,9 @@ class SpillQueueCore:
         return [
             Release(item_id=item.item_id),
             Settled(item_id=item.item_id, outcome="dropped"),
-            JournalEvent(event=SpillDropped(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind,
-                                            reason=reason)),
+            JournalEvent(
+                event=SpillDropped(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind, reason=reason)
+            ),
         ]
 
     def _wake_all(self) -> list[SpillEffect]:
@@ -290,8 +308,9 @@ class SpillQueue:
     logged. Call the methods from the Trio thread only.
     """
 
-    def __init__(self, write: Writer, *, bytes_max: int | None = None, journal: Journal | None = None,
-                 name: str = "spill_queue") -> None:
+    def __init__(
+        self, write: Writer, *, bytes_max: int | None = None, journal: Journal | None = None, name: str = "spill_queue"
+    ) -> None:
         self.core = SpillQueueCore(bytes_max_from_env() if bytes_max is None else bytes_max)
         self._write = write
         self._shell = ActorShell(name, self.core, self._perform, journal=journal)
@@ -392,8 +411,13 @@ class SpillQueue:
         except Exception as e:
             # The traceback goes out as text: a LogRecord holding exc_info would
             # pin the snapshot (through the writer's frame) while a handler kept it.
-            log.error("spill write of item %d (%s, %d bytes) failed:\n%s", item_id, snapshot.reason,
-                      snapshot.bytes, "".join(traceback.format_exception(e)).rstrip())
+            log.error(
+                "spill write of item %d (%s, %d bytes) failed:\n%s",
+                item_id,
+                snapshot.reason,
+                snapshot.bytes,
+                "".join(traceback.format_exception(e)).rstrip(),
+            )
             outcome = "failed"
         else:
             if outcome not in WRITE_OUTCOMES:

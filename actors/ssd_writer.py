@@ -123,8 +123,10 @@ class SsdWriterCore:
             case TensorWritten():
                 self._check_current(msg)
                 if msg.index != self.next_index:
-                    raise IllegalTransition(f"ssd writer in state {self.state.value} got tensor {msg.index} "
-                                            f"of write {msg.write_id}, expecting tensor {self.next_index}")
+                    raise IllegalTransition(
+                        f"ssd writer in state {self.state.value} got tensor {msg.index} "
+                        f"of write {msg.write_id}, expecting tensor {self.next_index}"
+                    )
                 self.next_index += 1
                 return self._advance(msg.write_id)
             case Committed():
@@ -139,14 +141,22 @@ class SsdWriterCore:
     def _on_write(self, msg: Write) -> list[SsdWriterEffect]:
         self._move(WriterState.WRITING)
         self.write_id, self.tensor_count, self.next_index = msg.write_id, msg.tensor_count, 0
-        started = JournalEvent(event=WriteStarted(write_id=msg.write_id, namespace=msg.namespace,
-                                                  token_count=msg.token_count, tensor_count=msg.tensor_count))
+        started = JournalEvent(
+            event=WriteStarted(
+                write_id=msg.write_id,
+                namespace=msg.namespace,
+                token_count=msg.token_count,
+                tensor_count=msg.tensor_count,
+            )
+        )
         return [started, *self._advance(msg.write_id)]
 
     def _check_current(self, msg: TensorWritten | Committed | WriteFailed) -> None:
         if msg.write_id != self.write_id:
-            raise IllegalTransition(f"ssd writer in state {self.state.value} got {type(msg).__name__} "
-                                    f"for write {msg.write_id}, not the current write {self.write_id}")
+            raise IllegalTransition(
+                f"ssd writer in state {self.state.value} got {type(msg).__name__} "
+                f"for write {msg.write_id}, not the current write {self.write_id}"
+            )
 
     def _move(self, to: WriterState) -> None:
         if to not in _MOVES[self.state]:
@@ -173,9 +183,16 @@ class SsdWriter:
     """The shell: `await write(snapshot)` → "stored" | "failed". Writes are
     serial (the SpillQueue dispatches one at a time); calls must not overlap."""
 
-    def __init__(self, store: SsdStore, run_when_idle: RunWhenIdle, *, journal: Any = None,
-                 tokenizer_hash: str = "", run_blocking: RunBlocking | None = None,
-                 safeguards: Safeguards = SAFEGUARDS) -> None:
+    def __init__(
+        self,
+        store: SsdStore,
+        run_when_idle: RunWhenIdle,
+        *,
+        journal: Any = None,
+        tokenizer_hash: str = "",
+        run_blocking: RunBlocking | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+    ) -> None:
         self.store = store
         self.safeguards = safeguards
         # Blocking file I/O goes to a worker thread; the simulator runs it inline.
@@ -194,13 +211,20 @@ class SsdWriter:
         while self._unpublished:
             await self.run_blocking(self._unpublished.pop(0).publish)
         # Planning slices the snapshot's arrays: MLX work, so it takes an engine turn too.
-        pending = await self.run_when_idle(lambda _: self.store.prepare_store(
-            snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=self.tokenizer_hash))
+        pending = await self.run_when_idle(
+            lambda _: self.store.prepare_store(
+                snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=self.tokenizer_hash
+            )
+        )
         if pending is None:
             return "failed"
         self._write_ids += 1
-        write = Write(write_id=self._write_ids, tensor_count=pending.writer.tensor_count,
-                      token_count=len(snapshot.tokens), namespace=snapshot.namespace)
+        write = Write(
+            write_id=self._write_ids,
+            tensor_count=pending.writer.tensor_count,
+            token_count=len(snapshot.tokens),
+            namespace=snapshot.namespace,
+        )
         try:
             await self.run_blocking(pending.writer.open)
         except DiskError as e:

@@ -141,8 +141,17 @@ class FlushResult:
 class System:
     """Handles for a running system; made by `open_system`."""
 
-    def __init__(self, config: SystemConfig, engine: EngineThread, loaded: LoadedModel, scheme: KvScheme,
-                 prompt_cache: PromptCache, store: SsdStore | None, *, seams: SystemSeams) -> None:
+    def __init__(
+        self,
+        config: SystemConfig,
+        engine: EngineThread,
+        loaded: LoadedModel,
+        scheme: KvScheme,
+        prompt_cache: PromptCache,
+        store: SsdStore | None,
+        *,
+        seams: SystemSeams,
+    ) -> None:
         self.config = config
         self.seams = seams
         self.engine = engine
@@ -177,8 +186,14 @@ class System:
         cancelled = threading.Event()
 
         def job(loaded: LoadedModel):
-            return run_generation(loaded, self.prompt_cache, request, cancelled, scheme=self.scheme,
-                                  prefill_step_tokens=self.config.prefill_step_tokens)
+            return run_generation(
+                loaded,
+                self.prompt_cache,
+                request,
+                cancelled,
+                scheme=self.scheme,
+                prefill_step_tokens=self.config.prefill_step_tokens,
+            )
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
             yield item
@@ -189,19 +204,35 @@ class System:
         `reason="timeout"` and the evidence so far, while a begun flush goes
         on in the background (journaled)."""
         if self.store is None:
-            return FlushResult(durable=False, reason="no SSD tier", pending=0, dropped=0, failed=0, missing=0,
-                               entries=0, longest_durable_prefix_tokens=0,
-                               note="no SSD tier (serve with --ssd-cache DIR): nothing survives a restart")
+            return FlushResult(
+                durable=False,
+                reason="no SSD tier",
+                pending=0,
+                dropped=0,
+                failed=0,
+                missing=0,
+                entries=0,
+                longest_durable_prefix_tokens=0,
+                note="no SSD tier (serve with --ssd-cache DIR): nothing survives a restart",
+            )
         if self.durability is None:
             return await self._flush_spills_only(timeout_s)
         verdict = await self.durability.flush(timeout_s)
         if not verdict.timed_out:
             await self._journal_caught_up()
         note = "a flush that had begun goes on in the background (journaled)" if verdict.timed_out else ""
-        return FlushResult(durable=verdict.durable, reason=verdict.reason, pending=verdict.pending,
-                           dropped=verdict.dropped, failed=verdict.failed, missing=verdict.missing,
-                           pending_spills=self._pending_spills(), entries=len(self.store.entry_ids()),
-                           longest_durable_prefix_tokens=self.store.longest_entry_tokens(), note=note)
+        return FlushResult(
+            durable=verdict.durable,
+            reason=verdict.reason,
+            pending=verdict.pending,
+            dropped=verdict.dropped,
+            failed=verdict.failed,
+            missing=verdict.missing,
+            pending_spills=self._pending_spills(),
+            entries=len(self.store.entry_ids()),
+            longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
+            note=note,
+        )
 
     async def _flush_spills_only(self, timeout_s: float | None) -> FlushResult:
         """Write-behind off: drain what the spill queue holds (evictions,
@@ -215,13 +246,23 @@ class System:
         stored, dropped, failed = (after[name] - before[name] for name in ("stored", "dropped", "failed"))
         pending = self._pending_spills()
         drain = "did not drain in time" if bound.cancelled_caught else "was drained"
-        note = (f"write-behind is off ({WRITE_BEHIND_ENV}=0): RAM entries reach the SSD tier only when evicted "
-                f"or demoted, so no put is tracked as dirty; the spill queue {drain}: {stored} stored, "
-                f"{dropped} dropped, {failed} failed, {pending} pending")
-        return FlushResult(durable=False, reason="timeout" if bound.cancelled_caught else "write-behind off",
-                           pending=pending, dropped=dropped, failed=failed, missing=0, pending_spills=pending,
-                           entries=len(self.store.entry_ids()),
-                           longest_durable_prefix_tokens=self.store.longest_entry_tokens(), note=note)
+        note = (
+            f"write-behind is off ({WRITE_BEHIND_ENV}=0): RAM entries reach the SSD tier only when evicted "
+            f"or demoted, so no put is tracked as dirty; the spill queue {drain}: {stored} stored, "
+            f"{dropped} dropped, {failed} failed, {pending} pending"
+        )
+        return FlushResult(
+            durable=False,
+            reason="timeout" if bound.cancelled_caught else "write-behind off",
+            pending=pending,
+            dropped=dropped,
+            failed=failed,
+            missing=0,
+            pending_spills=pending,
+            entries=len(self.store.entry_ids()),
+            longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
+            note=note,
+        )
 
     async def _journal_caught_up(self) -> None:
         """Let the journal apply what is queued, so `kvcellar journal` beside
@@ -277,8 +318,14 @@ class System:
         spills = self._pending_spills()
         if dirty or spills:
             spill_bytes = self.queue.stats()["pending_bytes"] if self.queue is not None else 0
-            log.warning("shutdown: %d prefixes were not made durable: %d write-behind records still dirty, "
-                        "%d queued spills (%d bytes) dropped unwritten", dirty + spills, dirty, spills, spill_bytes)
+            log.warning(
+                "shutdown: %d prefixes were not made durable: %d write-behind records still dirty, "
+                "%d queued spills (%d bytes) dropped unwritten",
+                dirty + spills,
+                dirty,
+                spills,
+                spill_bytes,
+            )
 
     def stats(self) -> dict[str, Any]:
         ssd: dict[str, Any] = {}
@@ -287,26 +334,41 @@ class System:
             queue_stats = self.queue.stats() if self.queue else {}
             durability_stats = self.durability.stats() if self.durability else {}
             ssd = {
-                "entries": store_stats["entries"], "bytes": store_stats["bytes"],
-                "max_bytes": store_stats["bytes_max"], "restores": store_stats["restores"],
-                "spills": store_stats["entries_stored"], "restore_ms_last": store_stats["restore_ms_last"],
+                "entries": store_stats["entries"],
+                "bytes": store_stats["bytes"],
+                "max_bytes": store_stats["bytes_max"],
+                "restores": store_stats["restores"],
+                "spills": store_stats["entries_stored"],
+                "restore_ms_last": store_stats["restore_ms_last"],
                 "demotions": self.prompt_cache.stats()["demotions"],
                 "pending_snapshots": durability_stats.get("pending_snapshots", 0),
                 "pending_spills": queue_stats.get("pending", 0),
                 "pending_spill_bytes": queue_stats.get("pending_bytes", 0),
-                "dropped_spills": queue_stats.get("dropped", 0), "failed_spills": queue_stats.get("failed", 0),
+                "dropped_spills": queue_stats.get("dropped", 0),
+                "failed_spills": queue_stats.get("failed", 0),
                 "longest_durable_prefix_tokens": self.store.longest_entry_tokens(),
-                "quarantined": store_stats["quarantined"], "journal": store_stats["journal"],
+                "quarantined": store_stats["quarantined"],
+                "journal": store_stats["journal"],
             }
-        return {"prompt_cache": self.prompt_cache.stats(), "gateway": self.gateway.stats(), "ssd_cache": ssd,
-                "kv_scheme": self.scheme.cache_key, "scheduler": self._scheduler_stats()}
+        return {
+            "prompt_cache": self.prompt_cache.stats(),
+            "gateway": self.gateway.stats(),
+            "ssd_cache": ssd,
+            "kv_scheme": self.scheme.cache_key,
+            "scheduler": self._scheduler_stats(),
+        }
 
     def _scheduler_stats(self) -> dict[str, Any]:
         if self.scheduler is not None:
             return self.scheduler.stats()
         gateway = self.gateway.stats()
-        return {"lane": "serial", "reason": self.serial_reason, "batch_size": 1,
-                "rows_active": int(gateway["lane"] == "generating"), "waiting": gateway["waiting"]}
+        return {
+            "lane": "serial",
+            "reason": self.serial_reason,
+            "batch_size": 1,
+            "rows_active": int(gateway["lane"] == "generating"),
+            "waiting": gateway["waiting"],
+        }
 
 
 async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme) -> tuple[SsdStore | None, str]:
@@ -321,14 +383,27 @@ async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme
     # Hashing reads every weight byte on a cold memo: a worker thread's job, not the Trio thread's.
     run_blocking = seams.run_blocking
     fingerprint = await run_blocking(
-        lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo))
-    log.info("serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
-             fingerprint.digest, time.perf_counter() - started_s, memo.bytes_hashed - bytes_hashed_before,
-             memo.path or "(in RAM only)")
+        lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo)
+    )
+    log.info(
+        "serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
+        fingerprint.digest,
+        time.perf_counter() - started_s,
+        memo.bytes_hashed - bytes_hashed_before,
+        memo.path or "(in RAM only)",
+    )
     # The scan, the reconciliation and the startup supersession are disk work too.
-    store = await run_blocking(lambda: SsdStore.open(
-        config.ssd_dir, fingerprint.digest, config.ssd_bytes_max, seams.disk,
-        fingerprint_fields=fingerprint.as_dict(), verify=config.ssd_verify, safeguards=seams.safeguards))
+    store = await run_blocking(
+        lambda: SsdStore.open(
+            config.ssd_dir,
+            fingerprint.digest,
+            config.ssd_bytes_max,
+            seams.disk,
+            fingerprint_fields=fingerprint.as_dict(),
+            verify=config.ssd_verify,
+            safeguards=seams.safeguards,
+        )
+    )
     return store, fingerprint.tokenizer_sha256
 
 
@@ -361,9 +436,16 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
         engine.stop()
 
 
-async def _start_actors(nursery: trio.Nursery, config: SystemConfig, seams: SystemSeams, engine: EngineThread,
-                        loaded: LoadedModel, scheme: KvScheme, store: SsdStore | None,
-                        tokenizer_hash: str) -> System:
+async def _start_actors(
+    nursery: trio.Nursery,
+    config: SystemConfig,
+    seams: SystemSeams,
+    engine: EngineThread,
+    loaded: LoadedModel,
+    scheme: KvScheme,
+    store: SsdStore | None,
+    tokenizer_hash: str,
+) -> System:
     journal = store.journal if store is not None else None
     token = trio.lowlevel.current_trio_token()
     gateway = Gateway(engine, journal=journal)
@@ -372,13 +454,26 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, seams: Syst
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
     system.gateway = gateway
     system.scheduler, system.serial_reason = await open_batch_lane(
-        nursery, engine=engine, gateway=gateway, prompt_cache=prompt_cache, scheme=scheme,
-        rows_max=config.batch_rows_max, kv_budget_bytes=config.kv_budget_bytes,
-        prefill_step_tokens=config.prefill_step_tokens, journal=journal)
+        nursery,
+        engine=engine,
+        gateway=gateway,
+        prompt_cache=prompt_cache,
+        scheme=scheme,
+        rows_max=config.batch_rows_max,
+        kv_budget_bytes=config.kv_budget_bytes,
+        prefill_step_tokens=config.prefill_step_tokens,
+        journal=journal,
+    )
     if store is None:
         return system
-    writer = SsdWriter(store, gateway.run_when_idle, journal=journal, tokenizer_hash=tokenizer_hash,
-                       run_blocking=seams.run_blocking, safeguards=seams.safeguards)
+    writer = SsdWriter(
+        store,
+        gateway.run_when_idle,
+        journal=journal,
+        tokenizer_hash=tokenizer_hash,
+        run_blocking=seams.run_blocking,
+        safeguards=seams.safeguards,
+    )
     queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
     queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)
@@ -398,8 +493,11 @@ async def _start_actors(nursery: trio.Nursery, config: SystemConfig, seams: Syst
     write_behind = config.write_behind if config.write_behind is not None else write_behind_from_env()
     if write_behind:
         durability = DurabilityCoordinator(
-            _DurabilityPorts(gateway, prompt_cache, store, queue), debounce_s=config.debounce_s,
-            busy_rearm_s=config.busy_rearm_s, journal=journal)
+            _DurabilityPorts(gateway, prompt_cache, store, queue),
+            debounce_s=config.debounce_s,
+            busy_rearm_s=config.busy_rearm_s,
+            journal=journal,
+        )
         await nursery.start(durability.run)
         system.durability = durability
         prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(durability.dirty, namespace, tokens)

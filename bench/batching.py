@@ -140,8 +140,11 @@ def measure(server: ServerProcess, setup: dict[str, Any], clients: int) -> dict[
         before = decode_steps_by_rows(server)
         long.append(trio.run(run_round, server.base, setup["prompts"][(clients, r, "long")], setup["new_tokens"]))
         steps += decode_steps_by_rows(server) - before
-    return {"short_rounds": short, "long_rounds": long,
-            "decode_steps_by_rows": {str(rows): count for rows, count in sorted(steps.items())}}
+    return {
+        "short_rounds": short,
+        "long_rounds": long,
+        "decode_steps_by_rows": {str(rows): count for rows, count in sorted(steps.items())},
+    }
 
 
 def decode_figures(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,15 +155,20 @@ def decode_figures(cells: list[dict[str, Any]]) -> dict[str, Any]:
     decode_s = statistics.median(r["wall_s"] for r in long) - statistics.median(short)
     decode_tokens = statistics.median(sum(n - 1 for n in r["completion_tokens"]) for r in long)
     steps_per_round = sum(steps.values()) / len(long)
-    return {"decode_tok_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else None,
-            "decode_tokens": decode_tokens, "decode_s": decode_s, "pairs": len(long),
-            "mean_rows_per_decode_step": mean_rows(Counter(), steps),
-            # About: the decode time is a difference of medians, the steps an average.
-            "decode_step_ms": decode_s / steps_per_round * 1000 if steps_per_round and decode_s > 0 else None}
+    return {
+        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else None,
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "pairs": len(long),
+        "mean_rows_per_decode_step": mean_rows(Counter(), steps),
+        # About: the decode time is a difference of medians, the steps an average.
+        "decode_step_ms": decode_s / steps_per_round * 1000 if steps_per_round and decode_s > 0 else None,
+    }
 
 
-def forward_step_ms(model_dir: Path, row_counts: tuple[int, ...], context_tokens: int,
-                    steps: int = FORWARD_STEPS) -> dict[str, float]:
+def forward_step_ms(
+    model_dir: Path, row_counts: tuple[int, ...], context_tokens: int, steps: int = FORWARD_STEPS
+) -> dict[str, float]:
     """Milliseconds of one decode step of the bare model with each number of rows,
     over a cache of `context_tokens` per row (MLX on this process's own thread)."""
     model = mlx_lm.load(str(model_dir))[0]
@@ -183,14 +191,21 @@ def forward_step_ms(model_dir: Path, row_counts: tuple[int, ...], context_tokens
 def build_setup(model_dir: Path, workdir: Path, options: dict[str, Any]) -> dict[str, Any]:
     if not (model_dir / "tokenizer.json").is_file():
         raise click.ClickException(f"{model_dir} has no tokenizer.json to size the prompts with")
-    tokenizer, seed, size = Tokenizer.from_file(str(model_dir / "tokenizer.json")), options["seed"], \
-        options["prompt_tokens"]
+    tokenizer, seed, size = (
+        Tokenizer.from_file(str(model_dir / "tokenizer.json")),
+        options["seed"],
+        options["prompt_tokens"],
+    )
     top = max(options["clients"])
     # One distinct prompt per (client count, round, kind, client), the same for every server.
-    prompts = {(clients, r, kind): [text_of_tokens(tokenizer, size, seed + 10_000 * clients + 100 * r + 50 * k + c)
-                                    for c in range(clients)]
-               for clients in options["clients"] for r in range(options["rounds"])
-               for k, kind in enumerate(("short", "long"))}
+    prompts = {
+        (clients, r, kind): [
+            text_of_tokens(tokenizer, size, seed + 10_000 * clients + 100 * r + 50 * k + c) for c in range(clients)
+        ]
+        for clients in options["clients"]
+        for r in range(options["rounds"])
+        for k, kind in enumerate(("short", "long"))
+    }
     warmup = [text_of_tokens(tokenizer, size, seed + 999_000 + c) for c in range(top)]
     return {"model_dir": model_dir, "workdir": workdir, **options, "prompts": prompts, "warmup_prompts": warmup}
 
@@ -199,10 +214,13 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def summarise(sessions: dict[str, dict[str, Any]], options: dict[str, Any],
-              forward_ms: dict[str, float]) -> dict[str, Any]:
-    rate = {key: {int(c): figures["decode_tok_s"] for c, figures in session["by_clients"].items()}
-            for key, session in sessions.items()}
+def summarise(
+    sessions: dict[str, dict[str, Any]], options: dict[str, Any], forward_ms: dict[str, float]
+) -> dict[str, Any]:
+    rate = {
+        key: {int(c): figures["decode_tok_s"] for c, figures in session["by_clients"].items()}
+        for key, session in sessions.items()
+    }
     lone_ms = forward_ms[str(min(options["clients"]))] / min(options["clients"])
     result: dict[str, Any] = {
         **{f"forward_ceiling_{c}": c * lone_ms / forward_ms[str(c)] for c in options["clients"]},
@@ -210,12 +228,15 @@ def summarise(sessions: dict[str, dict[str, Any]], options: dict[str, Any],
         **{f"ratio_{c}": _ratio(rate[BATCH][c], rate[SERIAL][c]) for c in options["clients"]},
         **{f"vs_mlx_lm_{c}": _ratio(rate[BATCH][c], rate[MLX_LM][c]) for c in options["clients"]},
         "decode_tok_s": {key: {str(c): value for c, value in by_c.items()} for key, by_c in rate.items()},
-        "sessions": sessions, "options": {key: options[key] for key in OPTION_KEYS},
+        "sessions": sessions,
+        "options": {key: options[key] for key in OPTION_KEYS},
         "others_cpus_max": max(session["others_cpus"] for session in sessions.values()),
     }
     ratio_4, vs_4 = result.get("ratio_4"), result.get("vs_mlx_lm_4")
-    result["targets_met"] = {"ratio_4_ge_1.8": ratio_4 is not None and ratio_4 >= TARGET_RATIO_4,
-                             "vs_mlx_lm_4_ge_1.0": vs_4 is not None and vs_4 >= TARGET_VS_MLX_LM_4}
+    result["targets_met"] = {
+        "ratio_4_ge_1.8": ratio_4 is not None and ratio_4 >= TARGET_RATIO_4,
+        "vs_mlx_lm_4_ge_1.0": vs_4 is not None and vs_4 >= TARGET_VS_MLX_LM_4,
+    }
     return result
 
 
@@ -223,17 +244,30 @@ def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}{suffix}"
 
 
-FIGURE_COLUMNS = ("clients", *(f"{LABELS[key]} tok/s" for key, _, _ in SESSIONS), "batch / serial",
-                  "batch / mlx_lm.server", "rows per decode step (batch)", "bare model forward vs 1 row (ceiling)")
+FIGURE_COLUMNS = (
+    "clients",
+    *(f"{LABELS[key]} tok/s" for key, _, _ in SESSIONS),
+    "batch / serial",
+    "batch / mlx_lm.server",
+    "rows per decode step (batch)",
+    "bare model forward vs 1 row (ceiling)",
+)
 
 
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for clients in result["options"]["clients"]:
         batch = result["sessions"][BATCH]["by_clients"][str(clients)]
-        rows.append((str(clients), *(_fmt(result["decode_tok_s"][key][str(clients)]) for key, _, _ in SESSIONS),
-                     _fmt(result[f"ratio_{clients}"], 2, "x"), _fmt(result[f"vs_mlx_lm_{clients}"], 2, "x"),
-                     _fmt(batch["mean_rows_per_decode_step"], 2), _fmt(result[f"forward_ceiling_{clients}"], 2, "x")))
+        rows.append(
+            (
+                str(clients),
+                *(_fmt(result["decode_tok_s"][key][str(clients)]) for key, _, _ in SESSIONS),
+                _fmt(result[f"ratio_{clients}"], 2, "x"),
+                _fmt(result[f"vs_mlx_lm_{clients}"], 2, "x"),
+                _fmt(batch["mean_rows_per_decode_step"], 2),
+                _fmt(result[f"forward_ceiling_{clients}"], 2, "x"),
+            )
+        )
     return rows
 
 
@@ -247,8 +281,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{'met' if met['ratio_4_ge_1.8'] else 'MISSED'}); batch / mlx_lm.server at 4 clients: "
         f"{_fmt(result.get('vs_mlx_lm_4'), 2, 'x')} (target >= {TARGET_VS_MLX_LM_4}x: "
         f"{'met' if met['vs_mlx_lm_4_ge_1.0'] else 'MISSED'})",
-        "others' CPUs, worst pass per server: " + ", ".join(f"{LABELS[key]} {sessions[key]['others_cpus']:.2f}"
-                                                             for key, _, _ in SESSIONS),
+        "others' CPUs, worst pass per server: "
+        + ", ".join(f"{LABELS[key]} {sessions[key]['others_cpus']:.2f}" for key, _, _ in SESSIONS),
     ]
 
 
@@ -258,13 +292,18 @@ def interpretation(result: dict[str, Any]) -> str:
     low, top = str(min(clients)), str(max(clients))
     serial_rates = [result["decode_tok_s"][SERIAL][str(c)] or 0 for c in clients]
     batch = result["sessions"][BATCH]["by_clients"]
-    rows, step_ms, lone_ms = (batch[top]["mean_rows_per_decode_step"], batch[top]["decode_step_ms"],
-                              batch[low]["decode_step_ms"])
+    rows, step_ms, lone_ms = (
+        batch[top]["mean_rows_per_decode_step"],
+        batch[top]["decode_step_ms"],
+        batch[low]["decode_step_ms"],
+    )
     step_sentence = ""
     if rows and step_ms and lone_ms and rows > 1:
-        step_sentence = (f" and took about {step_ms:.1f} ms against {lone_ms:.1f} ms with {low} client(s): each "
-                         f"row beyond the first added about {(step_ms - lone_ms) / (rows - 1) / lone_ms:.0%} of a "
-                         f"lone step, which is what the batch lane's gain is made of")
+        step_sentence = (
+            f" and took about {step_ms:.1f} ms against {lone_ms:.1f} ms with {low} client(s): each "
+            f"row beyond the first added about {(step_ms - lone_ms) / (rows - 1) / lone_ms:.0%} of a "
+            f"lone step, which is what the batch lane's gain is made of"
+        )
     ceiling_4, ratio_4 = result.get("forward_ceiling_4"), result.get("ratio_4")
     ceiling_sentence = ""
     if ceiling_4 and ratio_4:
@@ -272,11 +311,16 @@ def interpretation(result: dict[str, Any]) -> str:
             f"The bare model's decode step with 4 rows yields {ceiling_4:.2f}x the tokens/s of one row (last "
             f"column, timed without any server): the most batching can gain on this machine, whichever server "
             f"does it"
-            + (f", and below the {TARGET_RATIO_4}x target, because a step's cost here grows almost in proportion "
-               f"to its rows (MLX's CPU matmul on this build computes each row at a few GFLOP/s, with no weight "
-               f"reads to share as on a GPU)" if ceiling_4 < TARGET_RATIO_4 else "")
+            + (
+                f", and below the {TARGET_RATIO_4}x target, because a step's cost here grows almost in proportion "
+                f"to its rows (MLX's CPU matmul on this build computes each row at a few GFLOP/s, with no weight "
+                f"reads to share as on a GPU)"
+                if ceiling_4 < TARGET_RATIO_4
+                else ""
+            )
             + f". The batch lane's {ratio_4:.2f}x over the serial lane also includes the serial lane's own "
-              f"per-token overhead, which the batch lane shares among rows and pipelines. ")
+            f"per-token overhead, which the batch lane shares among rows and pipelines. "
+        )
     return ceiling_sentence + (
         f"The serial lane decodes one request at a time, so its aggregate rate stays near its single-client rate "
         f"({min(serial_rates):.1f}-{max(serial_rates):.1f} tok/s across client counts). The batch lane decodes "
@@ -284,10 +328,12 @@ def interpretation(result: dict[str, Any]) -> str:
         f"mlx_lm.server runs the same mlx-lm BatchGenerator behind its own HTTP server; at 4 clients it decoded "
         f"{_fmt(result['decode_tok_s'][MLX_LM].get('4'))} tok/s against kvcellar's "
         f"{_fmt(result['decode_tok_s'][BATCH].get('4'))}. "
-        + (f"Other processes kept up to {result['others_cpus_max']:.2f} CPUs busy during a session, so the figures "
-           f"carry that noise; the passes alternate the servers' order, so it can fall on any of them."
-           if result["others_cpus_max"] > OTHERS_CPUS_DISTURBING else
-           "The machine was otherwise idle during the run (others' CPUs above).")
+        + (
+            f"Other processes kept up to {result['others_cpus_max']:.2f} CPUs busy during a session, so the figures "
+            f"carry that noise; the passes alternate the servers' order, so it can fall on any of them."
+            if result["others_cpus_max"] > OTHERS_CPUS_DISTURBING
+            else "The machine was otherwise idle during the run (others' CPUs above)."
+        )
     )
 
 
@@ -305,10 +351,18 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         f"{result['mlx_lm_version']}.",
     ]
     for figures in (result, *result["other_models"]):
-        lines += ["", f"### {figures['model']}", "",
-                  f"| {' | '.join(FIGURE_COLUMNS)} |", f"|{alignment}|",
-                  *(f"| {' | '.join(row)} |" for row in figure_rows(figures)), "",
-                  *(f"- {line}" for line in summary_lines(figures)), "", interpretation(figures)]
+        lines += [
+            "",
+            f"### {figures['model']}",
+            "",
+            f"| {' | '.join(FIGURE_COLUMNS)} |",
+            f"|{alignment}|",
+            *(f"| {' | '.join(row)} |" for row in figure_rows(figures)),
+            "",
+            *(f"- {line}" for line in summary_lines(figures)),
+            "",
+            interpretation(figures),
+        ]
     return "\n".join(lines)
 
 
@@ -323,40 +377,94 @@ def run_benchmark(model_dir: Path, options: dict[str, Any], workdir: Path, progr
     for pass_index in range(options["passes"]):
         for key in keys if pass_index % 2 == 0 else keys[::-1]:
             runs[key].append(run_session(key, setup, progress, pass_index))
-    sessions = {key: {
-        "by_clients": {str(c): decode_figures([run["rounds"][str(c)] for run in runs[key]])
-                       for c in options["clients"]},
-        "passes": runs[key], "others_cpus": max(run["others_cpus"] for run in runs[key]),
-        "exit_status": [run["exit_status"] for run in runs[key]]} for key in keys}
+    sessions = {
+        key: {
+            "by_clients": {
+                str(c): decode_figures([run["rounds"][str(c)] for run in runs[key]]) for c in options["clients"]
+            },
+            "passes": runs[key],
+            "others_cpus": max(run["others_cpus"] for run in runs[key]),
+            "exit_status": [run["exit_status"] for run in runs[key]],
+        }
+        for key in keys
+    }
     return summarise(sessions, options, forward_ms)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--clients", type=parse_clients, default="1,2,4,8", show_default=True,
-              help="Comma-separated concurrent client counts; ratio_N and vs_mlx_lm_N come out for each N.")
-@click.option("--prompt-tokens", type=click.IntRange(min=4), default=64, show_default=True,
-              help="Tokens of each client's prompt (short, so decode dominates).")
-@click.option("--new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
-              help="max_tokens of every request (greedy).")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Rounds per client count; figures are medians.")
-@click.option("--passes", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Times each server runs, in alternating order; a cell's median spans all passes.")
-@click.option("--sizes", type=click.Choice(DEMO_SIZES), multiple=True, default=MODEL_SIZES, show_default=True,
-              help=f"Demo {DEMO_ARCH} sizes to run, each a full benchmark (repeat the flag for more); the first "
-                   f"gives the top-level figures. Ignored with --model.")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help=f"An mlx-lm model directory with tokenizer.json; default: fresh offline demo {DEMO_ARCH} "
-                   f"models of --sizes made in a temporary directory.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for the server logs (a temporary subdirectory is made and removed); "
-                   "default: kvcellar's user cache directory.")
+@click.option(
+    "--clients",
+    type=parse_clients,
+    default="1,2,4,8",
+    show_default=True,
+    help="Comma-separated concurrent client counts; ratio_N and vs_mlx_lm_N come out for each N.",
+)
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=4),
+    default=64,
+    show_default=True,
+    help="Tokens of each client's prompt (short, so decode dominates).",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=2),
+    default=128,
+    show_default=True,
+    help="max_tokens of every request (greedy).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Rounds per client count; figures are medians.",
+)
+@click.option(
+    "--passes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Times each server runs, in alternating order; a cell's median spans all passes.",
+)
+@click.option(
+    "--sizes",
+    type=click.Choice(DEMO_SIZES),
+    multiple=True,
+    default=MODEL_SIZES,
+    show_default=True,
+    help=f"Demo {DEMO_ARCH} sizes to run, each a full benchmark (repeat the flag for more); the first "
+    f"gives the top-level figures. Ignored with --model.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help=f"An mlx-lm model directory with tokenizer.json; default: fresh offline demo {DEMO_ARCH} "
+    f"models of --sizes made in a temporary directory.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the server logs (a temporary subdirectory is made and removed); "
+    "default: kvcellar's user cache directory.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts' pseudo-words.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
-def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, sizes: tuple[str, ...],
-         **options: Any) -> None:
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
+def main(
+    model_dir: Path | None,
+    directory: Path | None,
+    as_json: bool,
+    write_docs: bool,
+    sizes: tuple[str, ...],
+    **options: Any,
+) -> None:
     """Aggregate decode tokens/s: kvcellar's batch lane against its serial lane and mlx_lm.server."""
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=180)
@@ -367,12 +475,30 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
             figures = run_benchmark(scratch.model_dir, options, scratch.workdir, progress)
         figures["model"] = scratch.model_described
         models.append(figures)
-        print_figures(f"Aggregate decode tokens/s, {figures['model']}", FIGURE_COLUMNS, figure_rows(figures),
-                      summary_lines(figures), console, text_columns=())
-    result = {**models[0], "other_models": models[1:], "machine": describe_machine(scratch.base),
-              "mlx_lm_version": mlx_lm.__version__, "wall_s": time.perf_counter() - started}
-    publish(DOCS_NAME, result, lambda command, run_date: markdown_section(result, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+        print_figures(
+            f"Aggregate decode tokens/s, {figures['model']}",
+            FIGURE_COLUMNS,
+            figure_rows(figures),
+            summary_lines(figures),
+            console,
+            text_columns=(),
+        )
+    result = {
+        **models[0],
+        "other_models": models[1:],
+        "machine": describe_machine(scratch.base),
+        "mlx_lm_version": mlx_lm.__version__,
+        "wall_s": time.perf_counter() - started,
+    }
+    publish(
+        DOCS_NAME,
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def rewrite_docs_section(name: str, section: str, docs_path: Path = DOCS_PATH) -
     text = docs_path.read_text() if docs_path.exists() else DOCS_INTRO
     begin, end = text.find(begin_marker), text.find(end_marker)
     if begin != -1 and end > begin:
-        text = text[:begin] + block + text[end + len(end_marker):]
+        text = text[:begin] + block + text[end + len(end_marker) :]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     docs_path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,8 +87,16 @@ def describe_machine(directory: Path) -> dict[str, str]:
     }
 
 
-def publish(name: str, result: dict[str, Any], section: Callable[[str, str], str], *, write_docs: bool,
-            as_json: bool, console: Console, progress: Console) -> None:
+def publish(
+    name: str,
+    result: dict[str, Any],
+    section: Callable[[str, str], str],
+    *,
+    write_docs: bool,
+    as_json: bool,
+    console: Console,
+    progress: Console,
+) -> None:
     """The end of every benchmark: with `write_docs`, rewrite its docs section
     (`section(command, run_date)` renders it); with `as_json`, print the
     figures as one JSON object on the last line of standard output."""
@@ -103,8 +111,15 @@ def publish(name: str, result: dict[str, Any], section: Callable[[str, str], str
         sys.stdout.flush()
 
 
-def print_figures(title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]], summary: list[str],
-                  console: Console, *, text_columns: tuple[str, ...] = ("measurement", "note")) -> None:
+def print_figures(
+    title: str,
+    columns: tuple[str, ...],
+    rows: Sequence[tuple[str, ...]],
+    summary: list[str],
+    console: Console,
+    *,
+    text_columns: tuple[str, ...] = ("measurement", "note"),
+) -> None:
     """The readable report: one table of figures, then the summary lines."""
     table = Table(title=title)
     for column in columns:
@@ -125,8 +140,9 @@ class Scratch:
 
 
 @contextmanager
-def scratch_with_model(prefix: str, directory: Path | None, model_dir: Path | None, progress: Console,
-                       *, size: str = "small") -> Iterator[Scratch]:
+def scratch_with_model(
+    prefix: str, directory: Path | None, model_dir: Path | None, progress: Console, *, size: str = "small"
+) -> Iterator[Scratch]:
     """A temporary work directory under `directory` (default: kvcellar's user
     cache), removed afterwards, and the model to run: `model_dir`, or the demo
     llama of `size` made inside the work directory."""

@@ -97,21 +97,28 @@ class OthersCpu:
 class ServerProcess:
     """One server subprocess with its output in a log file, healthy once constructed."""
 
-    def __init__(self, name: str, model_dir: Path, ssd_dir: Path | None, log_path: Path,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, name: str, model_dir: Path, ssd_dir: Path | None, log_path: Path, extra_args: tuple[str, ...] = ()
+    ) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         self.name, self.log_path, self.base = name, log_path, f"http://127.0.0.1:{port}"
         ssd_args = ["--ssd-cache", str(ssd_dir)] if ssd_dir is not None else []
-        command = ([sys.executable, "-m", "kvcellar.cli", "serve", *ssd_args] if name == KVCELLAR
-                   else [sys.executable, "-m", "mlx_lm", "server"])
+        command = (
+            [sys.executable, "-m", "kvcellar.cli", "serve", *ssd_args]
+            if name == KVCELLAR
+            else [sys.executable, "-m", "mlx_lm", "server"]
+        )
         started = time.perf_counter()
         with log_path.open("w") as log:
-            self.process = subprocess.Popen([*command, "--model", str(model_dir), "--port", str(port), *extra_args],
-                                            stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            self.process = subprocess.Popen(
+                [*command, "--model", str(model_dir), "--port", str(port), *extra_args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
         self._wait_healthy()
         self.start_s = time.perf_counter() - started
 
@@ -119,8 +126,10 @@ class ServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise click.ClickException(f"{LABELS[self.name]} exited with status {self.process.returncode} "
-                                           f"before answering /health:\n{self.log_tail()}")
+                raise click.ClickException(
+                    f"{LABELS[self.name]} exited with status {self.process.returncode} "
+                    f"before answering /health:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
                     return
@@ -136,8 +145,9 @@ class ServerProcess:
             return self.process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise click.ClickException(f"{LABELS[self.name]} ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n"
-                                       f"{self.log_tail()}") from None
+            raise click.ClickException(
+                f"{LABELS[self.name]} ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{self.log_tail()}"
+            ) from None
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -185,24 +195,38 @@ def stream_request(client: httpx.Client, url: str, body: dict[str, Any]) -> dict
     total_s = time.perf_counter() - started
     if first_chunk_s is None or usage is None:
         raise click.ClickException(f"POST {url}: the stream had no choice or no usage chunk")
-    return {"first_chunk_s": first_chunk_s, "total_s": total_s, "text": "".join(parts),
-            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return {
+        "first_chunk_s": first_chunk_s,
+        "total_s": total_s,
+        "text": "".join(parts),
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+    }
 
 
-def chat(client: httpx.Client, server: ServerProcess, messages: list[dict[str, str]], max_tokens: int,
-         ) -> dict[str, Any]:
+def chat(
+    client: httpx.Client,
+    server: ServerProcess,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+) -> dict[str, Any]:
     # No "model" field: mlx_lm.server would try to load a model by that name.
-    return stream_request(client, f"{server.base}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": max_tokens})
+    return stream_request(
+        client, f"{server.base}/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens}
+    )
 
 
 def kvcellar_counters(client: httpx.Client, server: ServerProcess) -> dict[str, int]:
     if server.name != KVCELLAR:
         return {}
     stats = client.get(f"{server.base}/stats").json()
-    return {"ssd_restores": stats["ssd_cache"]["restores"], "cold_hits": stats["prompt_cache"]["cold_hits"],
-            "ssd_writes": stats["ssd_cache"]["spills"], "ssd_entries": stats["ssd_cache"]["entries"]}
+    return {
+        "ssd_restores": stats["ssd_cache"]["restores"],
+        "cold_hits": stats["prompt_cache"]["cold_hits"],
+        "ssd_writes": stats["ssd_cache"]["spills"],
+        "ssd_entries": stats["ssd_cache"]["entries"],
+    }
 
 
 def _counted(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -216,24 +240,35 @@ def cold_and_decode(client: httpx.Client, server: ServerProcess, setup: dict[str
     for _ in range(setup["decode_repeats"]):
         long_run = chat(client, server, messages, setup["new_tokens"])
         short_run = chat(client, server, messages, 1)
-        figures["decode_runs"].append({
-            "long_total_s": long_run["total_s"], "short_total_s": short_run["total_s"],
-            "completion_tokens": long_run["completion_tokens"], "long_cached_tokens": long_run["cached_tokens"],
-            "short_cached_tokens": short_run["cached_tokens"]})
+        figures["decode_runs"].append(
+            {
+                "long_total_s": long_run["total_s"],
+                "short_total_s": short_run["total_s"],
+                "completion_tokens": long_run["completion_tokens"],
+                "long_cached_tokens": long_run["cached_tokens"],
+                "short_cached_tokens": short_run["cached_tokens"],
+            }
+        )
     if server.name == KVCELLAR:
         started = time.perf_counter()
         flushed = client.post(f"{server.base}/admin/cache/flush")
-        figures["flush"] = {"status": flushed.status_code, "s": time.perf_counter() - started,
-                            "durable": flushed.json().get("durable") if flushed.status_code in (200, 503) else None}
+        figures["flush"] = {
+            "status": flushed.status_code,
+            "s": time.perf_counter() - started,
+            "durable": flushed.json().get("durable") if flushed.status_code in (200, 503) else None,
+        }
     return figures
 
 
 def restart_and_conversation(client: httpx.Client, server: ServerProcess, setup: dict[str, Any]) -> dict[str, Any]:
     """(c) TTFT of the context prompt after the restart, then (b) the multi-turn chat."""
     before = kvcellar_counters(client, server)
-    figures: dict[str, Any] = {"restart": chat(client, server, [{"role": "user", "content": setup["context_text"]}], 1),
-                               "restart_counters": _counted(before, kvcellar_counters(client, server)),
-                               "ssd_entries_at_restart": before.get("ssd_entries"), "turns": []}
+    figures: dict[str, Any] = {
+        "restart": chat(client, server, [{"role": "user", "content": setup["context_text"]}], 1),
+        "restart_counters": _counted(before, kvcellar_counters(client, server)),
+        "ssd_entries_at_restart": before.get("ssd_entries"),
+        "turns": [],
+    }
     messages: list[dict[str, str]] = []
     for user_text in setup["turn_texts"]:
         messages.append({"role": "user", "content": user_text})
@@ -242,12 +277,19 @@ def restart_and_conversation(client: httpx.Client, server: ServerProcess, setup:
         others_cpus, counted = others.cpus(), _counted(before, kvcellar_counters(client, server))
         reply = chat(client, server, messages, setup["new_tokens"])
         messages.append({"role": "assistant", "content": reply["text"]})
-        figures["turns"].append({
-            "ttft_s": probe["first_chunk_s"], "prompt_tokens": probe["prompt_tokens"],
-            "cached_tokens": probe["cached_tokens"], "others_cpus": others_cpus,
-            "ssd_writes_during_probe": counted.get("ssd_writes"), "reply_tokens": reply["completion_tokens"],
-            "reply_total_s": reply["total_s"], "reply_head": reply["text"][:REPLY_HEAD_CHARS],
-            "reply_sha1": hashlib.sha1(reply["text"].encode()).hexdigest()[:12]})
+        figures["turns"].append(
+            {
+                "ttft_s": probe["first_chunk_s"],
+                "prompt_tokens": probe["prompt_tokens"],
+                "cached_tokens": probe["cached_tokens"],
+                "others_cpus": others_cpus,
+                "ssd_writes_during_probe": counted.get("ssd_writes"),
+                "reply_tokens": reply["completion_tokens"],
+                "reply_total_s": reply["total_s"],
+                "reply_head": reply["text"][:REPLY_HEAD_CHARS],
+                "reply_sha1": hashlib.sha1(reply["text"].encode()).hexdigest()[:12],
+            }
+        )
     return figures
 
 
@@ -258,8 +300,11 @@ def run_session(name: str, session: int, setup: dict[str, Any], progress: Consol
     server = ServerProcess(name, setup["model_dir"], setup["ssd_dir"], setup["workdir"] / f"{name}-{session}.log")
     try:
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            warmup = stream_request(client, f"{server.base}/v1/completions",
-                                    {"prompt": setup["warmup_texts"][session - 1], "max_tokens": WARMUP_NEW_TOKENS})
+            warmup = stream_request(
+                client,
+                f"{server.base}/v1/completions",
+                {"prompt": setup["warmup_texts"][session - 1], "max_tokens": WARMUP_NEW_TOKENS},
+            )
             steps = cold_and_decode if session == 1 else restart_and_conversation
             figures = steps(client, server, setup)
         others_cpus, session_s = others.cpus(server.process.pid), time.perf_counter() - started
@@ -267,8 +312,14 @@ def run_session(name: str, session: int, setup: dict[str, Any], progress: Consol
     finally:
         server.kill()
     progress.print(f"  {session_s:.0f} s, exit status {exit_status}")
-    return {**figures, "start_s": server.start_s, "warmup_total_s": warmup["total_s"], "exit_status": exit_status,
-            "session_s": session_s, "others_cpus": others_cpus}
+    return {
+        **figures,
+        "start_s": server.start_s,
+        "warmup_total_s": warmup["total_s"],
+        "exit_status": exit_status,
+        "session_s": session_s,
+        "others_cpus": others_cpus,
+    }
 
 
 def build_setup(model_dir: Path, workdir: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -276,12 +327,16 @@ def build_setup(model_dir: Path, workdir: Path, options: dict[str, Any]) -> dict
         raise click.ClickException(f"{model_dir} has no tokenizer.json to size the prompts with")
     tokenizer, seed = Tokenizer.from_file(str(model_dir / "tokenizer.json")), options["seed"]
     return {
-        "model_dir": model_dir, "workdir": workdir, "ssd_dir": workdir / "ssd", **options,
+        "model_dir": model_dir,
+        "workdir": workdir,
+        "ssd_dir": workdir / "ssd",
+        **options,
         "context_text": text_of_tokens(tokenizer, options["context_tokens"], seed),
         # One per session: kvcellar's SSD tier would serve a repeated warm-up from cache, warming nothing.
         "warmup_texts": [text_of_tokens(tokenizer, WARMUP_PROMPT_TOKENS, seed + 1 + session) for session in (0, 1)],
-        "turn_texts": [text_of_tokens(tokenizer, options["turn_tokens"], seed + 3 + turn)
-                       for turn in range(options["turns"])],
+        "turn_texts": [
+            text_of_tokens(tokenizer, options["turn_tokens"], seed + 3 + turn) for turn in range(options["turns"])
+        ],
     }
 
 
@@ -298,8 +353,9 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def _summed_ratio(turn_pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> float | None:
-    return _ratio(sum(a["ttft_s"] for a, _ in turn_pairs), sum(b["ttft_s"] for _, b in turn_pairs)) if turn_pairs \
-        else None
+    return (
+        _ratio(sum(a["ttft_s"] for a, _ in turn_pairs), sum(b["ttft_s"] for _, b in turn_pairs)) if turn_pairs else None
+    )
 
 
 def _leading_space_dropped(kvcellar_turn: dict[str, Any], mlx_lm_turn: dict[str, Any]) -> bool:
@@ -313,12 +369,17 @@ def server_figures(first: dict[str, Any], second: dict[str, Any]) -> dict[str, A
     """One server's figures from its two sessions."""
     turn_ttft_s = [turn["ttft_s"] for turn in second["turns"]]
     return {
-        "cold_ttft_s": first["cold"]["first_chunk_s"], "prompt_tokens": first["cold"]["prompt_tokens"],
-        "cold_cached_tokens": first["cold"]["cached_tokens"], "restart_ttft_s": second["restart"]["first_chunk_s"],
-        "restart_cached_tokens": second["restart"]["cached_tokens"], "turn_ttft_s": turn_ttft_s,
-        "turn_ttft_sum_s": sum(turn_ttft_s), "decode_tok_s": decode_tok_s(first["decode_runs"]),
+        "cold_ttft_s": first["cold"]["first_chunk_s"],
+        "prompt_tokens": first["cold"]["prompt_tokens"],
+        "cold_cached_tokens": first["cold"]["cached_tokens"],
+        "restart_ttft_s": second["restart"]["first_chunk_s"],
+        "restart_cached_tokens": second["restart"]["cached_tokens"],
+        "turn_ttft_s": turn_ttft_s,
+        "turn_ttft_sum_s": sum(turn_ttft_s),
+        "decode_tok_s": decode_tok_s(first["decode_runs"]),
         "short_request_s": statistics.median(run["short_total_s"] for run in first["decode_runs"]),
-        "decode_runs": first["decode_runs"], "turns": second["turns"],
+        "decode_runs": first["decode_runs"],
+        "turns": second["turns"],
         **{key: [first[key], second[key]] for key in ("start_s", "warmup_total_s", "exit_status", "others_cpus")},
     }
 
@@ -332,15 +393,17 @@ def summarise(sessions: dict[tuple[str, int], dict[str, Any]], setup: dict[str, 
         "turn_ttft_ratio": _ratio(kv["turn_ttft_sum_s"], mlx["turn_ttft_sum_s"]),
         "decode_ratio": _ratio(kv["decode_tok_s"], mlx["decode_tok_s"]),
         "cold_ttft_ratio": _ratio(kv["cold_ttft_s"], mlx["cold_ttft_s"]),
-        "servers": servers, "flush": sessions[(KVCELLAR, 1)]["flush"],
+        "servers": servers,
+        "flush": sessions[(KVCELLAR, 1)]["flush"],
         "restart_counters": kv_restarted["restart_counters"],
         "ssd_entries_at_restart": kv_restarted["ssd_entries_at_restart"],
         "kvcellar_exit_statuses_zero": kv["exit_status"] == [0, 0],
         "same_replies_turns": sum(a["reply_sha1"] == b["reply_sha1"] for a, b in turn_pairs),
         "same_cached_tokens_turns": sum(a["cached_tokens"] == b["cached_tokens"] for a, b in turn_pairs),
         "kvcellar_cached_more_turns": sum(a["cached_tokens"] > b["cached_tokens"] for a, b in turn_pairs),
-        "turn_ttft_ratio_same_cached": _summed_ratio([(a, b) for a, b in turn_pairs
-                                                      if a["cached_tokens"] == b["cached_tokens"]]),
+        "turn_ttft_ratio_same_cached": _summed_ratio(
+            [(a, b) for a, b in turn_pairs if a["cached_tokens"] == b["cached_tokens"]]
+        ),
         "leading_space_dropped_turns": sum(_leading_space_dropped(a, b) for a, b in turn_pairs),
         "same_prompt_tokens_turns": sum(a["prompt_tokens"] == b["prompt_tokens"] for a, b in turn_pairs),
         "others_cpus_max": max(kv["others_cpus"] + mlx["others_cpus"]),
@@ -370,8 +433,14 @@ def _verdict(met: bool) -> str:
 
 
 FIGURE_COLUMNS = ("measurement", "kvcellar", "mlx_lm.server", "kvcellar / mlx_lm", "target")
-TURN_COLUMNS = ("turn", "prompt tokens", "kvcellar TTFT ms (cached)", "mlx_lm.server TTFT ms (cached)", "ratio",
-                "others' CPUs k / m")
+TURN_COLUMNS = (
+    "turn",
+    "prompt tokens",
+    "kvcellar TTFT ms (cached)",
+    "mlx_lm.server TTFT ms (cached)",
+    "ratio",
+    "others' CPUs k / m",
+)
 LEFT_COLUMNS = ("measurement", "target")
 
 
@@ -379,23 +448,50 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     kv, mlx, met = result["servers"][KVCELLAR], result["servers"][MLX_LM], result["targets_met"]
 
     def compared(label: str, key: str, ratio_key: str, target: str = "", digits: int = 3) -> tuple[str, ...]:
-        return (label, _fmt(kv[key], digits=digits), _fmt(mlx[key], digits=digits),
-                _fmt(result[ratio_key], digits=4, suffix="x"), target)
+        return (
+            label,
+            _fmt(kv[key], digits=digits),
+            _fmt(mlx[key], digits=digits),
+            _fmt(result[ratio_key], digits=4, suffix="x"),
+            target,
+        )
 
     def per_session(label: str, key: str, digits: int) -> tuple[str, ...]:
-        return (label, *(" / ".join(_fmt(value, digits=digits) for value in server[key]) for server in (kv, mlx)),
-                "", "")
+        return (
+            label,
+            *(" / ".join(_fmt(value, digits=digits) for value in server[key]) for server in (kv, mlx)),
+            "",
+            "",
+        )
 
     return [
         compared(f"(a) cold TTFT, {kv['prompt_tokens']:,}-token prompt (s)", "cold_ttft_s", "cold_ttft_ratio"),
-        compared("(c) TTFT after a restart, same prompt (s)", "restart_ttft_s", "restart_ttft_ratio",
-                 f"<= {TARGET_RESTART_RATIO}x: {_verdict(met['restart_ttft_ratio_le_0.02'])}"),
-        ("(c) cached tokens after the restart", f"{kv['restart_cached_tokens']:,}",
-         f"{mlx['restart_cached_tokens']:,}", "", ""),
-        compared(f"(b) sum of per-turn TTFT, {len(kv['turns'])} turns (s)", "turn_ttft_sum_s", "turn_ttft_ratio",
-                 f"<= {TARGET_TURN_RATIO}x: {_verdict(met['turn_ttft_ratio_le_1.0'])}"),
-        compared(f"(d) decode tokens/s at {kv['prompt_tokens']:,} tokens of context", "decode_tok_s", "decode_ratio",
-                 f">= {TARGET_DECODE_RATIO}x: {_verdict(met['decode_ratio_ge_0.95'])}", digits=1),
+        compared(
+            "(c) TTFT after a restart, same prompt (s)",
+            "restart_ttft_s",
+            "restart_ttft_ratio",
+            f"<= {TARGET_RESTART_RATIO}x: {_verdict(met['restart_ttft_ratio_le_0.02'])}",
+        ),
+        (
+            "(c) cached tokens after the restart",
+            f"{kv['restart_cached_tokens']:,}",
+            f"{mlx['restart_cached_tokens']:,}",
+            "",
+            "",
+        ),
+        compared(
+            f"(b) sum of per-turn TTFT, {len(kv['turns'])} turns (s)",
+            "turn_ttft_sum_s",
+            "turn_ttft_ratio",
+            f"<= {TARGET_TURN_RATIO}x: {_verdict(met['turn_ttft_ratio_le_1.0'])}",
+        ),
+        compared(
+            f"(d) decode tokens/s at {kv['prompt_tokens']:,} tokens of context",
+            "decode_tok_s",
+            "decode_ratio",
+            f">= {TARGET_DECODE_RATIO}x: {_verdict(met['decode_ratio_ge_0.95'])}",
+            digits=1,
+        ),
         per_session("start to healthy, session 1 / 2 (s)", "start_s", 1),
         per_session("warm-up request, session 1 / 2 (s)", "warmup_total_s", 2),
         per_session("others' CPUs, session 1 / 2", "others_cpus", 2),
@@ -406,11 +502,19 @@ def turn_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     turns = zip(result["servers"][KVCELLAR]["turns"], result["servers"][MLX_LM]["turns"], strict=True)
     for index, (kv, mlx) in enumerate(turns, start=1):
-        prompt_tokens = f"{kv['prompt_tokens']:,}" + ("" if mlx["prompt_tokens"] == kv["prompt_tokens"]
-                                                      else f" / {mlx['prompt_tokens']:,}")
-        rows.append((str(index), prompt_tokens, f"{kv['ttft_s'] * 1000:.1f} ({kv['cached_tokens']:,})",
-                     f"{mlx['ttft_s'] * 1000:.1f} ({mlx['cached_tokens']:,})", f"{kv['ttft_s'] / mlx['ttft_s']:.2f}x",
-                     f"{kv['others_cpus']:.2f} / {mlx['others_cpus']:.2f}"))
+        prompt_tokens = f"{kv['prompt_tokens']:,}" + (
+            "" if mlx["prompt_tokens"] == kv["prompt_tokens"] else f" / {mlx['prompt_tokens']:,}"
+        )
+        rows.append(
+            (
+                str(index),
+                prompt_tokens,
+                f"{kv['ttft_s'] * 1000:.1f} ({kv['cached_tokens']:,})",
+                f"{mlx['ttft_s'] * 1000:.1f} ({mlx['cached_tokens']:,})",
+                f"{kv['ttft_s'] / mlx['ttft_s']:.2f}x",
+                f"{kv['others_cpus']:.2f} / {mlx['others_cpus']:.2f}",
+            )
+        )
     return rows
 
 
@@ -438,20 +542,25 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 def _turn_sentences(result: dict[str, Any]) -> str:
     kv, mlx = result["servers"][KVCELLAR], result["servers"][MLX_LM]
     ratios = [mine["ttft_s"] / theirs["ttft_s"] for mine, theirs in zip(kv["turns"], mlx["turns"], strict=True)]
-    text = (f"Over the {len(ratios)}-turn chat the ratio of summed TTFT is "
-            f"{_fmt(result['turn_ttft_ratio'], digits=3, suffix='x')} "
-            f"({_verdict(result['targets_met']['turn_ttft_ratio_le_1.0'])} against <= {TARGET_TURN_RATIO}x), "
-            f"per-turn ratios {min(ratios):.2f}x-{max(ratios):.2f}x. ")
+    text = (
+        f"Over the {len(ratios)}-turn chat the ratio of summed TTFT is "
+        f"{_fmt(result['turn_ttft_ratio'], digits=3, suffix='x')} "
+        f"({_verdict(result['targets_met']['turn_ttft_ratio_le_1.0'])} against <= {TARGET_TURN_RATIO}x), "
+        f"per-turn ratios {min(ratios):.2f}x-{max(ratios):.2f}x. "
+    )
     if not result["kvcellar_cached_more_turns"]:
-        return text + ("Both servers reused prefixes of equal length every turn, so both prefilled the same new "
-                       "tokens; the spread is other processes' CPU use and each server's overhead around that prefill.")
+        return text + (
+            "Both servers reused prefixes of equal length every turn, so both prefilled the same new "
+            "tokens; the spread is other processes' CPU use and each server's overhead around that prefill."
+        )
     return text + (
         f"kvcellar reused more cached tokens in {result['kvcellar_cached_more_turns']} turns. In "
         f"{result['leading_space_dropped_turns']} turns mlx_lm.server's reply was kvcellar's without its leading "
         f"space, which mlx_lm's BPEStreamingDetokenizer drops from the first generated token, so the history sent "
         f"back next turn re-tokenises differently from what mlx_lm.server cached and it prefills that reply again. "
         f"On the turns where both reused equally many tokens ({result['same_cached_tokens_turns']}) the ratio of "
-        f"sums is {_fmt(result['turn_ttft_ratio_same_cached'], digits=3, suffix='x')}.")
+        f"sums is {_fmt(result['turn_ttft_ratio_same_cached'], digits=3, suffix='x')}."
+    )
 
 
 def interpretation(result: dict[str, Any]) -> str:
@@ -476,15 +585,20 @@ def interpretation(result: dict[str, Any]) -> str:
         f"default prefill over the same tokens (kvcellar: 512-token chunks plus its prompt-boundary snapshot; "
         f"mlx_lm.server: 2048-token chunks), which the benchmark does not separate further; every session first ran "
         f"its own warm-up, so no figure carries MLX's first-call costs. "
-        + (f"Other processes kept up to {result['others_cpus_max']:.2f} CPUs busy during a session (rows above), so "
-           f"absolute times carry that noise; the sessions ran one at a time, so it can fall on either server."
-           if disturbed else "The machine was otherwise idle during the run (others' CPUs above).")
+        + (
+            f"Other processes kept up to {result['others_cpus_max']:.2f} CPUs busy during a session (rows above), so "
+            f"absolute times carry that noise; the sessions ran one at a time, so it can fall on either server."
+            if disturbed
+            else "The machine was otherwise idle during the run (others' CPUs above)."
+        )
     )
 
 
 def tables(result: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]]:
-    return [("kvcellar against mlx_lm.server", FIGURE_COLUMNS, figure_rows(result)),
-            ("(b) per turn", TURN_COLUMNS, turn_rows(result))]
+    return [
+        ("kvcellar against mlx_lm.server", FIGURE_COLUMNS, figure_rows(result)),
+        ("(b) per turn", TURN_COLUMNS, turn_rows(result)),
+    ]
 
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
@@ -518,26 +632,62 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--context-tokens", type=click.IntRange(min=8), default=4096, show_default=True,
-              help="Tokens of the user message in the cold and restart prompt (the chat template adds a few).")
-@click.option("--turns", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Turns of the multi-turn chat; each adds the previous reply and a new user message.")
-@click.option("--turn-tokens", type=click.IntRange(min=8), default=200, show_default=True,
-              help="Tokens of each new user message in the multi-turn chat.")
-@click.option("--new-tokens", type=click.IntRange(min=2), default=128, show_default=True,
-              help="max_tokens of each reply and of the long request of a decode pair (greedy; fewer on EOS).")
-@click.option("--decode-repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Decode pairs (a --new-tokens request, then a 1-token one) per server; figures are medians.")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help=f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
-                   f"{MODEL_SIZE} made in a temporary directory.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for the SSD tier and server logs (a temporary subdirectory is made and removed); "
-                   "default: kvcellar's user cache directory.")
+@click.option(
+    "--context-tokens",
+    type=click.IntRange(min=8),
+    default=4096,
+    show_default=True,
+    help="Tokens of the user message in the cold and restart prompt (the chat template adds a few).",
+)
+@click.option(
+    "--turns",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Turns of the multi-turn chat; each adds the previous reply and a new user message.",
+)
+@click.option(
+    "--turn-tokens",
+    type=click.IntRange(min=8),
+    default=200,
+    show_default=True,
+    help="Tokens of each new user message in the multi-turn chat.",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=2),
+    default=128,
+    show_default=True,
+    help="max_tokens of each reply and of the long request of a decode pair (greedy; fewer on EOS).",
+)
+@click.option(
+    "--decode-repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Decode pairs (a --new-tokens request, then a 1-token one) per server; figures are medians.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help=f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
+    f"{MODEL_SIZE} made in a temporary directory.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the SSD tier and server logs (a temporary subdirectory is made and removed); "
+    "default: kvcellar's user cache directory.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts' pseudo-words.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Compare kvcellar with mlx_lm.server: cold, restart and per-turn TTFT, and decode tokens/s."""
     started = time.perf_counter()
@@ -546,11 +696,22 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     with scratch_with_model("compare_mlx_lm", directory, model_dir, progress, size=MODEL_SIZE) as scratch:
         result = run_benchmark(scratch.model_dir, options, scratch.workdir, progress)
     base, described = scratch.base, scratch.model_described
-    result.update(model=described, machine=describe_machine(base), mlx_lm_version=mlx_lm.__version__,
-                  wall_s=time.perf_counter() - started)
+    result.update(
+        model=described,
+        machine=describe_machine(base),
+        mlx_lm_version=mlx_lm.__version__,
+        wall_s=time.perf_counter() - started,
+    )
     print_tables(result, console)
-    publish(DOCS_NAME, result, lambda command, run_date: markdown_section(result, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    publish(
+        DOCS_NAME,
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

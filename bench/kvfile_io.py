@@ -81,8 +81,9 @@ def build_entry(size_mib: int, seed: int = 0) -> tuple[list[KVCache], list[int]]
         cache = KVCache()
         for rows in [*chunk_rows, 1]:
             shape = (1, KV_HEAD_COUNT, rows, HEAD_DIM)
-            cache.update_and_fetch(mx.random.normal(shape, dtype=CACHE_DTYPE),
-                                   mx.random.normal(shape, dtype=CACHE_DTYPE))
+            cache.update_and_fetch(
+                mx.random.normal(shape, dtype=CACHE_DTYPE), mx.random.normal(shape, dtype=CACHE_DTYPE)
+            )
         mx.eval(cache.keys, cache.values)
         caches.append(cache)
     return caches, list(range(prefill_rows + 1))
@@ -99,8 +100,9 @@ def resident_bytes(path: Path) -> int | None:
     fincore = shutil.which("fincore")
     if fincore is None:
         return None
-    completed = subprocess.run([fincore, "--bytes", "--noheadings", "--output", "RES", str(path)],
-                               capture_output=True, text=True, check=False)
+    completed = subprocess.run(
+        [fincore, "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True, text=True, check=False
+    )
     try:
         return int(completed.stdout.strip())
     except ValueError:
@@ -173,7 +175,7 @@ def time_raw_write(path: Path, payload: bytes) -> float:
     try:
         written_bytes = 0
         while written_bytes < len(view):
-            written_bytes += os.write(fd, view[written_bytes: written_bytes + WRITE_CHUNK_BYTES])
+            written_bytes += os.write(fd, view[written_bytes : written_bytes + WRITE_CHUNK_BYTES])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -219,7 +221,7 @@ def time_hash(payload: bytes, tensor_lengths: Sequence[int]) -> float:
     started = time.perf_counter()
     offset = 0
     for length in tensor_lengths:
-        xxhash.xxh3_64_digest(view[offset: offset + length])
+        xxhash.xxh3_64_digest(view[offset : offset + length])
         offset += length
     return time.perf_counter() - started
 
@@ -238,8 +240,10 @@ def time_restore_from_memory(path: Path) -> dict[str, float]:
     256-row capacity, then copied into MLX) and the MLX copy alone; the difference
     is capacity placement."""
     header = kvfile.read_header(path)
-    host_bytes = {record.name: np.fromfile(path, dtype=np.uint8, count=record.length, offset=record.file_offset)
-                  for record in header.tensor_records()}
+    host_bytes = {
+        record.name: np.fromfile(path, dtype=np.uint8, count=record.length, offset=record.file_offset)
+        for record in header.tensor_records()
+    }
 
     def to_mlx(record: kvfile.TensorRecord, capacity_rows: int | None = None) -> mx.array:
         rows = host_bytes[record.name].view(codecs.host_dtype(record.dtype)).reshape(record.shape)
@@ -283,8 +287,14 @@ def _fastest_of_tries(measure: Callable[[], dict[str, float]]) -> dict[str, floa
     return {key: min(attempt[key] for attempt in tries) for key in tries[0]}
 
 
-def run_repeat(index: int, workdir: Path, caches: Sequence[Any], tokens: Sequence[int], payload: bytes,
-               tensor_lengths: Sequence[int]) -> tuple[dict[str, float], list[int | None]]:
+def run_repeat(
+    index: int,
+    workdir: Path,
+    caches: Sequence[Any],
+    tokens: Sequence[int],
+    payload: bytes,
+    tensor_lengths: Sequence[int],
+) -> tuple[dict[str, float], list[int | None]]:
     """Every measurement once; baseline and kvfile swap order on odd repeats."""
     raw_path = workdir / f"raw-{index}.bin"
     entry_path = workdir / f"entry-{index}{kvfile.FILE_SUFFIX}"
@@ -295,6 +305,7 @@ def run_repeat(index: int, workdir: Path, caches: Sequence[Any], tokens: Sequenc
         def step() -> None:
             seconds[key], resident = time_load(entry_path, verify=verify, cold=True)
             still_resident.append(resident)
+
         return step
 
     def raw_read() -> None:
@@ -313,11 +324,15 @@ def run_repeat(index: int, workdir: Path, caches: Sequence[Any], tokens: Sequenc
         entry_path.read_bytes()
         seconds["load_warm"], _ = time_load(entry_path, verify=True, cold=False)
         seconds["load_warm_noverify"], _ = time_load(entry_path, verify=False, cold=False)
-        seconds.update(_fastest_of_tries(lambda: {
-            "hash": time_hash(payload, tensor_lengths),
-            "materialise": time_materialise(caches),
-            **time_restore_from_memory(entry_path),
-        }))
+        seconds.update(
+            _fastest_of_tries(
+                lambda: {
+                    "hash": time_hash(payload, tensor_lengths),
+                    "materialise": time_materialise(caches),
+                    **time_restore_from_memory(entry_path),
+                }
+            )
+        )
     finally:
         for path in (raw_path, entry_path):
             path.unlink(missing_ok=True)
@@ -349,8 +364,14 @@ def run_benchmark(size_mib: int, repeats: int, workdir: Path, progress: Console)
     return summarise(runs, planned, len(tokens), repeats, memory, max(known_resident) if known_resident else None)
 
 
-def summarise(runs: list[dict[str, float]], planned: kvfile.Header, token_count: int, repeats: int,
-              memory: dict[str, int | None], resident_after_drop_bytes_max: int | None) -> dict[str, Any]:
+def summarise(
+    runs: list[dict[str, float]],
+    planned: kvfile.Header,
+    token_count: int,
+    repeats: int,
+    memory: dict[str, int | None],
+    resident_after_drop_bytes_max: int | None,
+) -> dict[str, Any]:
     payload_mib = planned.payload_bytes / MIB_BYTES
     medians = {key: statistics.median(run[key] for run in runs) for key, _ in MEASUREMENTS}
     rates = {key: payload_mib / value for key, value in medians.items()}
@@ -412,8 +433,15 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     for key, label in MEASUREMENTS:
         seconds = result["median_seconds"][key]
         runs = [run[key] for run in result["runs_seconds"]]
-        rows.append((label, f"{seconds:.3f}", f"{min(runs):.3f}-{max(runs):.3f}", f"{payload_mib / seconds:,.0f}",
-                     _ratio_note(result, key)))
+        rows.append(
+            (
+                label,
+                f"{seconds:.3f}",
+                f"{min(runs):.3f}-{max(runs):.3f}",
+                f"{payload_mib / seconds:,.0f}",
+                _ratio_note(result, key),
+            )
+        )
     return rows
 
 
@@ -425,23 +453,27 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"({result['verify_cost_pct']:.1f}% of the median cold load); end to end, cold verify on minus off: "
         f"{result['verify_delta_seconds'] * 1000:+.1f} ms ({result['verify_delta_pct']:+.1f}%, median of paired "
         f"per-repeat differences, within cold-read noise)",
-        f"in-memory rows are the fastest of {IN_MEMORY_TRIES} tries per repeat; every other row is one try "
-        f"per repeat",
+        f"in-memory rows are the fastest of {IN_MEMORY_TRIES} tries per repeat; every other row is one try per repeat",
     ]
     if result["peak_rss_growth_bytes"] is not None:
-        lines.append(f"peak RSS growth over a cold load: {result['peak_rss_growth_bytes'] / MIB_BYTES:.0f} MiB, "
-                     f"of which the restored arrays (256-row capacity) hold "
-                     f"{result['restored_arrays_bytes'] / MIB_BYTES:.0f} MiB")
+        lines.append(
+            f"peak RSS growth over a cold load: {result['peak_rss_growth_bytes'] / MIB_BYTES:.0f} MiB, "
+            f"of which the restored arrays (256-row capacity) hold "
+            f"{result['restored_arrays_bytes'] / MIB_BYTES:.0f} MiB"
+        )
     if result["resident_after_drop_bytes_max"] is not None:
-        lines.append(f"page cache after DONTNEED (fincore): at most {result['resident_after_drop_bytes_max']:,} "
-                     f"bytes still resident")
+        lines.append(
+            f"page cache after DONTNEED (fincore): at most {result['resident_after_drop_bytes_max']:,} "
+            f"bytes still resident"
+        )
     return lines
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
     title = f"kvfile I/O, median of {result['repeats']} (MiB/s = 2^20 bytes of payload per second)"
-    print_figures(title, FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console,
-                  text_columns=("measurement",))
+    print_figures(
+        title, FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console, text_columns=("measurement",)
+    )
 
 
 def interpretation(result: dict[str, Any]) -> str:
@@ -476,7 +508,7 @@ def interpretation(result: dict[str, Any]) -> str:
         f"{hash_seconds:.3f} s, {result['verify_cost_pct']:.1f}% of the median cold load, "
         f"{verify_side} the {VERIFY_BUDGET_PCT:.0f}% the issue allows for verifying by default, a share that grows "
         f"as the rest of the load gets faster; the end-to-end difference between cold loads with and without it "
-        f"was {result['verify_delta_seconds']:+.3f} s, {delta_note}.{_spread_sentence(result)} \"Cold\" means "
+        f'was {result["verify_delta_seconds"]:+.3f} s, {delta_note}.{_spread_sentence(result)} "Cold" means '
         f"this machine's page cache for the file was dropped with posix_fadvise(DONTNEED); caching beneath a "
         f"virtual disk, if any, is outside the benchmark's reach."
     )
@@ -492,8 +524,7 @@ def _spread_sentence(result: dict[str, Any]) -> str:
             wide.append(f"{labels[key]} {min(runs):.3f}-{max(runs):.3f} s")
     if not wide:
         return ""
-    return (f" Runs varied widely ({'; '.join(wide)}), so the medians of {result['repeats']} repeats carry "
-            f"that noise.")
+    return f" Runs varied widely ({'; '.join(wide)}), so the medians of {result['repeats']} repeats carry that noise."
 
 
 def markdown_section(result: dict[str, Any], machine: dict[str, str], command: str, run_date: str) -> str:
@@ -519,18 +550,35 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--size-mib", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Persisted payload of the entry, in MiB (2^20 bytes): rounded up to whole token rows, "
-                   "plus one decode row so each cache carries slack as a live one does.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Times each measurement runs; figures are medians.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for the benchmark's files (a temporary subdirectory is made and removed); "
-                   "default: kvcellar's user cache directory.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the figures as one JSON object on the last line of output.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+@click.option(
+    "--size-mib",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Persisted payload of the entry, in MiB (2^20 bytes): rounded up to whole token rows, "
+    "plus one decode row so each cache carries slack as a live one does.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Times each measurement runs; figures are medians.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the benchmark's files (a temporary subdirectory is made and removed); "
+    "default: kvcellar's user cache directory.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
+)
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
 def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, write_docs: bool) -> None:
     """Time .kvc save and cold load against a raw write and read of the same bytes."""
     console = Console()
@@ -547,8 +595,15 @@ def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, wri
     machine = describe_machine(base)
     result["machine"] = machine
     print_table(result, console)
-    publish("kvfile_io", result, lambda command, run_date: markdown_section(result, machine, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    publish(
+        "kvfile_io",
+        result,
+        lambda command, run_date: markdown_section(result, machine, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

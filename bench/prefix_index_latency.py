@@ -34,16 +34,16 @@ NEW_TOKENS_PER_QUERY = 50
 MIB_BYTES = 1 << 20
 
 
-def conversation_entries(entries: int, tokens_per_entry: int, system_prompts: int,
-                         system_prompt_tokens: int, rng: np.random.Generator) -> list[np.ndarray]:
+def conversation_entries(
+    entries: int, tokens_per_entry: int, system_prompts: int, system_prompt_tokens: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Token arrays laid out as system prompt + conversation body + tail."""
     body_tokens = (tokens_per_entry - system_prompt_tokens) // 2
     tail_tokens = tokens_per_entry - system_prompt_tokens - body_tokens
-    prompts = rng.integers(0, VOCABULARY_SIZE, (system_prompts, system_prompt_tokens),
-                           dtype=np.uint32)
-    bodies = rng.integers(0, VOCABULARY_SIZE,
-                          (system_prompts, CONVERSATIONS_PER_SYSTEM_PROMPT, body_tokens),
-                          dtype=np.uint32)
+    prompts = rng.integers(0, VOCABULARY_SIZE, (system_prompts, system_prompt_tokens), dtype=np.uint32)
+    bodies = rng.integers(
+        0, VOCABULARY_SIZE, (system_prompts, CONVERSATIONS_PER_SYSTEM_PROMPT, body_tokens), dtype=np.uint32
+    )
     made = []
     for number in range(entries):
         prompt = number % system_prompts
@@ -53,8 +53,7 @@ def conversation_entries(entries: int, tokens_per_entry: int, system_prompts: in
     return made
 
 
-def conversation_queries(stored: list[np.ndarray], queries: int,
-                         rng: np.random.Generator) -> list[np.ndarray]:
+def conversation_queries(stored: list[np.ndarray], queries: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Half extend a stored entry, half diverge from one at a random point."""
     made = []
     for number in range(queries):
@@ -103,14 +102,19 @@ def _percentile(values: list[float], share: float) -> float:
     return float(np.percentile(values, share * 100))
 
 
-def measure_find_latency(entries: int = 10_000, tokens_per_entry: int = 4_000,
-                         queries: int = 2_000, seed: int = 0, system_prompts: int = 100,
-                         system_prompt_tokens: int = 1_000, verify_queries: int = 20) -> dict:
+def measure_find_latency(
+    entries: int = 10_000,
+    tokens_per_entry: int = 4_000,
+    queries: int = 2_000,
+    seed: int = 0,
+    system_prompts: int = 100,
+    system_prompt_tokens: int = 1_000,
+    verify_queries: int = 20,
+) -> dict:
     """Build an index, time `best()` per query, and check `verify_queries` of
     the answers against a brute-force scan. Returns the figures as a dict."""
     rng = np.random.default_rng(seed)
-    stored = conversation_entries(entries, tokens_per_entry, system_prompts,
-                                  system_prompt_tokens, rng)
+    stored = conversation_entries(entries, tokens_per_entry, system_prompts, system_prompt_tokens, rng)
     query_arrays = conversation_queries(stored, queries, rng)
 
     started = time.perf_counter()
@@ -120,8 +124,7 @@ def measure_find_latency(entries: int = 10_000, tokens_per_entry: int = 4_000,
     _latencies_us(index, query_arrays[: min(100, queries)])
     array_latencies = _latencies_us(index, query_arrays)
     list_latencies = _latencies_us(index, [query.tolist() for query in query_arrays])
-    mismatched = sum(index.best(query) != brute_force_best(stored, query)
-                     for query in query_arrays[:verify_queries])
+    mismatched = sum(index.best(query) != brute_force_best(stored, query) for query in query_arrays[:verify_queries])
     node_count = index.node_count()
     del index
 
@@ -134,7 +137,9 @@ def measure_find_latency(entries: int = 10_000, tokens_per_entry: int = 4_000,
     del traced_index
 
     return {
-        "entries": entries, "tokens_per_entry": tokens_per_entry, "queries": queries,
+        "entries": entries,
+        "tokens_per_entry": tokens_per_entry,
+        "queries": queries,
         "build_s": round(build_seconds, 3),
         "median_us": round(statistics.median(array_latencies), 1),
         "p99_us": round(_percentile(array_latencies, 0.99), 1),

@@ -70,6 +70,7 @@ def _mib(value: float) -> str:
 
 # -- 1. TTFT: RAM prefix hit against cold prefill -------------------------------------------------
 
+
 def measure_ttft_at(model: Any, length: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
     """Cold and hit TTFT, swapping order on odd repeats. The first cold run's caches, trimmed by the
     last turn's tokens, become the previous turn's entry: the same rows a separate prefill would make."""
@@ -94,7 +95,7 @@ def measure_ttft_at(model: Any, length: int, repeats: int, rng: np.random.Genera
         runs["take"].append(time.perf_counter() - started)
         if taken.caches is None:
             raise RuntimeError(f"expected a RAM hit for a {length}-token prompt, got a miss")
-        next(generate_tokens(model, prompt[taken.reused_tokens:], greedy(1), cache=taken.caches))
+        next(generate_tokens(model, prompt[taken.reused_tokens :], greedy(1), cache=taken.caches))
         runs["hit"].append(time.perf_counter() - started)
         reused.append(taken.reused_tokens)
 
@@ -102,11 +103,19 @@ def measure_ttft_at(model: Any, length: int, repeats: int, rng: np.random.Genera
         for step in (cold, hit) if index % 2 == 0 else (hit, cold):
             step()
     cold_s, hit_s = statistics.median(runs["cold"]), statistics.median(runs["hit"])
-    return {"prompt_tokens": length, "reused_tokens": reused[0], "cold_median_s": cold_s, "hit_median_s": hit_s,
-            "take_median_s": statistics.median(runs["take"]), "speedup": cold_s / hit_s, "runs_s": runs}
+    return {
+        "prompt_tokens": length,
+        "reused_tokens": reused[0],
+        "cold_median_s": cold_s,
+        "hit_median_s": hit_s,
+        "take_median_s": statistics.median(runs["take"]),
+        "speedup": cold_s / hit_s,
+        "runs_s": runs,
+    }
 
 
 # -- 2. take() and put() latency with many entries ------------------------------------------------
+
 
 def tiny_caches(rows: int) -> list[KVCache]:
     """Real mlx-lm KVCache layers, as small as still makes take() lend and put() bill them."""
@@ -124,8 +133,10 @@ def conversation_token_lists(entries: int, rng: np.random.Generator) -> list[np.
 
     systems = [tokens(INDEX_SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPT_COUNT)]
     bodies = [tokens(INDEX_BODY_TOKENS) for _ in range(SYSTEM_PROMPT_COUNT * BODIES_PER_SYSTEM_PROMPT)]
-    return [np.concatenate([systems[n % SYSTEM_PROMPT_COUNT], bodies[n % len(bodies)], tokens(INDEX_TAIL_TOKENS)])
-            for n in range(entries)]
+    return [
+        np.concatenate([systems[n % SYSTEM_PROMPT_COUNT], bodies[n % len(bodies)], tokens(INDEX_TAIL_TOKENS)])
+        for n in range(entries)
+    ]
 
 
 def take_queries(stored: list[np.ndarray], count: int, rng: np.random.Generator) -> list[tuple[str, list[int]]]:
@@ -156,8 +167,12 @@ def _timed_puts(cache: PromptCache, token_lists: list[np.ndarray]) -> list[float
 
 
 def _latency_summary(latencies_us: list[float]) -> dict[str, float]:
-    return {"median_us": statistics.median(latencies_us), "p99_us": float(np.percentile(latencies_us, 99)),
-            "max_us": max(latencies_us), "count": len(latencies_us)}
+    return {
+        "median_us": statistics.median(latencies_us),
+        "p99_us": float(np.percentile(latencies_us, 99)),
+        "max_us": max(latencies_us),
+        "count": len(latencies_us),
+    }
 
 
 def measure_take_latency(entries: int, queries: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -180,26 +195,32 @@ def measure_take_latency(entries: int, queries: int, rng: np.random.Generator) -
     evictions_before = cache.counters.evictions
     evicting_us = _timed_puts(cache, stored[entries:])
     return {
-        "entries": entries, "entry_tokens": len(stored[0]), "entry_bytes": entry_bytes,
+        "entries": entries,
+        "entry_tokens": len(stored[0]),
+        "entry_bytes": entry_bytes,
         "cache_layers": f"{TINY_LAYERS} x KVCache [1, {TINY_KV_HEADS}, rows, {TINY_HEAD_DIM}] float32",
         "take": _latency_summary([latency for values in by_kind.values() for latency in values]),
         "take_by_kind": {kind: _latency_summary(values) for kind, values in by_kind.items()},
         "tiers_by_kind": {kind: sorted(seen) for kind, seen in tiers.items()},
-        "put_filling": _latency_summary(filling_us), "put_evicting": _latency_summary(evicting_us),
-        "evictions_by_evicting_puts": cache.counters.evictions - evictions_before, "entries_after": len(cache),
+        "put_filling": _latency_summary(filling_us),
+        "put_evicting": _latency_summary(evicting_us),
+        "evictions_by_evicting_puts": cache.counters.evictions - evictions_before,
+        "entries_after": len(cache),
     }
 
 
 # -- 3. Memory over conversations under the cap ---------------------------------------------------
 
-def conversation_turn(model: Any, cache: PromptCache, history: list[int], user_tokens: list[int],
-                      reply_tokens: int) -> tuple[list[int], int]:
+
+def conversation_turn(
+    model: Any, cache: PromptCache, history: list[int], user_tokens: list[int], reply_tokens: int
+) -> tuple[list[int], int]:
     """take -> prefill the rest -> greedy decode -> put the full caches, as the engine would.
     Returns the conversation so far and the tokens reused."""
     prompt = history + user_tokens
     taken = cache.take(prompt)
     caches = taken.caches if taken.caches is not None else make_prompt_cache(model)
-    reply = list(generate_tokens(model, prompt[taken.reused_tokens:], greedy(reply_tokens), cache=caches))
+    reply = list(generate_tokens(model, prompt[taken.reused_tokens :], greedy(reply_tokens), cache=caches))
     # Exhausting the generator feeds the last reply token too; its cache rows are still lazy.
     mx.eval(cache_arrays(caches))
     conversation = prompt + reply
@@ -211,8 +232,9 @@ def held_capacity_bytes(cache: PromptCache, put_token_lists: list[list[int]]) ->
     """Bytes of the buffers the entries hold, capacity slack included (the bill counts rows up to
     offset only), read through a public snapshot of each entry still present."""
     snapshots = (cache.snapshot_exact(tokens) for tokens in put_token_lists)
-    return sum(array.nbytes for snapshot in snapshots if snapshot is not None
-               for array in cache_arrays(snapshot.caches))
+    return sum(
+        array.nbytes for snapshot in snapshots if snapshot is not None for array in cache_arrays(snapshot.caches)
+    )
 
 
 def rss_bytes() -> int:
@@ -228,15 +250,23 @@ def malloc_trim() -> bool:
     return True
 
 
-def _turn_sample(turn: int, seconds: float, reused: int, history: list[int], cache: PromptCache,
-                 baseline_rss: int) -> dict[str, Any]:
-    return {"turn": turn, "seconds": seconds, "reused_tokens": reused, "conversation_tokens": len(history),
-            "entries": len(cache), "billed_bytes": cache.bytes_total, "rss_growth_bytes": rss_bytes() - baseline_rss,
-            "mlx_active_bytes": mx.get_active_memory(), "mlx_buffer_cache_bytes": mx.get_cache_memory()}
+def _turn_sample(
+    turn: int, seconds: float, reused: int, history: list[int], cache: PromptCache, baseline_rss: int
+) -> dict[str, Any]:
+    return {
+        "turn": turn,
+        "seconds": seconds,
+        "reused_tokens": reused,
+        "conversation_tokens": len(history),
+        "entries": len(cache),
+        "billed_bytes": cache.bytes_total,
+        "rss_growth_bytes": rss_bytes() - baseline_rss,
+        "mlx_active_bytes": mx.get_active_memory(),
+        "mlx_buffer_cache_bytes": mx.get_cache_memory(),
+    }
 
 
-def measure_memory(model: Any, options: dict[str, Any], rng: np.random.Generator,
-                   progress: Console) -> dict[str, Any]:
+def measure_memory(model: Any, options: dict[str, Any], rng: np.random.Generator, progress: Console) -> dict[str, Any]:
     """Conversations one after another, all opening with the same system prompt, each turn adding
     user and reply tokens; RSS against the baseline of the loaded, warmed-up model."""
     system_prompt = random_tokens(CONVERSATION_SYSTEM_TOKENS, rng)
@@ -252,15 +282,18 @@ def measure_memory(model: Any, options: dict[str, Any], rng: np.random.Generator
         if (turn - 1) % options["turns_per_conversation"] == 0:
             history = system_prompt
         started = time.perf_counter()
-        history, reused = conversation_turn(model, cache, history, random_tokens(options["user_tokens"], rng),
-                                            options["reply_tokens"])
+        history, reused = conversation_turn(
+            model, cache, history, random_tokens(options["user_tokens"], rng), options["reply_tokens"]
+        )
         if options["clear_cache_each_turn"]:
             mx.clear_cache()
         put_token_lists.append(history)
         samples.append(_turn_sample(turn, time.perf_counter() - started, reused, history, cache, baseline_rss))
         if turn % 10 == 0:
-            progress.print(f"turn {turn}: {len(cache)} entries, billed {_mib(cache.bytes_total)}, "
-                           f"RSS +{_mib(samples[-1]['rss_growth_bytes'])}")
+            progress.print(
+                f"turn {turn}: {len(cache)} entries, billed {_mib(cache.bytes_total)}, "
+                f"RSS +{_mib(samples[-1]['rss_growth_bytes'])}"
+            )
     peak_growth_bytes = mx.get_peak_memory() - baseline_active
     held_bytes = held_capacity_bytes(cache, put_token_lists)
     gc.collect()
@@ -270,22 +303,29 @@ def measure_memory(model: Any, options: dict[str, Any], rng: np.random.Generator
     trimmed = malloc_trim()
     after_trim_growth = rss_bytes() - baseline_rss if trimmed else None
     return {
-        **{key: options[key] for key in MEMORY_OPTION_KEYS}, "system_tokens": CONVERSATION_SYSTEM_TOKENS,
-        "cap_bytes": cap_bytes, "target_bytes": MEMORY_TARGET_FACTOR * cap_bytes,
+        **{key: options[key] for key in MEMORY_OPTION_KEYS},
+        "system_tokens": CONVERSATION_SYSTEM_TOKENS,
+        "cap_bytes": cap_bytes,
+        "target_bytes": MEMORY_TARGET_FACTOR * cap_bytes,
         "entry_bytes_per_token": samples[0]["billed_bytes"] / samples[0]["conversation_tokens"],
-        "baseline_rss_bytes": baseline_rss, "rss_growth_bytes": samples[-1]["rss_growth_bytes"],
+        "baseline_rss_bytes": baseline_rss,
+        "rss_growth_bytes": samples[-1]["rss_growth_bytes"],
         "rss_growth_max_bytes": max(sample["rss_growth_bytes"] for sample in samples),
         "rss_growth_after_clear_cache_bytes": after_clear_growth,
         "rss_growth_after_malloc_trim_bytes": after_trim_growth,
-        "billed_bytes": cache.bytes_total, "held_capacity_bytes": held_bytes,
-        "mlx_active_growth_bytes": active_growth_bytes, "mlx_peak_growth_bytes": peak_growth_bytes,
+        "billed_bytes": cache.bytes_total,
+        "held_capacity_bytes": held_bytes,
+        "mlx_active_growth_bytes": active_growth_bytes,
+        "mlx_peak_growth_bytes": peak_growth_bytes,
         "mlx_buffer_cache_bytes": samples[-1]["mlx_buffer_cache_bytes"],
         "turn_median_s": statistics.median(sample["seconds"] for sample in samples),
-        "stats": cache.stats(), "samples": samples,
+        "stats": cache.stats(),
+        "samples": samples,
     }
 
 
 # -- running and reporting ------------------------------------------------------------------------
+
 
 def load_model(model_dir: Path | None, model_size: str, workdir: Path) -> tuple[Any, str, int]:
     """The model, a description and its context length; without `model_dir`, a fresh demo model."""
@@ -314,10 +354,18 @@ def run_benchmark(model: Any, options: dict[str, Any], progress: Console) -> dic
     for length in options["lengths"]:
         progress.print(f"TTFT at {length} tokens, {options['repeats']} repeats")
         ttft.append(measure_ttft_at(model, length, options["repeats"], rng))
-    return {"ttft": ttft, "take_latency": latency, "memory": memory, "repeats": options["repeats"],
-            "prefill_step_tokens": PREFILL_STEP_TOKENS, "previous_turn_tail_tokens": PREVIOUS_TURN_TAIL_TOKENS,
-            "targets_met": {"hit_faster_than_cold": all(row["speedup"] > 1 for row in ttft),
-                            "rss_growth_le_1.1x_cap": memory["rss_growth_bytes"] <= memory["target_bytes"]}}
+    return {
+        "ttft": ttft,
+        "take_latency": latency,
+        "memory": memory,
+        "repeats": options["repeats"],
+        "prefill_step_tokens": PREFILL_STEP_TOKENS,
+        "previous_turn_tail_tokens": PREVIOUS_TURN_TAIL_TOKENS,
+        "targets_met": {
+            "hit_faster_than_cold": all(row["speedup"] > 1 for row in ttft),
+            "rss_growth_le_1.1x_cap": memory["rss_growth_bytes"] <= memory["target_bytes"],
+        },
+    }
 
 
 FIGURE_COLUMNS = ("measurement", "median / value", "p99 or range", "note")
@@ -335,33 +383,59 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows = []
     for row in result["ttft"]:
         tokens, runs = row["prompt_tokens"], row["runs_s"]
-        rows += [(f"TTFT cold prefill, {tokens} tokens", f"{row['cold_median_s']:.3f} s", _spread(runs["cold"]),
-                  "baseline"),
-                 (f"TTFT RAM hit, {tokens} tokens ({row['reused_tokens']} reused)", f"{row['hit_median_s']:.3f} s",
-                  _spread(runs["hit"]), f"{row['speedup']:.1f}x faster than cold"),
-                 ("  of which take()", f"{row['take_median_s'] * 1e6:,.0f} us", _spread(runs["take"], 1e6, "us", 0),
-                  "")]
+        rows += [
+            (f"TTFT cold prefill, {tokens} tokens", f"{row['cold_median_s']:.3f} s", _spread(runs["cold"]), "baseline"),
+            (
+                f"TTFT RAM hit, {tokens} tokens ({row['reused_tokens']} reused)",
+                f"{row['hit_median_s']:.3f} s",
+                _spread(runs["hit"]),
+                f"{row['speedup']:.1f}x faster than cold",
+            ),
+            ("  of which take()", f"{row['take_median_s'] * 1e6:,.0f} us", _spread(runs["take"], 1e6, "us", 0), ""),
+        ]
     latency = result["take_latency"]
-    rows.append((f"take(), {latency['entries']:,} entries, all queries", *_us(latency["take"]),
-                 f"{latency['take']['count']:,} queries"))
+    rows.append(
+        (
+            f"take(), {latency['entries']:,} entries, all queries",
+            *_us(latency["take"]),
+            f"{latency['take']['count']:,} queries",
+        )
+    )
     for kind, summary in latency["take_by_kind"].items():
         rows.append((f"  take(), {kind} queries", *_us(summary), "tier " + "/".join(latency["tiers_by_kind"][kind])))
     rows.append((f"put(), filling to {latency['entries']:,} entries", *_us(latency["put_filling"]), ""))
-    rows.append(("put() at the cap (each evicts one)", *_us(latency["put_evicting"]),
-                 f"{latency['evictions_by_evicting_puts']} evictions"))
+    rows.append(
+        (
+            "put() at the cap (each evicts one)",
+            *_us(latency["put_evicting"]),
+            f"{latency['evictions_by_evicting_puts']} evictions",
+        )
+    )
     memory, trimmed = result["memory"], result["memory"]["rss_growth_after_malloc_trim_bytes"]
     met = "met" if result["targets_met"]["rss_growth_le_1.1x_cap"] else "MISSED"
     return rows + [
-        (f"RSS growth after turn {memory['turns']}", _mib(memory["rss_growth_bytes"]),
-         f"max {_mib(memory['rss_growth_max_bytes'])}", f"target <= {_mib(memory['target_bytes'])}: {met}"),
+        (
+            f"RSS growth after turn {memory['turns']}",
+            _mib(memory["rss_growth_bytes"]),
+            f"max {_mib(memory['rss_growth_max_bytes'])}",
+            f"target <= {_mib(memory['target_bytes'])}: {met}",
+        ),
         ("  then after gc + mx.clear_cache()", _mib(memory["rss_growth_after_clear_cache_bytes"]), "", ""),
         ("  then after glibc malloc_trim(0)", "n/a" if trimmed is None else _mib(trimmed), "", ""),
-        ("cache billed bytes (rows up to offset)", _mib(memory["billed_bytes"]), "",
-         f"cap {_mib(memory['cap_bytes'])}, {memory['stats']['entries']} entries"),
+        (
+            "cache billed bytes (rows up to offset)",
+            _mib(memory["billed_bytes"]),
+            "",
+            f"cap {_mib(memory['cap_bytes'])}, {memory['stats']['entries']} entries",
+        ),
         ("buffers the entries hold (capacity)", _mib(memory["held_capacity_bytes"]), "", ""),
         ("MLX active memory growth", _mib(memory["mlx_active_growth_bytes"]), "", "after gc"),
-        (f"MLX buffer cache after turn {memory['turns']}", _mib(memory["mlx_buffer_cache_bytes"]), "",
-         "freed, kept for reuse"),
+        (
+            f"MLX buffer cache after turn {memory['turns']}",
+            _mib(memory["mlx_buffer_cache_bytes"]),
+            "",
+            "freed, kept for reuse",
+        ),
         ("MLX peak memory growth", _mib(memory["mlx_peak_growth_bytes"]), "", ""),
     ]
 
@@ -369,9 +443,13 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 def summary_lines(result: dict[str, Any]) -> list[str]:
     memory, latency = result["memory"], result["take_latency"]
     conversation_tokens = memory["system_tokens"] + memory["turns_per_conversation"] * (
-        memory["user_tokens"] + memory["reply_tokens"])
-    clearing = ("called after every turn, as the engine does after each generation" if memory["clear_cache_each_turn"]
-                else "not called during the turns (--keep-cache-each-turn)")
+        memory["user_tokens"] + memory["reply_tokens"]
+    )
+    clearing = (
+        "called after every turn, as the engine does after each generation"
+        if memory["clear_cache_each_turn"]
+        else "not called during the turns (--keep-cache-each-turn)"
+    )
     return [
         f"model: {result['model']}; TTFT runs through engine.generate_tokens ({result['prefill_step_tokens']}-token "
         f"prefill chunks, greedy); the hit's entry is the prompt minus its last {result['previous_turn_tail_tokens']} "
@@ -387,8 +465,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"warm-up, gc, mx.clear_cache() and malloc_trim(0); mx.clear_cache() {clearing}; glibc's mmap "
         f"threshold "
         f"{'pinned at 128 KiB, as the engine thread does' if result.get('allocator_configured') else 'left dynamic'}",
-        "cache counters at the end: " + ", ".join(f"{key} {value}" for key, value in memory["stats"].items()
-                                                  if key != "max_bytes"),
+        "cache counters at the end: "
+        + ", ".join(f"{key} {value}" for key, value in memory["stats"].items() if key != "max_bytes"),
         f"load average (1 min) before and after the run: {result['load_average'][0]:.2f} and "
         f"{result['load_average'][1]:.2f} on {result['machine']['cpus']} CPUs",
     ]
@@ -398,8 +476,7 @@ def interpretation(result: dict[str, Any]) -> str:
     """One paragraph, built from the figures."""
     memory, latency = result["memory"], result["take_latency"]
     speedups = ", ".join(f"{row['speedup']:,.0f}x at {row['prompt_tokens']} tokens" for row in result["ttft"])
-    take_ms = " and ".join(f"{row['take_median_s'] * 1000:.2f} ms at {row['prompt_tokens']}"
-                           for row in result["ttft"])
+    take_ms = " and ".join(f"{row['take_median_s'] * 1000:.2f} ms at {row['prompt_tokens']}" for row in result["ttft"])
     met = result["targets_met"]["rss_growth_le_1.1x_cap"]
     held, billed = memory["held_capacity_bytes"], memory["billed_bytes"]
     rest_bytes = memory["rss_growth_bytes"] - memory["mlx_active_growth_bytes"] - memory["mlx_buffer_cache_bytes"]
@@ -433,34 +510,44 @@ def _release_sentence(memory: dict[str, Any]) -> str:
         return said + " (no glibc to trim)."
     if after_clear - after_trim < MIB_BYTES:
         return said + "; malloc_trim(0) returned under 1 MiB more."
-    return (f"{said}: glibc kept {_mib(after_clear - after_trim)} of freed heap pages until malloc_trim(0) returned "
-            f"them, leaving {_mib(after_trim)}, {_mib(after_trim - memory['held_capacity_bytes'])} more than the "
-            f"live arrays.")
+    return (
+        f"{said}: glibc kept {_mib(after_clear - after_trim)} of freed heap pages until malloc_trim(0) returned "
+        f"them, leaving {_mib(after_trim)}, {_mib(after_trim - memory['held_capacity_bytes'])} more than the "
+        f"live arrays."
+    )
 
 
 def markdown_section(result: dict[str, Any], machine: dict[str, str], command: str, run_date: str) -> str:
-    return "\n".join([
-        "## RAM prompt cache: TTFT of a hit, take() latency, memory under the cap",
-        "",
-        f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s; TTFT figures are medians of "
-        f"{result['repeats']} repeats).",
-        "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU).",
-        "",
-        f"| {' | '.join(FIGURE_COLUMNS)} |",
-        "|---|" + "---:|" * (len(FIGURE_COLUMNS) - 1),
-        *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-        "",
-        *(f"- {line}" for line in summary_lines(result)),
-        "",
-        interpretation(result),
-    ])
+    return "\n".join(
+        [
+            "## RAM prompt cache: TTFT of a hit, take() latency, memory under the cap",
+            "",
+            f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s; TTFT figures are medians of "
+            f"{result['repeats']} repeats).",
+            "",
+            f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
+            f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU).",
+            "",
+            f"| {' | '.join(FIGURE_COLUMNS)} |",
+            "|---|" + "---:|" * (len(FIGURE_COLUMNS) - 1),
+            *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
+            "",
+            *(f"- {line}" for line in summary_lines(result)),
+            "",
+            interpretation(result),
+        ]
+    )
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    print_figures("RAM prompt cache", FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console,
-                  text_columns=("measurement",))
+    print_figures(
+        "RAM prompt cache",
+        FIGURE_COLUMNS,
+        figure_rows(result),
+        summary_lines(result),
+        console,
+        text_columns=("measurement",),
+    )
 
 
 def _lengths(_: Any, __: Any, value: str) -> list[int]:
@@ -474,35 +561,95 @@ def _lengths(_: Any, __: Any, value: str) -> list[int]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--lengths", default="2048,8192", show_default=True, callback=_lengths,
-              help="Prompt lengths in tokens for the TTFT comparison, comma-separated.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Cold and hit TTFT runs per length; figures are medians.")
-@click.option("--entries", type=click.IntRange(min=2), default=1000, show_default=True,
-              help="Entries in the cache while take() is timed (the cap holds exactly these).")
-@click.option("--queries", type=click.IntRange(min=3), default=3000, show_default=True,
-              help="take() calls timed, a third each extending, branching off and missing.")
-@click.option("--turns", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Conversation turns in the memory measurement.")
-@click.option("--turns-per-conversation", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Turns before the next conversation starts from the shared system prompt.")
-@click.option("--user-tokens", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Tokens each turn adds as the user's message (prefilled).")
-@click.option("--reply-tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Tokens each turn decodes greedily as the reply.")
-@click.option("--cap-mib", type=click.IntRange(min=1), default=64, show_default=True,
-              help="The cache's byte cap in the memory measurement, in MiB (2^20 bytes).")
-@click.option("--clear-cache-each-turn/--keep-cache-each-turn", default=True, show_default=True,
-              help="Call mx.clear_cache() after every turn of the memory measurement, as the engine does after "
-                   "each generation.")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help="An mlx-lm model directory; default: a fresh offline demo llama of --model-size.")
-@click.option("--model-size", type=click.Choice(SIZES), default="small", show_default=True,
-              help="Size of the demo llama made when --model is not given.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the figures as one JSON object on the last line of output.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+@click.option(
+    "--lengths",
+    default="2048,8192",
+    show_default=True,
+    callback=_lengths,
+    help="Prompt lengths in tokens for the TTFT comparison, comma-separated.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Cold and hit TTFT runs per length; figures are medians.",
+)
+@click.option(
+    "--entries",
+    type=click.IntRange(min=2),
+    default=1000,
+    show_default=True,
+    help="Entries in the cache while take() is timed (the cap holds exactly these).",
+)
+@click.option(
+    "--queries",
+    type=click.IntRange(min=3),
+    default=3000,
+    show_default=True,
+    help="take() calls timed, a third each extending, branching off and missing.",
+)
+@click.option(
+    "--turns",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Conversation turns in the memory measurement.",
+)
+@click.option(
+    "--turns-per-conversation",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Turns before the next conversation starts from the shared system prompt.",
+)
+@click.option(
+    "--user-tokens",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Tokens each turn adds as the user's message (prefilled).",
+)
+@click.option(
+    "--reply-tokens",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Tokens each turn decodes greedily as the reply.",
+)
+@click.option(
+    "--cap-mib",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="The cache's byte cap in the memory measurement, in MiB (2^20 bytes).",
+)
+@click.option(
+    "--clear-cache-each-turn/--keep-cache-each-turn",
+    default=True,
+    show_default=True,
+    help="Call mx.clear_cache() after every turn of the memory measurement, as the engine does after each generation.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="An mlx-lm model directory; default: a fresh offline demo llama of --model-size.",
+)
+@click.option(
+    "--model-size",
+    type=click.Choice(SIZES),
+    default="small",
+    show_default=True,
+    help="Size of the demo llama made when --model is not given.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
+)
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
 def main(model_dir: Path | None, model_size: str, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Time RAM prefix hits against cold prefills, take()/put() with many entries, and memory under the cap."""
     started = time.perf_counter()
@@ -515,12 +662,24 @@ def main(model_dir: Path | None, model_size: str, as_json: bool, write_docs: boo
         load_before = os.getloadavg()[0]
         result = run_benchmark(model, options, progress)
     machine = describe_machine(Path.cwd())
-    result.update(model=described, context_tokens=context_tokens, wall_s=time.perf_counter() - started,
-                  allocator_configured=allocator_configured,
-                  load_average=[load_before, os.getloadavg()[0]], machine=machine)
+    result.update(
+        model=described,
+        context_tokens=context_tokens,
+        wall_s=time.perf_counter() - started,
+        allocator_configured=allocator_configured,
+        load_average=[load_before, os.getloadavg()[0]],
+        machine=machine,
+    )
     print_table(result, console)
-    publish("prompt_cache", result, lambda command, run_date: markdown_section(result, machine, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    publish(
+        "prompt_cache",
+        result,
+        lambda command, run_date: markdown_section(result, machine, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

@@ -56,54 +56,68 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> 
         crash_runs += outcome.crash_points
         failures += len(outcome.failures)
     return {
-        "seeds": seeds, "sweep_s": round(sweep_s, 3), "runs_per_s": round(seeds / sweep_s, 2),
-        "batch_lane_seeds": lanes["batch_lane_runs"], "runs_per_s_by_lane": lane_runs_per_s,
+        "seeds": seeds,
+        "sweep_s": round(sweep_s, 3),
+        "runs_per_s": round(seeds / sweep_s, 2),
+        "batch_lane_seeds": lanes["batch_lane_runs"],
+        "runs_per_s_by_lane": lane_runs_per_s,
         "shared_decode_steps": lanes["shared_decode_steps"],
         "disk_ops_per_run": round(sum(r.disk_ops for r in results) / max(1, len(results)), 1),
         "requests_per_run": round(sum(r.requests for r in results) / max(1, len(results)), 1),
-        "crash_point_runs": crash_runs, "crash_s": round(crash_s, 3),
+        "crash_point_runs": crash_runs,
+        "crash_s": round(crash_s, 3),
         "crash_points_per_s": round(crash_runs / crash_s, 2) if crash_s else 0.0,
-        "failed_runs": failures, "crash_workloads": list(crash_workloads),
+        "failed_runs": failures,
+        "crash_workloads": list(crash_workloads),
     }
 
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    return "\n".join([
-        "## Simulator throughput",
-        "",
-        f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs), Python "
-        f"{machine['python']}, mlx {machine['mlx']}. No target: these figures size the default test sweep.",
-        "",
-        "| measure | value |",
-        "|---|---|",
-        f"| seeds swept (default workload, mixed faults) | {result['seeds']} in {result['sweep_s']} s |",
-        f"| simulated runs per second | {result['runs_per_s']} |",
-        f"| seeds that drew the batch lane / decode steps rows shared | {result['batch_lane_seeds']} / "
-        f"{result['shared_decode_steps']} |",
-        *(f"| runs per second, the same seeds all on the {lane} lane | {rate} |"
-          for lane, rate in result["runs_per_s_by_lane"].items()),
-        f"| disk operations / requests per run | {result['disk_ops_per_run']} / {result['requests_per_run']} |",
-        f"| crash-point runs ({', '.join(result['crash_workloads'])}) | {result['crash_point_runs']} in "
-        f"{result['crash_s']} s |",
-        f"| crash points per second | {result['crash_points_per_s']} |",
-        f"| failed runs | {result['failed_runs']} |",
-        "",
-        "Each run is the real store, actors, prompt cache and journal on `SimDisk` under a MockClock: "
-        "workload, crashes, recovery and every invariant checker. A crash point is one full run that "
-        "crashes at that disk operation. The forced-lane rows run the same seeds, so their ratio is what the "
-        "batch lane costs a run; on a shared 2-CPU VM repeated runs of this command have differed by up to a "
-        "third, so compare figures within one run.",
-    ])
+    return "\n".join(
+        [
+            "## Simulator throughput",
+            "",
+            f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs), Python "
+            f"{machine['python']}, mlx {machine['mlx']}. No target: these figures size the default test sweep.",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            f"| seeds swept (default workload, mixed faults) | {result['seeds']} in {result['sweep_s']} s |",
+            f"| simulated runs per second | {result['runs_per_s']} |",
+            f"| seeds that drew the batch lane / decode steps rows shared | {result['batch_lane_seeds']} / "
+            f"{result['shared_decode_steps']} |",
+            *(
+                f"| runs per second, the same seeds all on the {lane} lane | {rate} |"
+                for lane, rate in result["runs_per_s_by_lane"].items()
+            ),
+            f"| disk operations / requests per run | {result['disk_ops_per_run']} / {result['requests_per_run']} |",
+            f"| crash-point runs ({', '.join(result['crash_workloads'])}) | {result['crash_point_runs']} in "
+            f"{result['crash_s']} s |",
+            f"| crash points per second | {result['crash_points_per_s']} |",
+            f"| failed runs | {result['failed_runs']} |",
+            "",
+            "Each run is the real store, actors, prompt cache and journal on `SimDisk` under a MockClock: "
+            "workload, crashes, recovery and every invariant checker. A crash point is one full run that "
+            "crashes at that disk operation. The forced-lane rows run the same seeds, so their ratio is what the "
+            "batch lane costs a run; on a shared 2-CPU VM repeated runs of this command have differed by up to a "
+            "third, so compare figures within one run.",
+        ]
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--seeds", type=click.IntRange(min=1), default=100, show_default=True, help="Seeds in the sweep.")
-@click.option("--crash-workloads", default="chat,fork,hybrid", show_default=True,
-              help="Small workloads whose every crash point is run (comma list; empty for none).")
+@click.option(
+    "--crash-workloads",
+    default="chat,fork,hybrid",
+    show_default=True,
+    help="Small workloads whose every crash point is run (comma list; empty for none).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
 def main(seeds: int, crash_workloads: str, as_json: bool, write_docs: bool) -> None:
     """Measure simulated runs per second and crash points per second."""
     names = tuple(name.strip() for name in crash_workloads.split(",") if name.strip())
@@ -116,8 +130,15 @@ def main(seeds: int, crash_workloads: str, as_json: bool, write_docs: bool) -> N
     result["machine"] = describe_machine(Path.cwd())
     rows = [(key, str(value)) for key, value in result.items() if key != "machine"]
     print_figures("simulator throughput", ("measurement", "value"), rows, [], console)
-    publish("simulation", result, lambda command, run_date: markdown_section(result, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    publish(
+        "simulation",
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,22 @@ MODEL_SIZE = "small"
 REQUEST_TIMEOUT_S, PROBE_TIMEOUT_S, VERIFY_TIMEOUT_S = 120.0, 30.0, 300.0
 TARGET_HEALTH_S = 0.05
 REPLY_HEAD_CHARS, BODY_HEAD_CHARS, VERIFY_TAIL_CHARS, LOG_LINES_KEPT = 40, 300, 2000, 8
-OPTION_KEYS = ("clients", "duration_s", "prompts", "families", "prefix_tokens", "suffix_tokens", "new_tokens",
-               "stream_share", "think_s", "baseline_s", "prompt_cache_gb", "health_interval_s", "stats_interval_s",
-               "seed")
+OPTION_KEYS = (
+    "clients",
+    "duration_s",
+    "prompts",
+    "families",
+    "prefix_tokens",
+    "suffix_tokens",
+    "new_tokens",
+    "stream_share",
+    "think_s",
+    "baseline_s",
+    "prompt_cache_gb",
+    "health_interval_s",
+    "stats_interval_s",
+    "seed",
+)
 DOCS_NAME = "soak"
 DOCS_BEGIN, DOCS_END = docs_markers(DOCS_NAME)
 
@@ -64,6 +77,7 @@ DOCS_BEGIN, DOCS_END = docs_markers(DOCS_NAME)
 @attrs.frozen(kw_only=True)
 class Reply:
     """One request's outcome. `status` is None when the request failed below HTTP."""
+
     prompt: int
     stream: bool
     status: int | None
@@ -104,10 +118,13 @@ def journal_state(value: Any) -> tuple[str, str | None]:
 def build_prompts(tokenizer: Tokenizer, options: dict[str, Any]) -> list[str]:
     """`prompts` texts: prompt i is family (i mod families)'s shared prefix, then its own suffix."""
     seed = options["seed"]
-    prefixes = [text_of_tokens(tokenizer, options["prefix_tokens"], seed + 1000 + f)
-                for f in range(options["families"])]
-    return [f"{prefixes[i % options['families']]} {text_of_tokens(tokenizer, options['suffix_tokens'], seed + i)}"
-            for i in range(options["prompts"])]
+    prefixes = [
+        text_of_tokens(tokenizer, options["prefix_tokens"], seed + 1000 + f) for f in range(options["families"])
+    ]
+    return [
+        f"{prefixes[i % options['families']]} {text_of_tokens(tokenizer, options['suffix_tokens'], seed + i)}"
+        for i in range(options["prompts"])
+    ]
 
 
 def _request_body(prompt: int, text: str, stream: bool, new_tokens: int) -> tuple[str, dict[str, Any]]:
@@ -146,8 +163,7 @@ def _completed(body: dict[str, Any]) -> tuple[str, int | None]:
     return choice["message"]["content"] if "message" in choice else choice["text"], _cached_tokens(body.get("usage"))
 
 
-def send(client: httpx.Client, base: str, prompt: int, text: str, stream: bool, new_tokens: int,
-         epoch: float) -> Reply:
+def send(client: httpx.Client, base: str, prompt: int, text: str, stream: bool, new_tokens: int, epoch: float) -> Reply:
     path, body = _request_body(prompt, text, stream, new_tokens)
     started = time.perf_counter()
     status, reply_text, cached, done, error = None, None, None, False, ""
@@ -163,13 +179,22 @@ def send(client: httpx.Client, base: str, prompt: int, text: str, stream: bool, 
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as e:
         error = f"{type(e).__name__}: {e}"[:BODY_HEAD_CHARS]
         reply_text = None
-    return Reply(prompt=prompt, stream=stream, status=status, started_s=started - epoch,
-                 total_s=time.perf_counter() - started, text=reply_text, cached_tokens=cached, done=done,
-                 error=error)
+    return Reply(
+        prompt=prompt,
+        stream=stream,
+        status=status,
+        started_s=started - epoch,
+        total_s=time.perf_counter() - started,
+        text=reply_text,
+        cached_tokens=cached,
+        done=done,
+        error=error,
+    )
 
 
-def run_client(index: int, base: str, prompts: list[str], options: dict[str, Any], epoch: float,
-               deadline: float) -> list[Reply]:
+def run_client(
+    index: int, base: str, prompts: list[str], options: dict[str, Any], epoch: float, deadline: float
+) -> list[Reply]:
     """One client: a request, a think time drawn from [0, think_s], again, until `deadline`
     (the request in flight then completes)."""
     rng = random.Random(options["seed"] * 1000 + index)
@@ -202,13 +227,23 @@ def sample_stats(client: httpx.Client, base: str, epoch: float) -> tuple[StatsSa
     stats = client.get(f"{base}/stats").json()
     ssd = stats["ssd_cache"]
     state, reason = journal_state(ssd.get("journal"))
-    return StatsSample(at_s=time.perf_counter() - epoch, restores=ssd.get("restores", 0), spills=ssd.get("spills", 0),
-                       ssd_entries=ssd.get("entries", 0), pending_spills=ssd.get("pending_spills", 0),
-                       journal_state=state, journal_reason=reason), stats
+    return StatsSample(
+        at_s=time.perf_counter() - epoch,
+        restores=ssd.get("restores", 0),
+        spills=ssd.get("spills", 0),
+        ssd_entries=ssd.get("entries", 0),
+        pending_spills=ssd.get("pending_spills", 0),
+        journal_state=state,
+        journal_reason=reason,
+    ), stats
 
 
-def poll_stats(base: str, interval_s: float, epoch: float, deadline: float,
-               ) -> tuple[list[StatsSample], dict[str, Any]]:
+def poll_stats(
+    base: str,
+    interval_s: float,
+    epoch: float,
+    deadline: float,
+) -> tuple[list[StatsSample], dict[str, Any]]:
     """The samples, and the last full `/stats` answer."""
     samples: list[StatsSample] = []
     last: dict[str, Any] = {}
@@ -223,8 +258,12 @@ def poll_stats(base: str, interval_s: float, epoch: float, deadline: float,
     return samples, last
 
 
-async def run_load(base: str, prompts: list[str], options: dict[str, Any], epoch: float,
-                   ) -> tuple[list[Reply], list[HealthProbe], tuple[list[StatsSample], dict[str, Any]]]:
+async def run_load(
+    base: str,
+    prompts: list[str],
+    options: dict[str, Any],
+    epoch: float,
+) -> tuple[list[Reply], list[HealthProbe], tuple[list[StatsSample], dict[str, Any]]]:
     """The clients, the health probe and the stats poller, each in its own thread, at once."""
     deadline = epoch + options["duration_s"]
     per_client: list[list[Reply]] = [[] for _ in range(options["clients"])]
@@ -235,8 +274,7 @@ async def run_load(base: str, prompts: list[str], options: dict[str, Any], epoch
         per_client[index] = await trio.to_thread.run_sync(run_client, index, base, prompts, options, epoch, deadline)
 
     async def health() -> None:
-        probes.extend(await trio.to_thread.run_sync(probe_health, base, options["health_interval_s"], epoch,
-                                                    deadline))
+        probes.extend(await trio.to_thread.run_sync(probe_health, base, options["health_interval_s"], epoch, deadline))
 
     async def stats() -> None:
         polled.append(await trio.to_thread.run_sync(poll_stats, base, options["stats_interval_s"], epoch, deadline))
@@ -251,13 +289,20 @@ async def run_load(base: str, prompts: list[str], options: dict[str, Any], epoch
 
 def verify_journal(ssd_dir: Path) -> dict[str, Any]:
     """`kvcellar journal verify --json DIR` in its own process: its exit status, counts and first mismatches."""
-    completed = subprocess.run([sys.executable, "-m", "kvcellar.cli", "journal", "verify", "--json", str(ssd_dir)],
-                               capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S)
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvcellar.cli", "journal", "verify", "--json", str(ssd_dir)],
+        capture_output=True,
+        text=True,
+        timeout=VERIFY_TIMEOUT_S,
+    )
     verdict: dict[str, Any] = {"rc": completed.returncode}
     try:
         report = json.loads(completed.stdout)
-        verdict.update(entries=report["entries"], mismatches=len(report["mismatches"]),
-                       mismatches_head=report["mismatches"][:LOG_LINES_KEPT])
+        verdict.update(
+            entries=report["entries"],
+            mismatches=len(report["mismatches"]),
+            mismatches_head=report["mismatches"][:LOG_LINES_KEPT],
+        )
     except (json.JSONDecodeError, KeyError, TypeError):
         verdict["output"] = (completed.stdout + completed.stderr)[-VERIFY_TAIL_CHARS:]
     return verdict
@@ -272,13 +317,14 @@ def log_warnings(log_path: Path) -> list[str]:
         if " WARNING " in line or " ERROR " in line:
             flagged.append(line)
         elif line.startswith("Traceback"):
-            exception = next((later for later in lines[number + 1:] if later and not later[0].isspace()), "")
+            exception = next((later for later in lines[number + 1 :] if later and not later[0].isspace()), "")
             flagged.append(f"Traceback: {exception}")
     return flagged[:LOG_LINES_KEPT]
 
 
-def flush_and_sample(base: str, epoch: float, last_stats: dict[str, Any]) -> tuple[dict[str, Any],
-                                                                                 list[StatsSample], dict[str, Any]]:
+def flush_and_sample(
+    base: str, epoch: float, last_stats: dict[str, Any]
+) -> tuple[dict[str, Any], list[StatsSample], dict[str, Any]]:
     """`POST /admin/cache/flush` and the final `/stats`; a server that no longer answers is
     reported (the last stats polled during the load stand in), never raised."""
     flush: dict[str, Any] = {"status": None, "s": None, "verdict": None}
@@ -303,8 +349,10 @@ def run_soak(model_dir: Path, workdir: Path, options: dict[str, Any], progress: 
     progress.print(f"kvcellar serve --ssd-cache … --prompt-cache {options['prompt_cache_gb']}: starting")
     server = ServerProcess(KVCELLAR, model_dir, ssd_dir, log_path, ("--prompt-cache", str(options["prompt_cache_gb"])))
     try:
-        progress.print(f"/health of the idle server for {options['baseline_s']:.0f} s, then {options['clients']} "
-                       f"clients for {options['duration_s']:.0f} s")
+        progress.print(
+            f"/health of the idle server for {options['baseline_s']:.0f} s, then {options['clients']} "
+            f"clients for {options['duration_s']:.0f} s"
+        )
         started = time.perf_counter()
         idle = probe_health(server.base, options["health_interval_s"], started, started + options["baseline_s"])
         others, epoch = OthersCpu(server.process.pid), time.perf_counter()
@@ -317,20 +365,34 @@ def run_soak(model_dir: Path, workdir: Path, options: dict[str, Any], progress: 
         server.kill()
     progress.print("kvcellar journal verify")
     verify = verify_journal(ssd_dir)
-    return summarise(replies, probes, [*samples, *final_samples], final_stats, {
-        "ssd_entries_before_flush": samples[-1].ssd_entries if samples else None,
-        "options": {key: options[key] for key in OPTION_KEYS}, "load_s": load_s, "others_cpus": others_cpus,
-        "start_s": server.start_s, "flush": flush, "exit_status": exit_status, "verify": verify,
-        "log_warnings": log_warnings(log_path), "health_idle_probes": len(idle),
-        # The first probe also opens the connection: not part of the idle server's answer time.
-        "health_idle_worst_s": max((probe.latency_s for probe in idle[1:]), default=None),
-        "health_idle_p50_s": _percentile([probe.latency_s for probe in idle[1:]], 0.5)})
+    return summarise(
+        replies,
+        probes,
+        [*samples, *final_samples],
+        final_stats,
+        {
+            "ssd_entries_before_flush": samples[-1].ssd_entries if samples else None,
+            "options": {key: options[key] for key in OPTION_KEYS},
+            "load_s": load_s,
+            "others_cpus": others_cpus,
+            "start_s": server.start_s,
+            "flush": flush,
+            "exit_status": exit_status,
+            "verify": verify,
+            "log_warnings": log_warnings(log_path),
+            "health_idle_probes": len(idle),
+            # The first probe also opens the connection: not part of the idle server's answer time.
+            "health_idle_worst_s": max((probe.latency_s for probe in idle[1:]), default=None),
+            "health_idle_p50_s": _percentile([probe.latency_s for probe in idle[1:]], 0.5),
+        },
+    )
 
 
 def restore_windows(samples: list[StatsSample]) -> list[tuple[float, float]]:
     """The stats intervals in which `ssd_cache.restores` rose: restores ran somewhere inside them."""
-    return [(before.at_s, after.at_s) for before, after in itertools.pairwise(samples)
-            if after.restores > before.restores]
+    return [
+        (before.at_s, after.at_s) for before, after in itertools.pairwise(samples) if after.restores > before.restores
+    ]
 
 
 def _on_top_of_restore(probe: HealthProbe, windows: list[tuple[float, float]]) -> bool:
@@ -360,16 +422,30 @@ def output_stability(replies: list[Reply]) -> dict[str, Any]:
     example = None
     if unstable:
         first = texts[unstable[0]].most_common()
-        example = {"prompt": unstable[0], "texts": [{"head": text[:REPLY_HEAD_CHARS], "chars": len(text),
-                                                     "count": count} for text, count in first[:3]]}
+        example = {
+            "prompt": unstable[0],
+            "texts": [
+                {"head": text[:REPLY_HEAD_CHARS], "chars": len(text), "count": count} for text, count in first[:3]
+            ],
+        }
     repeats = [sum(seen.values()) for seen in texts.values()]
-    return {"outputs_stable": not unstable, "unstable_prompts": unstable, "unstable_example": example,
-            "prompts_seen": len(texts), "repeats_min": min(repeats, default=0),
-            "repeats_median": statistics.median(repeats) if repeats else 0}
+    return {
+        "outputs_stable": not unstable,
+        "unstable_prompts": unstable,
+        "unstable_example": example,
+        "prompts_seen": len(texts),
+        "repeats_min": min(repeats, default=0),
+        "repeats_median": statistics.median(repeats) if repeats else 0,
+    }
 
 
-def summarise(replies: list[Reply], probes: list[HealthProbe], samples: list[StatsSample],
-              final_stats: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    replies: list[Reply],
+    probes: list[HealthProbe],
+    samples: list[StatsSample],
+    final_stats: dict[str, Any],
+    run: dict[str, Any],
+) -> dict[str, Any]:
     codes = Counter("transport_error" if reply.status is None else str(reply.status) for reply in replies)
     streams = [reply for reply in replies if reply.stream and reply.status == 200]
     windows = restore_windows(samples)
@@ -377,26 +453,39 @@ def summarise(replies: list[Reply], probes: list[HealthProbe], samples: list[Sta
     latencies = [reply.total_s for reply in replies if reply.status == 200]
     degraded = [sample for sample in samples if sample.journal_state != "ok"]
     ssd, ram = final_stats.get("ssd_cache", {}), final_stats.get("prompt_cache", {})
-    failures = [{"status": reply.status, "stream": reply.stream, "prompt": reply.prompt, "error": reply.error}
-                for reply in replies if reply.status != 200 or reply.error or (reply.stream and not reply.done)]
+    failures = [
+        {"status": reply.status, "stream": reply.stream, "prompt": reply.prompt, "error": reply.error}
+        for reply in replies
+        if reply.status != 200 or reply.error or (reply.stream and not reply.done)
+    ]
     result: dict[str, Any] = {
-        "requests": len(replies), "status_codes": dict(sorted(codes.items())),
+        "requests": len(replies),
+        "status_codes": dict(sorted(codes.items())),
         "five_xx": sum(count for code, count in codes.items() if code.isdigit() and int(code) >= 500),
         "transport_errors": codes.get("transport_error", 0),
-        "streams": len(streams), "streams_without_done": sum(not reply.done for reply in streams),
+        "streams": len(streams),
+        "streams_without_done": sum(not reply.done for reply in streams),
         "stream_error_events": sum(bool(reply.error) for reply in streams),
         "failures_head": failures[:LOG_LINES_KEPT],
-        "p50_s": _percentile(latencies, 0.5), "p99_s": _percentile(latencies, 0.99),
-        "restores": ssd.get("restores", 0), "spills": ssd.get("spills", 0), "evictions": ram.get("evictions", 0),
-        "ram_hits": ram.get("hits", 0), "cold_hits": ram.get("cold_hits", 0),
-        "cached_tokens_mean": _cached_mean(replies), "ssd_entries": ssd.get("entries", 0),
+        "p50_s": _percentile(latencies, 0.5),
+        "p99_s": _percentile(latencies, 0.99),
+        "restores": ssd.get("restores", 0),
+        "spills": ssd.get("spills", 0),
+        "evictions": ram.get("evictions", 0),
+        "ram_hits": ram.get("hits", 0),
+        "cold_hits": ram.get("cold_hits", 0),
+        "cached_tokens_mean": _cached_mean(replies),
+        "ssd_entries": ssd.get("entries", 0),
         "ssd_bytes": ssd.get("bytes", 0),
-        "health_probes": len(probes), "health_worst_s": max((p.latency_s for p in probes), default=None),
+        "health_probes": len(probes),
+        "health_worst_s": max((p.latency_s for p in probes), default=None),
         "health_p99_s": _percentile([p.latency_s for p in probes], 0.99),
         "health_not_200": sum(probe.status != 200 for probe in probes),
-        "health_probes_on_restore": len(on_restore), "health_worst_on_restore_s": max(on_restore, default=None),
+        "health_probes_on_restore": len(on_restore),
+        "health_worst_on_restore_s": max(on_restore, default=None),
         "health_p99_on_restore_s": _percentile(on_restore, 0.99),
-        "restore_windows": len(windows), "stats_samples": len(samples),
+        "restore_windows": len(windows),
+        "stats_samples": len(samples),
         "pending_spills_peak": max((sample.pending_spills for sample in samples), default=0),
         "ssd_entries_before_flush": run["ssd_entries_before_flush"],
         "journal_state": samples[-1].journal_state if samples else "unknown",
@@ -404,7 +493,8 @@ def summarise(replies: list[Reply], probes: list[HealthProbe], samples: list[Sta
         "journal_degraded": bool(degraded),
         "journal_first_degraded": attrs.asdict(degraded[0]) if degraded else None,
         "verify_ok": run["verify"]["rc"] == 0,
-        **output_stability(replies), **run,
+        **output_stability(replies),
+        **run,
     }
     result["targets_met"] = targets_met(result)
     return result
@@ -412,10 +502,14 @@ def summarise(replies: list[Reply], probes: list[HealthProbe], samples: list[Sta
 
 def targets_met(result: dict[str, Any]) -> dict[str, bool]:
     worst = result["health_worst_on_restore_s"]
-    return {"zero_5xx": result["five_xx"] == 0, "zero_streams_without_done": result["streams_without_done"] == 0,
-            "journal_never_degraded": not result["journal_degraded"], "verify_clean": result["verify_ok"],
-            "greedy_outputs_stable": result["outputs_stable"],
-            "health_on_restore_lt_50ms": worst is not None and worst < TARGET_HEALTH_S}
+    return {
+        "zero_5xx": result["five_xx"] == 0,
+        "zero_streams_without_done": result["streams_without_done"] == 0,
+        "journal_never_degraded": not result["journal_degraded"],
+        "verify_clean": result["verify_ok"],
+        "greedy_outputs_stable": result["outputs_stable"],
+        "health_on_restore_lt_50ms": worst is not None and worst < TARGET_HEALTH_S,
+    }
 
 
 def _ms(value: float | None) -> str:
@@ -438,24 +532,49 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     return [
         ("requests (status codes)", f"{result['requests']} ({codes})", "", ""),
         ("5xx replies", str(result["five_xx"]), "0", verdict("zero_5xx")),
-        ("streams without [DONE]", f"{result['streams_without_done']} of {result['streams']}", "0",
-         verdict("zero_streams_without_done")),
+        (
+            "streams without [DONE]",
+            f"{result['streams_without_done']} of {result['streams']}",
+            "0",
+            verdict("zero_streams_without_done"),
+        ),
         ("journal state (end)", journal, "never degraded", verdict("journal_never_degraded")),
-        ("journal verify after flush", "clean" if result["verify_ok"] else
-         f"FAILED (exit {result['verify']['rc']}, {result['verify'].get('mismatches', '?')} mismatches)",
-         "clean", verdict("verify_clean")),
-        ("greedy outputs", "stable" if result["outputs_stable"] else
-         f"{len(result['unstable_prompts'])} prompts with differing replies", "stable",
-         verdict("greedy_outputs_stable")),
-        ("worst /health on top of a restore (p99)",
-         f"{_ms(result['health_worst_on_restore_s'])} ({_ms(result['health_p99_on_restore_s'])})",
-         f"< {TARGET_HEALTH_S * 1000:.0f} ms", verdict("health_on_restore_lt_50ms")),
+        (
+            "journal verify after flush",
+            "clean"
+            if result["verify_ok"]
+            else f"FAILED (exit {result['verify']['rc']}, {result['verify'].get('mismatches', '?')} mismatches)",
+            "clean",
+            verdict("verify_clean"),
+        ),
+        (
+            "greedy outputs",
+            "stable"
+            if result["outputs_stable"]
+            else f"{len(result['unstable_prompts'])} prompts with differing replies",
+            "stable",
+            verdict("greedy_outputs_stable"),
+        ),
+        (
+            "worst /health on top of a restore (p99)",
+            f"{_ms(result['health_worst_on_restore_s'])} ({_ms(result['health_p99_on_restore_s'])})",
+            f"< {TARGET_HEALTH_S * 1000:.0f} ms",
+            verdict("health_on_restore_lt_50ms"),
+        ),
         ("worst /health overall (p99)", f"{_ms(result['health_worst_s'])} ({_ms(result['health_p99_s'])})", "", ""),
-        ("worst /health of the idle server before the load (p50)",
-         f"{_ms(result['health_idle_worst_s'])} ({_ms(result['health_idle_p50_s'])})", "", ""),
+        (
+            "worst /health of the idle server before the load (p50)",
+            f"{_ms(result['health_idle_worst_s'])} ({_ms(result['health_idle_p50_s'])})",
+            "",
+            "",
+        ),
         ("request latency p50 / p99", f"{_ms(result['p50_s'])} / {_ms(result['p99_s'])}", "", ""),
-        ("SSD restores / spills / RAM evictions", f"{result['restores']} / {result['spills']} / {result['evictions']}",
-         "", ""),
+        (
+            "SSD restores / spills / RAM evictions",
+            f"{result['restores']} / {result['spills']} / {result['evictions']}",
+            "",
+            "",
+        ),
         ("most spills queued at once", str(result["pending_spills_peak"]), "", ""),
     ]
 
@@ -495,39 +614,65 @@ def _without_timestamp(line: str) -> str:
 def interpretation(result: dict[str, Any]) -> str:
     """One paragraph built from the figures."""
     missed = [key for key, met in result["targets_met"].items() if not met]
-    parts = [f"The soak met {len(result['targets_met']) - len(missed)} of {len(result['targets_met'])} targets"
-             + (f"; missed: {', '.join(missed)}." if missed else ".")]
+    parts = [
+        f"The soak met {len(result['targets_met']) - len(missed)} of {len(result['targets_met'])} targets"
+        + (f"; missed: {', '.join(missed)}." if missed else ".")
+    ]
     if result["journal_degraded"]:
-        parts.append(f"The journal degraded during the load ({result['journal_reason'] or 'no reason given'}); "
-                     f"the server's log said: " + "; ".join(f"`{_without_timestamp(line)[:300]}`"
-                                                              for line in result["log_warnings"][:3]) + ".")
+        parts.append(
+            f"The journal degraded during the load ({result['journal_reason'] or 'no reason given'}); "
+            f"the server's log said: "
+            + "; ".join(f"`{_without_timestamp(line)[:300]}`" for line in result["log_warnings"][:3])
+            + "."
+        )
     if not result["verify_ok"]:
         checks = Counter(item.get("check", "?") for item in result["verify"].get("mismatches_head", []))
-        parts.append("`kvcellar journal verify` failed after the flush and the graceful stop"
-                     + (f" ({', '.join(f'{check}: {count}' for check, count in checks.items())} among the first "
-                        f"mismatches)" if checks else "") + ".")
+        parts.append(
+            "`kvcellar journal verify` failed after the flush and the graceful stop"
+            + (
+                f" ({', '.join(f'{check}: {count}' for check, count in checks.items())} among the first mismatches)"
+                if checks
+                else ""
+            )
+            + "."
+        )
     if result["unstable_example"]:
         example = result["unstable_example"]
-        parts.append(f"Prompt {example['prompt']} got differing greedy replies: "
-                     + ", ".join(f"{text['count']}x {text['chars']} chars starting {text['head']!r}"
-                                 for text in example["texts"]) + ".")
+        parts.append(
+            f"Prompt {example['prompt']} got differing greedy replies: "
+            + ", ".join(
+                f"{text['count']}x {text['chars']} chars starting {text['head']!r}" for text in example["texts"]
+            )
+            + "."
+        )
     if not result["targets_met"]["health_on_restore_lt_50ms"] and result["health_idle_worst_s"] is not None:
-        parts.append(f"On top of a restore /health took at worst {_ms(result['health_worst_on_restore_s'])} (p99 "
-                     f"{_ms(result['health_p99_on_restore_s'])}); the idle server before the load took at worst "
-                     f"{_ms(result['health_idle_worst_s'])} (median {_ms(result['health_idle_p50_s'])}): scheduling on "
-                     f"this shared machine alone comes close to the target.")
+        parts.append(
+            f"On top of a restore /health took at worst {_ms(result['health_worst_on_restore_s'])} (p99 "
+            f"{_ms(result['health_p99_on_restore_s'])}); the idle server before the load took at worst "
+            f"{_ms(result['health_idle_worst_s'])} (median {_ms(result['health_idle_p50_s'])}): scheduling on "
+            f"this shared machine alone comes close to the target."
+        )
     if result["restores"] == 0:
-        parts.append(f"No request restored from the SSD tier: {result['ssd_entries_before_flush']} entries had "
-                     f"reached it by the end of the load, with up to {result['pending_spills_peak']} spills queued "
-                     f"(SSD writes run in idle engine turns, which a batch that never ends does not leave).")
+        parts.append(
+            f"No request restored from the SSD tier: {result['ssd_entries_before_flush']} entries had "
+            f"reached it by the end of the load, with up to {result['pending_spills_peak']} spills queued "
+            f"(SSD writes run in idle engine turns, which a batch that never ends does not leave)."
+        )
     elif result["pending_spills_peak"]:
-        drained = (f", and the flush drained the rest in {result['flush']['s']:.2f} s"
-                   if result["flush"]["s"] is not None else "")
-        parts.append(f"Up to {result['pending_spills_peak']} spills waited in the queue at once: SSD writes run in "
-                     f"idle engine turns, which come only between batches{drained}.")
+        drained = (
+            f", and the flush drained the rest in {result['flush']['s']:.2f} s"
+            if result["flush"]["s"] is not None
+            else ""
+        )
+        parts.append(
+            f"Up to {result['pending_spills_peak']} spills waited in the queue at once: SSD writes run in "
+            f"idle engine turns, which come only between batches{drained}."
+        )
     if result["others_cpus"] > 0.1:
-        parts.append(f"Other processes kept {result['others_cpus']:.2f} CPUs busy during the load, so the latencies "
-                     f"carry that noise.")
+        parts.append(
+            f"Other processes kept {result['others_cpus']:.2f} CPUs busy during the load, so the latencies "
+            f"carry that noise."
+        )
     return " ".join(parts)
 
 
@@ -542,7 +687,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU); SSD tier on "
         f"{machine['filesystem']}.",
         "",
-        f"| {' | '.join(FIGURE_COLUMNS)} |", "|---|---:|---:|---|",
+        f"| {' | '.join(FIGURE_COLUMNS)} |",
+        "|---|---:|---:|---|",
         *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
     ]
     return "\n".join([*lines, "", *(f"- {line}" for line in summary_lines(result)), "", interpretation(result)])
@@ -550,39 +696,97 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--clients", type=click.IntRange(min=1), default=4, show_default=True, help="Concurrent clients.")
-@click.option("--duration-s", type=click.FloatRange(min=1), default=90.0, show_default=True,
-              help="Seconds the clients keep sending; requests in flight then complete.")
+@click.option(
+    "--duration-s",
+    type=click.FloatRange(min=1),
+    default=90.0,
+    show_default=True,
+    help="Seconds the clients keep sending; requests in flight then complete.",
+)
 @click.option("--prompts", type=click.IntRange(min=2), default=24, show_default=True, help="Prompts in the pool.")
-@click.option("--families", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Groups of prompts sharing a prefix.")
-@click.option("--prefix-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Tokens of each family's shared prefix.")
-@click.option("--suffix-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Tokens of each prompt's own suffix.")
-@click.option("--new-tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="max_tokens of every request (greedy).")
-@click.option("--stream-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
-              help="Share of requests that stream.")
-@click.option("--think-s", type=click.FloatRange(min=0), default=0.5, show_default=True,
-              help="Most seconds a client pauses between two requests (uniform from 0).")
-@click.option("--baseline-s", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="Seconds of /health probes against the idle server before the load (the baseline).")
-@click.option("--prompt-cache-gb", type=click.FloatRange(min=0), default=0.004, show_default=True,
-              help="The server's --prompt-cache (RAM tier, GB).")
-@click.option("--health-interval-s", type=click.FloatRange(min=0.001), default=0.05, show_default=True,
-              help="Pause between /health probes.")
-@click.option("--stats-interval-s", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
-              help="Pause between /stats samples (the resolution of 'on top of a restore').")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help=f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
-                   f"{MODEL_SIZE} made in a temporary directory.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for the SSD tier and the server log (a temporary subdirectory is made and removed); "
-                   "default: kvcellar's user cache directory.")
+@click.option(
+    "--families", type=click.IntRange(min=1), default=3, show_default=True, help="Groups of prompts sharing a prefix."
+)
+@click.option(
+    "--prefix-tokens",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Tokens of each family's shared prefix.",
+)
+@click.option(
+    "--suffix-tokens",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Tokens of each prompt's own suffix.",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="max_tokens of every request (greedy).",
+)
+@click.option(
+    "--stream-share", type=click.FloatRange(0, 1), default=0.5, show_default=True, help="Share of requests that stream."
+)
+@click.option(
+    "--think-s",
+    type=click.FloatRange(min=0),
+    default=0.5,
+    show_default=True,
+    help="Most seconds a client pauses between two requests (uniform from 0).",
+)
+@click.option(
+    "--baseline-s",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="Seconds of /health probes against the idle server before the load (the baseline).",
+)
+@click.option(
+    "--prompt-cache-gb",
+    type=click.FloatRange(min=0),
+    default=0.004,
+    show_default=True,
+    help="The server's --prompt-cache (RAM tier, GB).",
+)
+@click.option(
+    "--health-interval-s",
+    type=click.FloatRange(min=0.001),
+    default=0.05,
+    show_default=True,
+    help="Pause between /health probes.",
+)
+@click.option(
+    "--stats-interval-s",
+    type=click.FloatRange(min=0.01),
+    default=0.1,
+    show_default=True,
+    help="Pause between /stats samples (the resolution of 'on top of a restore').",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help=f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
+    f"{MODEL_SIZE} made in a temporary directory.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the SSD tier and the server log (a temporary subdirectory is made and removed); "
+    "default: kvcellar's user cache directory.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the clients' draws.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Soak kvcellar serve with an SSD tier and a tiny RAM tier; check nothing is lost, frozen or degraded."""
     started = time.perf_counter()
@@ -592,12 +796,26 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
         if not (scratch.model_dir / "tokenizer.json").is_file():
             raise click.ClickException(f"{scratch.model_dir} has no tokenizer.json to size the prompts with")
         result = run_soak(scratch.model_dir, scratch.workdir, options, progress)
-    result.update(model=scratch.model_described, machine=describe_machine(scratch.base),
-                  wall_s=time.perf_counter() - started)
-    print_figures("Soak", FIGURE_COLUMNS, figure_rows(result), [*summary_lines(result), interpretation(result)],
-                  console, text_columns=FIGURE_COLUMNS)
-    publish(DOCS_NAME, result, lambda command, run_date: markdown_section(result, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    result.update(
+        model=scratch.model_described, machine=describe_machine(scratch.base), wall_s=time.perf_counter() - started
+    )
+    print_figures(
+        "Soak",
+        FIGURE_COLUMNS,
+        figure_rows(result),
+        [*summary_lines(result), interpretation(result)],
+        console,
+        text_columns=FIGURE_COLUMNS,
+    )
+    publish(
+        DOCS_NAME,
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ def conversation_tree(entries: int, tokens: int, rng: np.random.Generator) -> li
     return made
 
 
-def conversation_queries(stored: list[np.ndarray], count: int,
-                         rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
+def conversation_queries(
+    stored: list[np.ndarray], count: int, rng: np.random.Generator
+) -> list[tuple[str, np.ndarray]]:
     """Even queries extend a stored entry by new tokens; odd ones leave one at a random point."""
     made = []
     for number in range(count):
@@ -240,13 +241,16 @@ def measure_startup(root: Path, repeats: int, expected_entries: int) -> dict[str
     reconcile_seconds: list[float] = []
     events_before = journal_event_count(directory)
     for repeat in range(repeats):
-        for key in STARTUP_KEYS[repeat % 3:] + STARTUP_KEYS[: repeat % 3]:
+        for key in STARTUP_KEYS[repeat % 3 :] + STARTUP_KEYS[: repeat % 3]:
             warm_seconds.append(warm_headers(directory))
             runs[key].append(time_startup_step(root, key, expected_entries, reconcile_seconds))
-    return {"runs_seconds": runs, "warm_headers_seconds": warm_seconds,
-            "reconcile_median_seconds": statistics.median(reconcile_seconds),
-            "median_seconds": {key: statistics.median(values) for key, values in runs.items()},
-            "reconcile_events_in_timed_opens": journal_event_count(directory) - events_before}
+    return {
+        "runs_seconds": runs,
+        "warm_headers_seconds": warm_seconds,
+        "reconcile_median_seconds": statistics.median(reconcile_seconds),
+        "median_seconds": {key: statistics.median(values) for key, values in runs.items()},
+        "reconcile_events_in_timed_opens": journal_event_count(directory) - events_before,
+    }
 
 
 def measure_scan_components(directory: Path) -> dict[str, float]:
@@ -267,8 +271,12 @@ def measure_scan_components(directory: Path) -> dict[str, float]:
         converter.structure(decoded, kvfile.Header)
         totals["cattrs_structure"] += time.perf_counter() - started
         started = time.perf_counter()
-        index.add(path.stem, header.token_array, trimmable=header.trimmable,
-                  minimum_reusable_offset=header.minimum_reusable_offset)
+        index.add(
+            path.stem,
+            header.token_array,
+            trimmable=header.trimmable,
+            minimum_reusable_offset=header.minimum_reusable_offset,
+        )
         totals["index_add"] += time.perf_counter() - started
     return totals
 
@@ -301,29 +309,36 @@ def verify_find(store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: l
         length = min(matrix.shape[1], len(query))
         differs = matrix[:, :length] != query[:length]
         common = np.where(differs.any(axis=1), differs.argmax(axis=1), length)
-        usable = [usable_prefix_length(int(shared), matrix.shape[1], len(query), entry.trimmable,
-                                       entry.minimum_reusable_offset)
-                  for shared, entry in zip(common, indexed, strict=True)]
+        usable = [
+            usable_prefix_length(
+                int(shared), matrix.shape[1], len(query), entry.trimmable, entry.minimum_reusable_offset
+            )
+            for shared, entry in zip(common, indexed, strict=True)
+        ]
         match = store.find(query)
         found = 0 if match is None else match.usable_tokens
         serves = 0 if match is None else usable[row_of[match.entry_id]]
         if found != max(usable) or serves != found:
             problems.append(f"query {number}: find gave {found} (its entry serves {serves}), brute force {max(usable)}")
     if problems:
-        raise AssertionError(f"find() disagrees with brute force on {len(problems)} of {len(queries)} queries: "
-                             f"{'; '.join(problems[:5])}")
+        raise AssertionError(
+            f"find() disagrees with brute force on {len(problems)} of {len(queries)} queries: {'; '.join(problems[:5])}"
+        )
     return len(queries)
 
 
-def measure_find(store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: int,
-                 rng: np.random.Generator) -> dict[str, Any]:
+def measure_find(
+    store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: int, rng: np.random.Generator
+) -> dict[str, Any]:
     labelled = conversation_queries(list(tokens_by_id.values()), queries, rng)
     arrays = [query for _, query in labelled]
     find_latencies(store, arrays[:WARMUP_QUERIES])
     array_seconds = find_latencies(store, arrays)
     list_seconds = find_latencies(store, [query.tolist() for query in arrays])
-    by_kind = {kind: [seconds for (label, _), seconds in zip(labelled, array_seconds, strict=True) if label == kind]
-               for kind in ("extend", "diverge")}
+    by_kind = {
+        kind: [seconds for (label, _), seconds in zip(labelled, array_seconds, strict=True) if label == kind]
+        for kind in ("extend", "diverge")
+    }
     sample = arrays[:: max(1, len(arrays) // VERIFIED_QUERIES)][:VERIFIED_QUERIES]
     return {
         "find_median_seconds": statistics.median(array_seconds),
@@ -337,8 +352,9 @@ def measure_find(store: SsdStore, tokens_by_id: dict[str, np.ndarray], queries: 
     }
 
 
-def alternate_stores(journaled: SsdStore, unjournaled: SsdStore, caches: list[KVCache], rows: int, stores: int,
-                     rng: np.random.Generator) -> dict[str, list[float]]:
+def alternate_stores(
+    journaled: SsdStore, unjournaled: SsdStore, caches: list[KVCache], rows: int, stores: int, rng: np.random.Generator
+) -> dict[str, list[float]]:
     """Store times per mode and the journaled stores' time inside `Journal.append`; the first pair is a warm-up."""
     spent: list[float] = []
     seconds: dict[str, list[float]] = {"on": [], "off": [], "append": []}
@@ -374,18 +390,28 @@ def measure_journal_overhead(workdir: Path, store_mib: int, stores: int, rng: np
         unjournaled.close()
     medians = {mode: statistics.median(values) for mode, values in seconds.items()}
     return {
-        "store_runs_seconds": seconds, "store_median_seconds": medians,
+        "store_runs_seconds": seconds,
+        "store_median_seconds": medians,
         "journal_append_pct": 100 * medians["append"] / medians["on"],
         "journal_end_to_end_seconds": medians["on"] - medians["off"],
         "journal_end_to_end_pct": 100 * (medians["on"] - medians["off"]) / medians["off"],
-        "store_file_bytes": file_bytes, "store_tokens": rows,
+        "store_file_bytes": file_bytes,
+        "store_tokens": rows,
         "store_cache_shape": f"{STORE_LAYERS} x KVCache, keys/values [1, {STORE_KV_HEADS}, {rows}, "
-                             f"{STORE_HEAD_DIM}] bfloat16",
+        f"{STORE_HEAD_DIM}] bfloat16",
     }
 
 
-def run_benchmark(entries: int, tokens: int, queries: int, store_mib: int, stores: int, open_repeats: int,
-                  workdir: Path, progress: Console) -> dict[str, Any]:
+def run_benchmark(
+    entries: int,
+    tokens: int,
+    queries: int,
+    store_mib: int,
+    stores: int,
+    open_repeats: int,
+    workdir: Path,
+    progress: Console,
+) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     mx.random.seed(0)
     root = workdir / "tree"
@@ -409,15 +435,23 @@ def run_benchmark(entries: int, tokens: int, queries: int, store_mib: int, store
     journal = measure_journal_overhead(workdir, store_mib, stores, rng)
     medians = startup["median_seconds"]
     result: dict[str, Any] = {
-        "entries": entries, "tokens_per_entry": tokens, "queries": queries, "stores": stores,
-        "store_mib": store_mib, "open_repeats": open_repeats, "build_seconds": build_seconds,
+        "entries": entries,
+        "tokens_per_entry": tokens,
+        "queries": queries,
+        "stores": stores,
+        "store_mib": store_mib,
+        "open_repeats": open_repeats,
+        "build_seconds": build_seconds,
         "tree_file_bytes": sum(path.stat().st_size for path in (root / FINGERPRINT).glob("*/*.kvc")),
-        "first_journal_open_seconds": first_open_seconds, "first_journal_open_events": first_open_events,
+        "first_journal_open_seconds": first_open_seconds,
+        "first_journal_open_events": first_open_events,
         "first_journal_reconcile_seconds": first_reconcile_seconds[0],
-        **startup, "scan_components_seconds": components,
+        **startup,
+        "scan_components_seconds": components,
         "open_ratio_journal_off": medians["open_journal_off"] / medians["scan_baseline"],
         "open_ratio_journal_on": medians["open_journal_on"] / medians["scan_baseline"],
-        **found, **journal,
+        **found,
+        **journal,
     }
     result["targets_met"] = {
         "open_ratio_le_10": result["open_ratio_journal_on"] <= SCAN_RATIO_TARGET,
@@ -450,26 +484,50 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
     def open_row(key: str, label: str) -> tuple[str, str, str, str]:
         ratio = result[key.replace("open_", "open_ratio_")]
-        return (label, duration(medians[key]), _spread(runs[key]), f"{duration(medians[key] / per)} per entry; "
-                f"{ratio:.0f}x baseline ({_target(ratio <= SCAN_RATIO_TARGET, f'<= {SCAN_RATIO_TARGET:.0f}x')})")
+        return (
+            label,
+            duration(medians[key]),
+            _spread(runs[key]),
+            f"{duration(medians[key] / per)} per entry; "
+            f"{ratio:.0f}x baseline ({_target(ratio <= SCAN_RATIO_TARGET, f'<= {SCAN_RATIO_TARGET:.0f}x')})",
+        )
 
     list_met = result["find_list_median_seconds"] < FIND_MEDIAN_TARGET_SECONDS
     return [
-        ("startup: os.scandir + stat of the tree (baseline)", duration(medians["scan_baseline"]),
-         _spread(runs["scan_baseline"]), f"{duration(medians['scan_baseline'] / per)} per entry"),
+        (
+            "startup: os.scandir + stat of the tree (baseline)",
+            duration(medians["scan_baseline"]),
+            _spread(runs["scan_baseline"]),
+            f"{duration(medians['scan_baseline'] / per)} per entry",
+        ),
         open_row("open_journal_off", "startup: SsdStore.open, journal off"),
         open_row("open_journal_on", "startup: SsdStore.open, journal on (no-op reconcile)"),
-        ("find(), uint32 array queries", duration(result["find_median_seconds"]),
-         f"p99 {duration(result['find_p99_seconds'])}, max {duration(result['find_max_seconds'])}",
-         _target(result["targets_met"]["find_median_lt_1_ms"], "median < 1 ms")),
-        ("find(), Python list queries", duration(result["find_list_median_seconds"]),
-         f"p99 {duration(result['find_list_p99_seconds'])}", _target(list_met, "median < 1 ms")),
+        (
+            "find(), uint32 array queries",
+            duration(result["find_median_seconds"]),
+            f"p99 {duration(result['find_p99_seconds'])}, max {duration(result['find_max_seconds'])}",
+            _target(result["targets_met"]["find_median_lt_1_ms"], "median < 1 ms"),
+        ),
+        (
+            "find(), Python list queries",
+            duration(result["find_list_median_seconds"]),
+            f"p99 {duration(result['find_list_p99_seconds'])}",
+            _target(list_met, "median < 1 ms"),
+        ),
         (f"store {result['store_mib']} MiB, journal off", duration(stores["off"]), _spread(store_runs["off"]), ""),
-        (f"store {result['store_mib']} MiB, journal on", duration(stores["on"]), _spread(store_runs["on"]),
-         f"{duration(result['journal_end_to_end_seconds'])} ({result['journal_end_to_end_pct']:+.1f}%) against off"),
-        ("Journal.append inside a journal-on store", duration(stores["append"]), _spread(store_runs["append"]),
-         f"{result['journal_append_pct']:.2f}% of the median journal-on store "
-         f"({_target(result['targets_met']['journal_append_lt_5_pct'], '< 5%')})"),
+        (
+            f"store {result['store_mib']} MiB, journal on",
+            duration(stores["on"]),
+            _spread(store_runs["on"]),
+            f"{duration(result['journal_end_to_end_seconds'])} ({result['journal_end_to_end_pct']:+.1f}%) against off",
+        ),
+        (
+            "Journal.append inside a journal-on store",
+            duration(stores["append"]),
+            _spread(store_runs["append"]),
+            f"{result['journal_append_pct']:.2f}% of the median journal-on store "
+            f"({_target(result['targets_met']['journal_append_lt_5_pct'], '< 5%')})",
+        ),
     ]
 
 
@@ -540,39 +598,94 @@ def interpretation(result: dict[str, Any]) -> str:
 
 
 def markdown_section(result: dict[str, Any], machine: dict[str, str], command: str, run_date: str) -> str:
-    return "\n".join([
-        "## SSD tier: startup scan, find() latency and journal overhead", "",
-        f"Run {run_date} with `{command}`.", "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']}; files on {machine['filesystem']}.",
-        "", f"| {' | '.join(FIGURE_COLUMNS)} |", "|---|---:|---:|---|",
-        *(f"| {' | '.join(row)} |" for row in figure_rows(result)), "",
-        *(f"- {line}" for line in summary_lines(result)), "", interpretation(result),
-    ])
+    return "\n".join(
+        [
+            "## SSD tier: startup scan, find() latency and journal overhead",
+            "",
+            f"Run {run_date} with `{command}`.",
+            "",
+            f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
+            f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']}; "
+            f"files on {machine['filesystem']}.",
+            "",
+            f"| {' | '.join(FIGURE_COLUMNS)} |",
+            "|---|---:|---:|---|",
+            *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
+            "",
+            *(f"- {line}" for line in summary_lines(result)),
+            "",
+            interpretation(result),
+        ]
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--entries", type=click.IntRange(min=2), default=10_000, show_default=True,
-              help="Entries in the tree that the startup scan and find() run against.")
-@click.option("--tokens", type=click.IntRange(min=8), default=4_000, show_default=True,
-              help="Tokens per entry (a quarter is the shared system prompt; turns are an eighth).")
-@click.option("--queries", type=click.IntRange(min=1), default=2_000, show_default=True,
-              help="find() calls timed; figures are median, p99 and max.")
-@click.option("--store-mib", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Payload of each entry in the journal-overhead stores, in MiB (2^20 bytes).")
-@click.option("--stores", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Timed stores with the journal on, and as many with it off (alternating).")
-@click.option("--open-repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Times the baseline walk and each SsdStore.open run; figures are medians.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Build in a new ssd_index-* subdirectory of DIR and LEAVE it there for inspection (about "
-                   "160 KiB per tree entry, plus 2 x stores entries of --store-mib). Default: a temporary "
-                   "directory, removed at the end.")
+@click.option(
+    "--entries",
+    type=click.IntRange(min=2),
+    default=10_000,
+    show_default=True,
+    help="Entries in the tree that the startup scan and find() run against.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=8),
+    default=4_000,
+    show_default=True,
+    help="Tokens per entry (a quarter is the shared system prompt; turns are an eighth).",
+)
+@click.option(
+    "--queries",
+    type=click.IntRange(min=1),
+    default=2_000,
+    show_default=True,
+    help="find() calls timed; figures are median, p99 and max.",
+)
+@click.option(
+    "--store-mib",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Payload of each entry in the journal-overhead stores, in MiB (2^20 bytes).",
+)
+@click.option(
+    "--stores",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Timed stores with the journal on, and as many with it off (alternating).",
+)
+@click.option(
+    "--open-repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Times the baseline walk and each SsdStore.open run; figures are medians.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Build in a new ssd_index-* subdirectory of DIR and LEAVE it there for inspection (about "
+    "160 KiB per tree entry, plus 2 x stores entries of --store-mib). Default: a temporary "
+    "directory, removed at the end.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
-def main(entries: int, tokens: int, queries: int, store_mib: int, stores: int, open_repeats: int,
-         directory: Path | None, as_json: bool, write_docs: bool) -> None:
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
+def main(
+    entries: int,
+    tokens: int,
+    queries: int,
+    store_mib: int,
+    stores: int,
+    open_repeats: int,
+    directory: Path | None,
+    as_json: bool,
+    write_docs: bool,
+) -> None:
     """Time SsdStore's startup scan against scandir + stat, find() latency, and the journal's share of a store."""
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -597,8 +710,15 @@ def main(entries: int, tokens: int, queries: int, store_mib: int, stores: int, o
     console.print(table)
     for line in summary_lines(result):
         console.print(line, highlight=False)
-    publish("ssd_index", result, lambda command, run_date: markdown_section(result, machine, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    publish(
+        "ssd_index",
+        result,
+        lambda command, run_date: markdown_section(result, machine, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ HEALTH_POLL_S = 0.02
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
 LOG_TAIL_CHARS = 4000
-FINGERPRINT_LOG = re.compile(r"serving fingerprint (?P<digest>[0-9a-f]+) in (?P<seconds>[0-9.]+) s: "
-                             r"(?P<hashed>\d+) bytes hashed")
+FINGERPRINT_LOG = re.compile(
+    r"serving fingerprint (?P<digest>[0-9a-f]+) in (?P<seconds>[0-9.]+) s: "
+    r"(?P<hashed>\d+) bytes hashed"
+)
 FIGURE_COLUMNS = ("start", "start-to-healthy s", "fingerprint s", "bytes hashed", "note")
 DOCS_BEGIN, DOCS_END = docs_markers("startup")
 
@@ -66,15 +68,21 @@ DOCS_BEGIN, DOCS_END = docs_markers("startup")
 def llama_config_of_at_least(target_bytes: int) -> dict[str, Any]:
     """A llama config whose float32 weights take at least `target_bytes`
     (whole layers added until they do), with the demo tokenizer's vocabulary."""
-    hidden, intermediate, heads, kv_heads = ((2048, 5504, 16, 4) if target_bytes >= WIDE_LAYERS_FROM_BYTES
-                                             else (128, 344, 4, 2))
+    hidden, intermediate, heads, kv_heads = (
+        (2048, 5504, 16, 4) if target_bytes >= WIDE_LAYERS_FROM_BYTES else (128, 344, 4, 2)
+    )
     head_dim = hidden // heads
     layer_params = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate + 2 * hidden
     shared_params = VOCAB_SIZE * hidden + hidden  # tied embedding and the final norm
     layers = max(1, math.ceil((target_bytes / FLOAT32_BYTES - shared_params) / layer_params))
     config = model_config(DEMO_ARCH)
-    config.update(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, num_hidden_layers=layers)
+    config.update(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=layers,
+    )
     return config
 
 
@@ -107,8 +115,10 @@ def _wait_healthy(process: subprocess.Popen, base: str, log_path: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise click.ClickException(f"kvcellar serve exited with status {process.returncode} before answering "
-                                       f"/health:\n{log_path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
+            raise click.ClickException(
+                f"kvcellar serve exited with status {process.returncode} before answering "
+                f"/health:\n{log_path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}"
+            )
         try:
             if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                 return
@@ -117,21 +127,38 @@ def _wait_healthy(process: subprocess.Popen, base: str, log_path: Path) -> None:
         time.sleep(HEALTH_POLL_S)
     process.kill()
     process.wait()
-    raise click.ClickException(f"kvcellar serve not healthy in {START_TIMEOUT_S:.0f} s:\n"
-                               f"{log_path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
+    raise click.ClickException(
+        f"kvcellar serve not healthy in {START_TIMEOUT_S:.0f} s:\n"
+        f"{log_path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}"
+    )
 
 
 def time_one_start(model_dir: Path, ssd_dir: Path, cache_dir: Path, log_path: Path) -> dict[str, Any]:
     """Spawn `kvcellar serve`, time it to a 200 from `/health`, stop it; the
     server's own fingerprint time and hashed bytes come from its log."""
     port = _free_port()
-    command = [sys.executable, "-m", "kvcellar.cli", "serve", "--model", str(model_dir), "--port", str(port),
-               "--ssd-cache", str(ssd_dir), "--prompt-cache", "0.1", "--log-level", "info"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvcellar.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--ssd-cache",
+        str(ssd_dir),
+        "--prompt-cache",
+        "0.1",
+        "--log-level",
+        "info",
+    ]
     environment = {**os.environ, CACHE_DIR_ENV_VAR: str(cache_dir), "HF_HUB_OFFLINE": "1"}
     with log_path.open("w") as log:
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=environment)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment
+        )
         try:
             _wait_healthy(process, f"http://127.0.0.1:{port}", log_path)
             start_s = time.perf_counter() - started
@@ -144,8 +171,13 @@ def time_one_start(model_dir: Path, ssd_dir: Path, cache_dir: Path, log_path: Pa
     logged = FINGERPRINT_LOG.search(log_path.read_text(errors="replace"))
     if logged is None:
         raise click.ClickException(f"kvcellar serve logged no fingerprint line; see {log_path}")
-    return {"start_s": start_s, "fingerprint_s": float(logged["seconds"]), "bytes_hashed": int(logged["hashed"]),
-            "digest": logged["digest"], "exit_status": exit_status}
+    return {
+        "start_s": start_s,
+        "fingerprint_s": float(logged["seconds"]),
+        "bytes_hashed": int(logged["hashed"]),
+        "digest": logged["digest"],
+        "exit_status": exit_status,
+    }
 
 
 def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) -> dict[str, Any]:
@@ -182,10 +214,20 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) 
 
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     return [
-        ("first (cold memo)", f"{result['first_start_s']:.2f}", f"{result['first_fingerprint_s']:.2f}",
-         f"{result['first_bytes_hashed']:,}", "every weight and tokenizer byte hashed"),
-        ("second (warm memo)", f"{result['second_start_s']:.2f}", f"{result['second_fingerprint_s']:.2f}",
-         f"{result['second_bytes_hashed']:,}", "digests read from the memo"),
+        (
+            "first (cold memo)",
+            f"{result['first_start_s']:.2f}",
+            f"{result['first_fingerprint_s']:.2f}",
+            f"{result['first_bytes_hashed']:,}",
+            "every weight and tokenizer byte hashed",
+        ),
+        (
+            "second (warm memo)",
+            f"{result['second_start_s']:.2f}",
+            f"{result['second_fingerprint_s']:.2f}",
+            f"{result['second_bytes_hashed']:,}",
+            "digests read from the memo",
+        ),
     ]
 
 
@@ -197,7 +239,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"took {result['first_fingerprint_s']:.2f} s cold and {result['second_fingerprint_s']:.3f} s warm)",
         f"same fingerprint digest on both starts: {'yes' if result['same_digest'] else 'NO'}",
         "1-minute load average before and after the starts: "
-        + " and ".join(f"{load:.1f}" for load in result["load_average_1m"]) + f" on {result['machine']['cpus']} CPUs",
+        + " and ".join(f"{load:.1f}" for load in result["load_average_1m"])
+        + f" on {result['machine']['cpus']} CPUs",
     ]
 
 
@@ -234,21 +277,44 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model-mb", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Least size in MB (10^6 bytes) of the random-weight float32 llama built for the run.")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help="An mlx-lm model directory to start instead of the built one.")
-@click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Pairs of starts (first on an empty memo, second on the memo it left); figures are medians.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for the model, memo and SSD tier (a temporary subdirectory is made and removed); "
-                   "default: kvcellar's user cache directory.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the figures as one JSON object on the last line of output.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
-def main(model_mb: int, model_dir: Path | None, runs: int, directory: Path | None, as_json: bool,
-         write_docs: bool) -> None:
+@click.option(
+    "--model-mb",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Least size in MB (10^6 bytes) of the random-weight float32 llama built for the run.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="An mlx-lm model directory to start instead of the built one.",
+)
+@click.option(
+    "--runs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Pairs of starts (first on an empty memo, second on the memo it left); figures are medians.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the model, memo and SSD tier (a temporary subdirectory is made and removed); "
+    "default: kvcellar's user cache directory.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
+)
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
+def main(
+    model_mb: int, model_dir: Path | None, runs: int, directory: Path | None, as_json: bool, write_docs: bool
+) -> None:
     """Time `kvcellar serve` to healthy, with a cold and then a warm shard digest memo."""
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -262,10 +328,23 @@ def main(model_mb: int, model_dir: Path | None, runs: int, directory: Path | Non
             described = f"random-weight {DEMO_ARCH}, {layers} layers, float32, demo tokenizer"
         result = run_benchmark(scratch.model_dir, scratch.workdir, runs, progress)
     result.update(model=described, machine=describe_machine(scratch.base), wall_s=time.perf_counter() - started)
-    print_figures("Start-to-healthy of kvcellar serve --ssd-cache", FIGURE_COLUMNS, figure_rows(result),
-                  summary_lines(result), console, text_columns=("start", "note"))
-    publish("startup", result, lambda command, run_date: markdown_section(result, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    print_figures(
+        "Start-to-healthy of kvcellar serve --ssd-cache",
+        FIGURE_COLUMNS,
+        figure_rows(result),
+        summary_lines(result),
+        console,
+        text_columns=("start", "note"),
+    )
+    publish(
+        "startup",
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

@@ -62,9 +62,12 @@ def _cpu_s_of_others() -> float:
 def _decode_counters(system: Any) -> dict[str, float]:
     """Counters to difference over the decode, named for the differences."""
     ssd = system.stats()["ssd_cache"]
-    return {"ssd_entries_written_during_decode": ssd["spills"], "ssd_bytes_written_during_decode": ssd["bytes"],
-            "deferred_attempts_during_decode": system.durability.stats()["deferred_total"] if system.durability else 0,
-            "others_cpu_s_during_decode": _cpu_s_of_others()}
+    return {
+        "ssd_entries_written_during_decode": ssd["spills"],
+        "ssd_bytes_written_during_decode": ssd["bytes"],
+        "deferred_attempts_during_decode": system.durability.stats()["deferred_total"] if system.durability else 0,
+        "others_cpu_s_during_decode": _cpu_s_of_others(),
+    }
 
 
 async def _stream_timed(system: Any, request: GenerationRequest, new_tokens: int) -> dict[str, Any]:
@@ -94,13 +97,18 @@ async def _timed_flush(system: Any) -> dict[str, Any]:
     before, started = system.stats()["ssd_cache"], time.perf_counter()
     verdict = await system.flush()
     seconds, after = time.perf_counter() - started, system.stats()["ssd_cache"]
-    return {"s": seconds, "durable": verdict.durable, "bytes": after["bytes"] - before["bytes"],
-            "entries_written": after["spills"] - before["spills"],
-            "entry_tokens": verdict.longest_durable_prefix_tokens}
+    return {
+        "s": seconds,
+        "durable": verdict.durable,
+        "bytes": after["bytes"] - before["bytes"],
+        "entries_written": after["spills"] - before["spills"],
+        "entry_tokens": verdict.longest_durable_prefix_tokens,
+    }
 
 
-async def measure_generation(model_dir: Path, ssd_dir: Path, write_behind: bool, prompt: tuple[int, ...],
-                             new_tokens: int) -> dict[str, Any]:
+async def measure_generation(
+    model_dir: Path, ssd_dir: Path, write_behind: bool, prompt: tuple[int, ...], new_tokens: int
+) -> dict[str, Any]:
     """One generation on a fresh system; with write-behind on, the two flushes after it."""
     turn_log: list[tuple[str, float, float]] = []
     config = SystemConfig(model_dir=model_dir, ssd_dir=ssd_dir, write_behind=write_behind)
@@ -123,8 +131,9 @@ async def measure_generation(model_dir: Path, ssd_dir: Path, write_behind: bool,
         "tokens": len(arrivals),
         "cached_tokens": done.cached_tokens,
         "token_ids_hash": hash(tuple(streamed["token_ids"])),
-        "background_steps_during_decode": sum(1 for label, start, _ in turn_log
-                                              if label == "step" and first_s <= start <= last_s),
+        "background_steps_during_decode": sum(
+            1 for label, start, _ in turn_log if label == "step" and first_s <= start <= last_s
+        ),
         # In CPUs: 0 on an otherwise idle machine, 1 when other work kept one CPU busy throughout.
         "others_cpus_during_decode": differences["others_cpu_s_during_decode"] / (last_s - first_s),
         "flush": flush,
@@ -135,6 +144,7 @@ async def measure_generation(model_dir: Path, ssd_dir: Path, write_behind: bool,
 
 def run_benchmark(model_dir: Path, options: dict[str, Any], workdir: Path, progress: Console) -> dict[str, Any]:
     """Warm up, then alternate on and off (the order swaps every repeat); figures as plain data."""
+
     def in_fresh_dir(ssd_dir: Path, write_behind: bool, prompt: tuple[int, ...], new_tokens: int) -> dict[str, Any]:
         try:
             return trio.run(measure_generation, model_dir, ssd_dir, write_behind, prompt, new_tokens)
@@ -158,8 +168,12 @@ def _median_of(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
-DECODE_WINDOW_COUNTS = ("background_steps_during_decode", "ssd_entries_written_during_decode",
-                        "ssd_bytes_written_during_decode", "deferred_attempts_during_decode")
+DECODE_WINDOW_COUNTS = (
+    "background_steps_during_decode",
+    "ssd_entries_written_during_decode",
+    "ssd_bytes_written_during_decode",
+    "deferred_attempts_during_decode",
+)
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]], options: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +181,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]], options: dict[str, Any]) ->
     defaults = SystemConfig(model_dir=Path("."))
     result: dict[str, Any] = {
         "decode_ratio_paired_median": statistics.median(
-            run_on["decode_tok_s"] / run_off["decode_tok_s"] for run_on, run_off in zip(on, off, strict=True)),
+            run_on["decode_tok_s"] / run_off["decode_tok_s"] for run_on, run_off in zip(on, off, strict=True)
+        ),
         "all_prefills_cold": all(run["cached_tokens"] == 0 for run in on + off),
         "same_tokens_every_run": len({run["token_ids_hash"] for run in on + off}) == 1,
         "context_tokens": options["context_tokens"],
@@ -175,19 +190,26 @@ def summarise(runs: dict[str, list[dict[str, Any]]], options: dict[str, Any]) ->
         "repeats": options["repeats"],
         "seed": options["seed"],
         "settings": {name: getattr(defaults, name) for name in SETTINGS_REPORTED},
-        "runs": {mode: [{key: value for key, value in run.items() if key != "token_ids_hash"} for run in mode_runs]
-                 for mode, mode_runs in runs.items()},
+        "runs": {
+            mode: [{key: value for key, value in run.items() if key != "token_ids_hash"} for run in mode_runs]
+            for mode, mode_runs in runs.items()
+        },
     }
     for mode, mode_runs in runs.items():
         for key in ("decode_tok_s", "decode_tok_s_median_gap", "ttft_s"):
             result[f"{key}_{mode}"] = _median_of(mode_runs, key)
     for name in ("flush", "idle_flush"):
         flushes = [run[name] for run in on]
-        result.update({f"{name}_s": _median_of(flushes, "s"), f"{name}_durable": all(f["durable"] for f in flushes),
-                       # Maxima: a single write by a flush that should have had nothing to do must show.
-                       f"{name}_bytes": max(f["bytes"] for f in flushes),
-                       f"{name}_entries_written": max(f["entries_written"] for f in flushes),
-                       f"{name}_entry_tokens": max(f["entry_tokens"] for f in flushes)})
+        result.update(
+            {
+                f"{name}_s": _median_of(flushes, "s"),
+                f"{name}_durable": all(f["durable"] for f in flushes),
+                # Maxima: a single write by a flush that should have had nothing to do must show.
+                f"{name}_bytes": max(f["bytes"] for f in flushes),
+                f"{name}_entries_written": max(f["entries_written"] for f in flushes),
+                f"{name}_entry_tokens": max(f["entry_tokens"] for f in flushes),
+            }
+        )
     result.update({key: sum(run[key] for run in on) for key in DECODE_WINDOW_COUNTS})
     result["decode_ratio"] = result["decode_tok_s_on"] / result["decode_tok_s_off"]
     result["decode_ratio_median_gap"] = result["decode_tok_s_median_gap_on"] / result["decode_tok_s_median_gap_off"]
@@ -212,25 +234,55 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     flushes, idle_flushes = ([run[name] for run in runs["on"]] for name in ("flush", "idle_flush"))
     verdict = "met" if result["targets_met"]["decode_ratio_ge_0.97"] else "MISSED"
     return [
-        ("decode, write-behind off (baseline)", f"{result['decode_tok_s_off']:.1f} tok/s",
-         _range(runs["off"], "decode_tok_s", 1, 1), "baseline"),
-        ("decode, write-behind on", f"{result['decode_tok_s_on']:.1f} tok/s", _range(runs["on"], "decode_tok_s", 1, 1),
-         f"{result['decode_ratio']:.3f}x off (target >= {TARGET_DECODE_RATIO}x: {verdict})"),
-        (f"TTFT, cold {context}-token prefill, off", f"{result['ttft_s_off']:.2f} s", _range(runs["off"], "ttft_s"),
-         ""),
-        (f"TTFT, cold {context}-token prefill, on", f"{result['ttft_s_on']:.2f} s", _range(runs["on"], "ttft_s"),
-         f"{result['ttft_s_on'] / result['ttft_s_off']:.3f}x off"),
-        ("flush after the generation (on)", f"{result['flush_s'] * 1000:.1f} ms", _range(flushes, "s", 1000, 1) + " ms",
-         f"{result['flush_bytes'] / MIB_BYTES:.1f} MiB, entries written: {result['flush_entries_written']}, "
-         f"longest {result['flush_entry_tokens']} tokens; durable={result['flush_durable']}"),
-        ("second flush, nothing dirty (on)", f"{result['idle_flush_s'] * 1000:.2f} ms",
-         _range(idle_flushes, "s", 1000) + " ms",
-         f"{result['idle_flush_bytes']} bytes, durable={result['idle_flush_durable']}"),
-        ("engine steps / SSD writes during decode (on)", f"{result['background_steps_during_decode']} / "
-         f"{result['ssd_entries_written_during_decode']}", "", f"sum over {result['repeats']} runs "
-         f"({result['ssd_bytes_written_during_decode']} bytes); expected 0 / 0"),
-        ("timed attempts deferred during decode (on)", str(result["deferred_attempts_during_decode"]), "",
-         "the coordinator found the gateway busy and re-armed"),
+        (
+            "decode, write-behind off (baseline)",
+            f"{result['decode_tok_s_off']:.1f} tok/s",
+            _range(runs["off"], "decode_tok_s", 1, 1),
+            "baseline",
+        ),
+        (
+            "decode, write-behind on",
+            f"{result['decode_tok_s_on']:.1f} tok/s",
+            _range(runs["on"], "decode_tok_s", 1, 1),
+            f"{result['decode_ratio']:.3f}x off (target >= {TARGET_DECODE_RATIO}x: {verdict})",
+        ),
+        (
+            f"TTFT, cold {context}-token prefill, off",
+            f"{result['ttft_s_off']:.2f} s",
+            _range(runs["off"], "ttft_s"),
+            "",
+        ),
+        (
+            f"TTFT, cold {context}-token prefill, on",
+            f"{result['ttft_s_on']:.2f} s",
+            _range(runs["on"], "ttft_s"),
+            f"{result['ttft_s_on'] / result['ttft_s_off']:.3f}x off",
+        ),
+        (
+            "flush after the generation (on)",
+            f"{result['flush_s'] * 1000:.1f} ms",
+            _range(flushes, "s", 1000, 1) + " ms",
+            f"{result['flush_bytes'] / MIB_BYTES:.1f} MiB, entries written: {result['flush_entries_written']}, "
+            f"longest {result['flush_entry_tokens']} tokens; durable={result['flush_durable']}",
+        ),
+        (
+            "second flush, nothing dirty (on)",
+            f"{result['idle_flush_s'] * 1000:.2f} ms",
+            _range(idle_flushes, "s", 1000) + " ms",
+            f"{result['idle_flush_bytes']} bytes, durable={result['idle_flush_durable']}",
+        ),
+        (
+            "engine steps / SSD writes during decode (on)",
+            f"{result['background_steps_during_decode']} / {result['ssd_entries_written_during_decode']}",
+            "",
+            f"sum over {result['repeats']} runs ({result['ssd_bytes_written_during_decode']} bytes); expected 0 / 0",
+        ),
+        (
+            "timed attempts deferred during decode (on)",
+            str(result["deferred_attempts_during_decode"]),
+            "",
+            "the coordinator found the gateway busy and re-armed",
+        ),
     ]
 
 
@@ -239,8 +291,10 @@ def _others_cpus(result: dict[str, Any]) -> list[float]:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    pairs = ", ".join(f"{run_on['decode_tok_s'] / run_off['decode_tok_s']:.3f}"
-                      for run_on, run_off in zip(result["runs"]["on"], result["runs"]["off"], strict=True))
+    pairs = ", ".join(
+        f"{run_on['decode_tok_s'] / run_off['decode_tok_s']:.3f}"
+        for run_on, run_off in zip(result["runs"]["on"], result["runs"]["off"], strict=True)
+    )
     others = _others_cpus(result)
     return [
         f"model: {result['model']}; prompt {result['context_tokens']} random token ids (seed {result['seed']}), "
@@ -281,10 +335,14 @@ def interpretation(result: dict[str, Any]) -> str:
         f"takes {result['idle_flush_s'] * 1000:.1f} ms. TTFT is the same cold prefill in both modes, before "
         f"write-behind has anything to do, so its gap ({result['ttft_s_on']:.1f} s on, {result['ttft_s_off']:.1f} s "
         f"off) shows run-to-run noise alone."
-        + (f" Other work ran during the decodes ({min(others):.2f}-{max(others):.2f} CPUs of the "
-           f"{result['machine']['cpus']} on average per decode), which widens the spread; the rate from the "
-           f"median gap between tokens, less moved by bursts, gives a ratio of "
-           f"{result['decode_ratio_median_gap']:.3f}." if max(others) > OTHERS_CPUS_DISTURBING else "")
+        + (
+            f" Other work ran during the decodes ({min(others):.2f}-{max(others):.2f} CPUs of the "
+            f"{result['machine']['cpus']} on average per decode), which widens the spread; the rate from the "
+            f"median gap between tokens, less moved by bursts, gives a ratio of "
+            f"{result['decode_ratio_median_gap']:.3f}."
+            if max(others) > OTHERS_CPUS_DISTURBING
+            else ""
+        )
     )
 
 
@@ -292,12 +350,14 @@ def _snapshot_sentence(result: dict[str, Any]) -> str:
     if result["context_tokens"] < SNAPSHOT_PREFILL_TOKENS_MIN:
         return ""
     counters = result["runs"]["on"][0]["durability_counters"]
-    return (f" So the prompt-boundary snapshot put after the cold prefill is not written during the request; once it "
-            f"ends, the final put (prompt plus the tokens fed back, trimmable) supersedes it in RAM. The first run's "
-            f"coordinator counted {counters['puts_total']} puts, {counters['forced_attempts_total']} forced attempts, "
-            f"{counters['stored_total']} stored, {counters['missing_total']} missing from RAM, "
-            f"{counters['rechecked_covered_total']} "
-            f"re-checked as covered by the stored entry.")
+    return (
+        f" So the prompt-boundary snapshot put after the cold prefill is not written during the request; once it "
+        f"ends, the final put (prompt plus the tokens fed back, trimmable) supersedes it in RAM. The first run's "
+        f"coordinator counted {counters['puts_total']} puts, {counters['forced_attempts_total']} forced attempts, "
+        f"{counters['stored_total']} stored, {counters['missing_total']} missing from RAM, "
+        f"{counters['rechecked_covered_total']} "
+        f"re-checked as covered by the stored entry."
+    )
 
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
@@ -324,28 +384,61 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    print_figures(f"Write-behind, median of {result['repeats']} per mode", FIGURE_COLUMNS, figure_rows(result),
-                  summary_lines(result), console, text_columns=("measurement", "note"))
+    print_figures(
+        f"Write-behind, median of {result['repeats']} per mode",
+        FIGURE_COLUMNS,
+        figure_rows(result),
+        summary_lines(result),
+        console,
+        text_columns=("measurement", "note"),
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--context-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
-              help="Prompt length in tokens, prefilled cold in every run.")
-@click.option("--new-tokens", type=click.IntRange(min=2), default=512, show_default=True,
-              help="Tokens generated per run (greedy, no stop tokens, so always this many).")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Runs per mode, on and off alternating; figures are medians.")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help=f"An mlx-lm model directory; default: a fresh offline demo {DEMO_ARCH} {MODEL_SIZE} made in a "
-                   f"temporary directory.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for the runs' SSD tiers (a temporary subdirectory is made and removed); "
-                   "default: kvcellar's user cache directory.")
+@click.option(
+    "--context-tokens",
+    type=click.IntRange(min=2),
+    default=4096,
+    show_default=True,
+    help="Prompt length in tokens, prefilled cold in every run.",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=2),
+    default=512,
+    show_default=True,
+    help="Tokens generated per run (greedy, no stop tokens, so always this many).",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Runs per mode, on and off alternating; figures are medians.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help=f"An mlx-lm model directory; default: a fresh offline demo {DEMO_ARCH} {MODEL_SIZE} made in a "
+    f"temporary directory.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the runs' SSD tiers (a temporary subdirectory is made and removed); "
+    "default: kvcellar's user cache directory.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt's random token ids.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the figures as one JSON object on the last line of output.")
-@click.option("--write-docs", is_flag=True,
-              help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
+)
+@click.option(
+    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
+)
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Time decode with write-behind on against off, and the flush that follows."""
     started = time.perf_counter()
@@ -356,8 +449,15 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     base, described = scratch.base, scratch.model_described
     result.update(model=described, machine=describe_machine(base), wall_s=time.perf_counter() - started)
     print_table(result, console)
-    publish("writebehind", result, lambda command, run_date: markdown_section(result, command, run_date),
-            write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+    publish(
+        "writebehind",
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
 
 
 if __name__ == "__main__":

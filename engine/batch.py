@@ -81,8 +81,9 @@ def _cache_refusal(cache: Any, index: int) -> str | None:
         return next((reason for member in cache.caches if (reason := _cache_refusal(member, index))), None)
     if signature in _ROW_SIGNATURES:
         return None
-    return (f"layer {index} keeps a {signature} cache ({type(cache).__name__}), which mlx-lm cannot merge "
-            "into batch rows")
+    return (
+        f"layer {index} keeps a {signature} cache ({type(cache).__name__}), which mlx-lm cannot merge into batch rows"
+    )
 
 
 def model_batch_refusal(model: Any) -> str | None:
@@ -104,8 +105,10 @@ def batch_lane_refusal(model: Any, scheme: KvScheme, rows_max: int) -> str | Non
     if reason is not None:
         return reason
     if not scheme.batchable(can_convert=BATCH_LANE_CAN_CONVERT):
-        return (f"KV scheme {scheme.cache_key} quantizes KV and the batch lane's merged caches (mlx-lm "
-                "BatchKVCache) cannot hold quantized KV; the serial lane keeps the quantization")
+        return (
+            f"KV scheme {scheme.cache_key} quantizes KV and the batch lane's merged caches (mlx-lm "
+            "BatchKVCache) cannot hold quantized KV; the serial lane keeps the quantization"
+        )
     return None
 
 
@@ -161,9 +164,17 @@ class _Row:
 class BatchLoop:
     """One batch job: `run(loaded)` is the generator the engine thread drives."""
 
-    def __init__(self, prompt_cache: PromptCache | None, inbox: queue.Queue, *, rows_max: int,
-                 cancelled: threading.Event, prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN, wait_for_rows: bool = True) -> None:
+    def __init__(
+        self,
+        prompt_cache: PromptCache | None,
+        inbox: queue.Queue,
+        *,
+        rows_max: int,
+        cancelled: threading.Event,
+        prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+        snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
+        wait_for_rows: bool = True,
+    ) -> None:
         self.prompt_cache = prompt_cache
         self.inbox = inbox
         self.rows_max = rows_max
@@ -179,8 +190,11 @@ class BatchLoop:
     def run(self, loaded: LoadedModel) -> Iterator[BatchStep]:
         self._loaded = loaded
         self._generator = BatchGenerator(
-            loaded.model, completion_batch_size=self.rows_max, prefill_batch_size=self.rows_max,
-            prefill_step_size=self.prefill_step_tokens)
+            loaded.model,
+            completion_batch_size=self.rows_max,
+            prefill_batch_size=self.rows_max,
+            prefill_step_size=self.prefill_step_tokens,
+        )
         try:
             while True:
                 events: list[RowToken | RowDone] = []
@@ -241,14 +255,24 @@ class BatchLoop:
         segments = [prompt[cached_tokens:]] if boundary is None else [prompt[cached_tokens:boundary], prompt[boundary:]]
         (uid,) = self._generator.insert_segments(
             # A cold row has no caches: mlx-lm takes None for it, which its annotation does not say.
-            [segments], max_tokens=[params.max_tokens], caches=cast("list[list[Any]]", [reuse.caches]),
-            all_tokens=[prompt[:cached_tokens]], samplers=[self._sampler(params)],
-            logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()])
+            [segments],
+            max_tokens=[params.max_tokens],
+            caches=cast("list[list[Any]]", [reuse.caches]),
+            all_tokens=[prompt[:cached_tokens]],
+            samplers=[self._sampler(params)],
+            logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
+        )
         self._rows[uid] = _Row(
-            row=row, uid=uid, prompt=prompt, cached_tokens=cached_tokens, cache_tier=reuse.tier,
-            use_cache=reuse.use_cache, snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
+            row=row,
+            uid=uid,
+            prompt=prompt,
+            cached_tokens=cached_tokens,
+            cache_tier=reuse.tier,
+            use_cache=reuse.use_cache,
+            snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
             boundary=boundary,
-            assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings))
+            assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings),
+        )
 
     def _sampler(self, params: SamplingParams) -> Any:
         """None for greedy rows (they share the generator's greedy sampler, one
@@ -286,8 +310,9 @@ class BatchLoop:
             state.produced += 1
             text = state.assembler.add(response.token)
             logprob = delta_logprob(loaded, state.row.request.params, response.token, response.logprobs)
-            events.append(RowToken(row_id=state.row.row_id,
-                                   delta=TokenDelta(token_id=response.token, text=text, logprob=logprob)))
+            events.append(
+                RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=response.token, text=text, logprob=logprob))
+            )
             if response.finish_reason is not None:
                 self._finish(state, "completed", events, removed=(response.prompt_cache, response.all_tokens))
             elif state.assembler.finished_by_stop:
@@ -312,8 +337,9 @@ class BatchLoop:
         if list(tokens) == state.prompt[:boundary]:
             self.prompt_cache.put(state.prompt[:boundary], snapshot_caches(caches), state.row.request.namespace)
 
-    def _finish(self, state: _Row, outcome: str, events: list[RowToken | RowDone],
-                removed: tuple[list[Any], list[int]] | None) -> None:
+    def _finish(
+        self, state: _Row, outcome: str, events: list[RowToken | RowDone], removed: tuple[list[Any], list[int]] | None
+    ) -> None:
         """End a row: extract its caches (unless the generator already did)
         before the batch is filtered, put them back, report the end."""
         assert self._generator is not None
@@ -328,7 +354,11 @@ class BatchLoop:
         tail = state.assembler.closing_text() if outcome == "completed" else ""
         if tail:
             events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=-1, text=tail)))
-        done = GenerationDone(finish_reason=state.assembler.finish_reason, prompt_tokens=len(state.prompt),
-                              completion_tokens=state.produced, cached_tokens=state.cached_tokens,
-                              cache_tier=state.cache_tier)
+        done = GenerationDone(
+            finish_reason=state.assembler.finish_reason,
+            prompt_tokens=len(state.prompt),
+            completion_tokens=state.produced,
+            cached_tokens=state.cached_tokens,
+            cache_tier=state.cache_tier,
+        )
         events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done))

@@ -291,9 +291,7 @@ ProgressCallback = Callable[[str], None]
 def supported_sizes(arch: str) -> tuple[str, ...]:
     """The sizes `arch` can be built in; raises `UsageError` for an unknown arch."""
     _require_choice("architecture", arch, ARCHITECTURES)
-    return tuple(
-        size for size in SIZES if size == "tiny" or size in SIZE_OVERRIDES.get(arch, {})
-    )
+    return tuple(size for size in SIZES if size == "tiny" or size in SIZE_OVERRIDES.get(arch, {}))
 
 
 def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:
@@ -305,10 +303,7 @@ def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:
     _require_choice("architecture", arch, ARCHITECTURES)
     _require_choice("size", size, SIZES)
     if size not in supported_sizes(arch):
-        raise UsageError(
-            f"architecture {arch!r} has no {size!r} size; "
-            f"it supports: {', '.join(supported_sizes(arch))}"
-        )
+        raise UsageError(f"architecture {arch!r} has no {size!r} size; it supports: {', '.join(supported_sizes(arch))}")
     config = _load_tiny_configs()[arch]
     if size != "tiny":
         config = copy.deepcopy(_merge_config(config, SIZE_OVERRIDES[arch][size]))
@@ -378,9 +373,7 @@ def build_weights(config: dict[str, Any], *, dtype: str, seed: int) -> dict[str,
             model.set_dtype(getattr(mx, dtype))
             weights = dict(tree_flatten(model.parameters()))
             mx.eval(weights)
-            non_finite_names = [
-                name for name, weight in weights.items() if not mx.all(mx.isfinite(weight)).item()
-            ]
+            non_finite_names = [name for name, weight in weights.items() if not mx.all(mx.isfinite(weight)).item()]
     except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ModelError(f"mlx-lm cannot build a {config.get('model_type')!r} model: {e}") from e
     if non_finite_names:
@@ -405,9 +398,7 @@ def count_parameters(model_dir: Path) -> int:
             header = json.loads(weights_file.read(header_length_bytes))
     except (OSError, struct.error, ValueError) as e:
         raise ModelError(f"cannot read the safetensors header of {weights_path}: {e}") from e
-    return sum(
-        math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
-    )
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
 def model_size_bytes(model_dir: Path) -> int:
@@ -443,9 +434,7 @@ def ensure_demo_model(progress: ProgressCallback | None = None) -> Path:
     if progress is not None:
         progress(f"creating demo model ({DEMO_ARCH}, {DEMO_SIZE}, {DEMO_DTYPE}) in {model_dir}")
     try:
-        create_model(
-            DEMO_ARCH, model_dir, size=DEMO_SIZE, dtype=DEMO_DTYPE, seed=DEMO_SEED, overwrite=True
-        )
+        create_model(DEMO_ARCH, model_dir, size=DEMO_SIZE, dtype=DEMO_DTYPE, seed=DEMO_SEED, overwrite=True)
     except ModelError:
         # Another process may have published the same model first.
         if not is_complete_model(model_dir):
@@ -501,9 +490,17 @@ def _tools_tokenizer_json() -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {TOKENIZER_ASSET_PATH}: {e}") from e
     for offset, content in enumerate(TOOL_FORMAT_TOKENS):
-        tokenizer["added_tokens"].append({
-            "id": VOCAB_SIZE + offset, "content": content, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": False})
+        tokenizer["added_tokens"].append(
+            {
+                "id": VOCAB_SIZE + offset,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": False,
+            }
+        )
     return tokenizer
 
 
@@ -529,8 +526,11 @@ def _tokenizer_config(chat_format: str = "plain") -> dict[str, Any]:
 
 
 _SAFETENSORS_DTYPES = {
-    mx.float32: ("F32", None), mx.float16: ("F16", None), mx.bfloat16: ("BF16", mx.uint16),
-    mx.int32: ("I32", None), mx.uint32: ("U32", None),
+    mx.float32: ("F32", None),
+    mx.float16: ("F16", None),
+    mx.bfloat16: ("BF16", mx.uint16),
+    mx.int32: ("I32", None),
+    mx.uint32: ("U32", None),
 }
 
 
@@ -576,9 +576,7 @@ def _write_model_files(
     }
     try:
         for name, content in json_files.items():
-            (model_dir / name).write_text(
-                json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-            )
+            (model_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if chat_format == "tools":
             (model_dir / "tokenizer.json").write_text(json.dumps(_tools_tokenizer_json()), encoding="utf-8")
         else:

@@ -37,7 +37,7 @@ class TextAssembler:
 
     @property
     def finish_reason(self) -> str:
-        """"stop" once a stop token or string ended the text, "length" otherwise."""
+        """ "stop" once a stop token or string ended the text, "length" otherwise."""
         return "stop" if self.finished_by_stop else "length"
 
     def closing_text(self) -> str:
@@ -50,6 +50,6 @@ class TextAssembler:
 
     def _emit_until(self, text: str, end: int | None) -> str:
         end = len(text) if end is None else end
-        delta = text[self.emitted:end]
+        delta = text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta

@@ -65,7 +65,7 @@ def prefill(model: Any, tokens: Sequence[int], cache: list[Any], step_tokens: in
     tokens = list(tokens)
     position = 0
     while len(tokens) - position > 1:
-        chunk = tokens[position: position + min(step_tokens, len(tokens) - position - 1)]
+        chunk = tokens[position : position + min(step_tokens, len(tokens) - position - 1)]
         model(mx.array([chunk]), cache=cache)
         mx.eval([c.state for c in cache])
         position += len(chunk)
@@ -114,8 +114,9 @@ class _SeededSampler:
         return mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
 
 
-def generate_tokens(model: Any, prompt_ids: Sequence[int], params: SamplingParams,
-                    cache: list[Any] | None = None) -> Iterator[int]:
+def generate_tokens(
+    model: Any, prompt_ids: Sequence[int], params: SamplingParams, cache: list[Any] | None = None
+) -> Iterator[int]:
     """Prefill `prompt_ids` in chunks, then yield sampled token ids until
     `max_tokens` or a stop token (the stop token is yielded, then generation
     ends). No prompt cache: the plain loop benchmarks compare against. Runs on
@@ -206,8 +207,9 @@ class EngineThread:
 
         return logged
 
-    async def call(self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True,
-                   label: str = "call") -> Any:
+    async def call(
+        self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True, label: str = "call"
+    ) -> Any:
         if not self._thread.is_alive():
             raise EngineStopped("the engine thread is not running")
         reply: CrossThreadReply[Any] = CrossThreadReply()
@@ -221,8 +223,9 @@ class EngineThread:
             await reply.settled()
         return reply.result()
 
-    async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *,
-                     label: str = "stream"):
+    async def stream(
+        self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *, label: str = "stream"
+    ):
         """Yield each item `job` produces on the engine thread; setting
         `cancelled` stops the job between two steps."""
         token = trio.lowlevel.current_trio_token()

@@ -84,8 +84,11 @@ class Reuse:
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
         known and the cold prefill is at least the minimum."""
-        return (self.use_cache and request.snapshot_at_tokens is None
-                and len(request.prompt_ids) - self.cached_tokens >= snapshot_prefill_tokens_min)
+        return (
+            self.use_cache
+            and request.snapshot_at_tokens is None
+            and len(request.prompt_ids) - self.cached_tokens >= snapshot_prefill_tokens_min
+        )
 
     def boundary_snapshot_at(self, request: GenerationRequest) -> int | None:
         """Where the stable-boundary snapshot goes (`prompt[:boundary]`), or
@@ -131,15 +134,22 @@ class GenerationDone:
     cache_tier: str
 
 
-def _prefill_boundary_snapshot(loaded: LoadedModel, prompt_cache: PromptCache, request: GenerationRequest,
-                               reuse: Reuse, cache: list, *, scheme: KvScheme | None,
-                               prefill_step_tokens: int) -> list:
+def _prefill_boundary_snapshot(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache,
+    request: GenerationRequest,
+    reuse: Reuse,
+    cache: list,
+    *,
+    scheme: KvScheme | None,
+    prefill_step_tokens: int,
+) -> list:
     """Prefill from what the tiers served up to the stable boundary and put
     an owned, evaluated snapshot of the caches, which then hold exactly
     `prompt[:boundary]`; returns the (converted) caches to go on with."""
     boundary = request.snapshot_at_tokens
     assert boundary is not None
-    prefill(loaded.model, request.prompt_ids[reuse.cached_tokens:boundary], cache, prefill_step_tokens)
+    prefill(loaded.model, request.prompt_ids[reuse.cached_tokens : boundary], cache, prefill_step_tokens)
     if scheme is not None:
         # The snapshot is put in the form every entry has: converted.
         cache = scheme.convert(cache)
@@ -147,11 +157,16 @@ def _prefill_boundary_snapshot(loaded: LoadedModel, prompt_cache: PromptCache, r
     return cache
 
 
-def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, request: GenerationRequest,
-                   cancelled: threading.Event, *, scheme: KvScheme | None = None,
-                   prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                   snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
-                   ) -> Iterator[TokenDelta | GenerationDone]:
+def run_generation(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache | None,
+    request: GenerationRequest,
+    cancelled: threading.Event,
+    *,
+    scheme: KvScheme | None = None,
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+    snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
+) -> Iterator[TokenDelta | GenerationDone]:
     """Yield a `TokenDelta` per sampled token, then one `GenerationDone`."""
     params = request.params
     prompt = list(request.prompt_ids)
@@ -163,8 +178,9 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
     prefilled_tokens = cached_tokens
     boundary = reuse.boundary_snapshot_at(request)
     if boundary is not None and tiers is not None:
-        cache = _prefill_boundary_snapshot(loaded, tiers, request, reuse, cache, scheme=scheme,
-                                           prefill_step_tokens=prefill_step_tokens)
+        cache = _prefill_boundary_snapshot(
+            loaded, tiers, request, reuse, cache, scheme=scheme, prefill_step_tokens=prefill_step_tokens
+        )
         prefilled_tokens = boundary
     logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens)
     if scheme is not None:
@@ -183,8 +199,7 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
             token_id = item_int(token)
             produced += 1
             text = assembler.add(token_id)
-            yield TokenDelta(token_id=token_id, text=text,
-                             logprob=delta_logprob(loaded, params, token_id, logprobs))
+            yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
             if assembler.finished_by_stop or produced >= params.max_tokens:
                 break
             logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]
@@ -197,6 +212,10 @@ def run_generation(loaded: LoadedModel, prompt_cache: PromptCache | None, reques
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
             tiers.put(prompt + fed, cache, request.namespace)
         release_cached_buffers()
-    yield GenerationDone(finish_reason=assembler.finish_reason,
-                         prompt_tokens=len(prompt), completion_tokens=produced, cached_tokens=cached_tokens,
-                         cache_tier=reuse.tier)
+    yield GenerationDone(
+        finish_reason=assembler.finish_reason,
+        prompt_tokens=len(prompt),
+        completion_tokens=produced,
+        cached_tokens=cached_tokens,
+        cache_tier=reuse.tier,
+    )

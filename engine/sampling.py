@@ -86,14 +86,16 @@ def token_logprob(tokenizer: Any, logprobs: mx.array, token_id: int, top_n: int)
         best = mx.argsort(-row)[:top_n]
         values = row[best]
         mx.eval(best, values)
-        for candidate, value in zip(cast(list[int], best.tolist()), cast(list[float], values.tolist()),
-                                    strict=True):
+        for candidate, value in zip(cast(list[int], best.tolist()), cast(list[float], values.tolist()), strict=True):
             raw = table.decode_bytes([candidate])
-            top.append(TopLogprob(token=raw.decode("utf-8", "replace"), token_bytes=tuple(raw),
-                                  logprob=_finite(value)))
+            top.append(TopLogprob(token=raw.decode("utf-8", "replace"), token_bytes=tuple(raw), logprob=_finite(value)))
     raw = table.decode_bytes([token_id])
-    return TokenLogprob(token=raw.decode("utf-8", "replace"), token_bytes=tuple(raw),
-                        logprob=_finite(item_float(row[token_id])), top=tuple(top))
+    return TokenLogprob(
+        token=raw.decode("utf-8", "replace"),
+        token_bytes=tuple(raw),
+        logprob=_finite(item_float(row[token_id])),
+        top=tuple(top),
+    )
 
 
 class SerialSampling:
@@ -101,8 +103,9 @@ class SerialSampling:
     processors and their token context, kept as `BatchGenerator` keeps a
     row's (a `TokenBuffer` holding the prompt, fed each sampled token)."""
 
-    def __init__(self, params: SamplingParams, tokenizer: Any, prompt: Sequence[int],
-                 extra_processors: Sequence[Any] = ()) -> None:
+    def __init__(
+        self, params: SamplingParams, tokenizer: Any, prompt: Sequence[int], extra_processors: Sequence[Any] = ()
+    ) -> None:
         self.sampler = make_params_sampler(params)
         # The request's own processors (`GenerationRequest.logits_processors`) apply last, as on the batch lane.
         self.processors = build_processors(params, tokenizer) + list(extra_processors)

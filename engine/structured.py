@@ -72,7 +72,8 @@ def compile_response_grammar(tokenizer: Any, schema: dict[str, Any] | None) -> s
     checked against the tokenizer; raises `GrammarError` saying why not."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"} if schema is None else schema, defaults=_JSON_OPTIONS)
+            {"type": "object"} if schema is None else schema, defaults=_JSON_OPTIONS
+        )
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the schema is not a JSON schema llguidance accepts: {e}") from e
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, token_table(tokenizer))
@@ -102,8 +103,11 @@ class GrammarMask:
         if self._calls > 0 and not self._matcher.is_error():
             sampled = item_int(tokens[-1])
             if not self._matcher.consume_token(sampled):
-                log.warning("the grammar refused sampled token %d (%s); ending the generation",
-                            sampled, self._matcher.get_error())
+                log.warning(
+                    "the grammar refused sampled token %d (%s); ending the generation",
+                    sampled,
+                    self._matcher.get_error(),
+                )
         self._calls += 1
         if self._matcher.is_error():
             # Raising here would fail every row of a batch: end this one instead.

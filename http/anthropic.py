@@ -88,8 +88,11 @@ from kvcellar.http.tools import (
 STOP_SEQUENCES_MAX = 64
 _TOOL_CHOICE_TYPES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 _THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
-_ERROR_TYPES = {"invalid_request": (400, "invalid_request_error"), "unavailable": (529, "overloaded_error"),
-                "server": (500, "api_error")}
+_ERROR_TYPES = {
+    "invalid_request": (400, "invalid_request_error"),
+    "unavailable": (529, "overloaded_error"),
+    "server": (500, "api_error"),
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -133,8 +136,9 @@ def _key_ok(request: Request, secret: str | None) -> bool:
         return True
     api_key = request.headers.get("x-api-key", "")
     bearer = request.headers.get("authorization", "")
-    return hmac.compare_digest(api_key.encode(), secret.encode()) \
-        or hmac.compare_digest(bearer.encode(), f"Bearer {secret}".encode())
+    return hmac.compare_digest(api_key.encode(), secret.encode()) or hmac.compare_digest(
+        bearer.encode(), f"Bearer {secret}".encode()
+    )
 
 
 # -- routes --------------------------------------------------------------------
@@ -170,8 +174,10 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
             return _failure_response(e)
         return JSONResponse({"input_tokens": len(rendered.prompt_ids)})
 
-    return [Route("/v1/messages", messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+    return [
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]
 
 
 # -- parsing (on the tokenizer lane) ----------------------------------------------
@@ -205,8 +211,11 @@ def parse_messages_body(raw: bytes, loaded: LoadedModel) -> MessagesJob:
     rendered, plan = _render(body, loaded.tokenizer, probe=True)
     prompt_ids = rendered.prompt_ids
     if len(prompt_ids) + max_tokens > loaded.context_tokens_max:
-        raise BadRequest(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                         f"model's context of {loaded.context_tokens_max} tokens", param="messages")
+        raise BadRequest(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {loaded.context_tokens_max} tokens",
+            param="messages",
+        )
     _thinking(body.get("thinking"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -218,9 +227,13 @@ def parse_messages_body(raw: bytes, loaded: LoadedModel) -> MessagesJob:
         stop_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
         **_sampling_fields(body, loaded),
     )
-    request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_sequences(body),
-                                logits_processors=forced_reply_start(rendered),
-                                snapshot_at_tokens=rendered.snapshot_at_tokens)
+    request = GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=params,
+        stop_strings=_stop_sequences(body),
+        logits_processors=forced_reply_start(rendered),
+        snapshot_at_tokens=rendered.snapshot_at_tokens,
+    )
     return MessagesJob(request=request, stream=stream, tools=plan, reply_in_reasoning=rendered.in_reasoning)
 
 
@@ -235,19 +248,27 @@ def _sampling_fields(body: dict[str, Any], loaded: LoadedModel) -> dict[str, Any
             raise BadRequest("'output_config' must be an object", param="output_config")
         output_format = output_config.get("format")
         if output_format is not None:
-            if not isinstance(output_format, dict) or output_format.get("type") != "json_schema" \
-                    or not isinstance(output_format.get("schema"), dict):
-                raise BadRequest("'output_config.format' must be {'type': 'json_schema', 'schema': {...}}",
-                                 param="output_config.format")
-            fields["response_format"] = {"type": "json_schema",
-                                         "json_schema": {"name": "output", "schema": output_format["schema"]}}
+            if (
+                not isinstance(output_format, dict)
+                or output_format.get("type") != "json_schema"
+                or not isinstance(output_format.get("schema"), dict)
+            ):
+                raise BadRequest(
+                    "'output_config.format' must be {'type': 'json_schema', 'schema': {...}}",
+                    param="output_config.format",
+                )
+            fields["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": output_format["schema"]},
+            }
     try:
         return sampling_fields(fields, loaded, chat=True)
     except BadRequest as e:
         if e.param != "response_format":
             raise
-        raise BadRequest(str(e).replace("'response_format'", "'output_config.format'"),
-                         param="output_config.format") from e
+        raise BadRequest(
+            str(e).replace("'response_format'", "'output_config.format'"), param="output_config.format"
+        ) from e
 
 
 def _render(body: dict[str, Any], tokenizer: Any, *, probe: bool = False) -> tuple[RenderedPrompt, ToolPlan]:
@@ -268,10 +289,14 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
     stops = body.get("stop_sequences")
     if stops is None:
         return ()
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
-            or len(stops) > STOP_SEQUENCES_MAX:
-        raise BadRequest(f"'stop_sequences' must be a list of up to {STOP_SEQUENCES_MAX} non-empty strings",
-                         param="stop_sequences")
+    if (
+        not isinstance(stops, list)
+        or not all(isinstance(s, str) and s for s in stops)
+        or len(stops) > STOP_SEQUENCES_MAX
+    ):
+        raise BadRequest(
+            f"'stop_sequences' must be a list of up to {STOP_SEQUENCES_MAX} non-empty strings", param="stop_sequences"
+        )
     return tuple(stops)
 
 
@@ -280,8 +305,9 @@ def _thinking(thinking: Any) -> None:
     if thinking is None:
         return
     if not isinstance(thinking, dict) or thinking.get("type") not in _THINKING_TYPES:
-        raise BadRequest(f"'thinking' must be an object whose 'type' is one of {', '.join(_THINKING_TYPES)}",
-                         param="thinking")
+        raise BadRequest(
+            f"'thinking' must be an object whose 'type' is one of {', '.join(_THINKING_TYPES)}", param="thinking"
+        )
     budget = thinking.get("budget_tokens")
     if thinking["type"] == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise BadRequest("'thinking.budget_tokens' must be a positive integer", param="thinking.budget_tokens")
@@ -293,8 +319,10 @@ def _tool_plan(body: dict[str, Any]) -> ToolPlan:
     if choice is None:
         choice = {"type": "auto"}
     if not isinstance(choice, dict) or choice.get("type") not in _TOOL_CHOICE_TYPES:
-        raise BadRequest(f"'tool_choice' must be an object whose 'type' is one of {', '.join(_TOOL_CHOICE_TYPES)}",
-                         param="tool_choice")
+        raise BadRequest(
+            f"'tool_choice' must be an object whose 'type' is one of {', '.join(_TOOL_CHOICE_TYPES)}",
+            param="tool_choice",
+        )
     kind = _TOOL_CHOICE_TYPES[choice["type"]]
     name = None
     if kind == "function":
@@ -305,8 +333,9 @@ def _tool_plan(body: dict[str, Any]) -> ToolPlan:
         raise BadRequest("tool_choice 'any' needs 'tools'", param="tool_choice")
     disable_parallel = choice.get("disable_parallel_tool_use", False)
     if not isinstance(disable_parallel, bool):
-        raise BadRequest("'tool_choice.disable_parallel_tool_use' must be a boolean",
-                         param="tool_choice.disable_parallel_tool_use")
+        raise BadRequest(
+            "'tool_choice.disable_parallel_tool_use' must be a boolean", param="tool_choice.disable_parallel_tool_use"
+        )
     if not tools or kind == "none":
         return ToolPlan(choice="none")
     return ToolPlan(tools=tools, choice=kind, function_name=name, parallel=not disable_parallel)
@@ -324,8 +353,11 @@ def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(tool, dict):
             raise BadRequest(f"{param} must be an object", param=param)
         if tool.get("type", "custom") != "custom":
-            raise BadRequest(f"{param} is a {tool['type']!r} server tool; this server runs client tools only "
-                             "(name, description, input_schema)", param=f"{param}.type")
+            raise BadRequest(
+                f"{param} is a {tool['type']!r} server tool; this server runs client tools only "
+                "(name, description, input_schema)",
+                param=f"{param}.type",
+            )
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise BadRequest(f"{param} needs a non-empty string 'name'", param=f"{param}.name")
         if not isinstance(tool.get("input_schema"), dict):
@@ -361,8 +393,11 @@ def _template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise BadRequest(f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
         if message["role"] == "assistant":
             if index == len(messages) - 1:
-                raise BadRequest(f"{where} is a final assistant turn (prefill), which this server does not "
-                                 "continue; end with a user turn", param=where)
+                raise BadRequest(
+                    f"{where} is a final assistant turn (prefill), which this server does not "
+                    "continue; end with a user turn",
+                    param=where,
+                )
             template.append(_assistant_turn(content, where, tool_names))
         else:
             template.extend(_user_turns(content, where, tool_names))
@@ -411,8 +446,9 @@ def _assistant_turn(blocks: list[Any], where: str, tool_names: dict[str, str]) -
         elif kind == "tool_use":
             calls.append(_tool_use(block, at, tool_names))
         elif kind != "redacted_thinking":
-            raise BadRequest(f"{at} is a {kind!r} block; an assistant turn here takes text, thinking and "
-                             "tool_use blocks", param=at)
+            raise BadRequest(
+                f"{at} is a {kind!r} block; an assistant turn here takes text, thinking and tool_use blocks", param=at
+            )
     turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         turn["tool_calls"] = calls
@@ -448,8 +484,7 @@ def _user_turns(blocks: list[Any], where: str, tool_names: dict[str, str]) -> li
                 texts = []
             turns.append(_tool_result(block, at, tool_names))
         else:
-            raise BadRequest(f"{at} is a {kind!r} block; a user turn here takes text and tool_result blocks",
-                             param=at)
+            raise BadRequest(f"{at} is a {kind!r} block; a user turn here takes text and tool_result blocks", param=at)
     if texts or not turns:
         turns.append({"role": "user", "content": "".join(texts)})
     return turns
@@ -496,21 +531,26 @@ class MessageBlocks:
     def _piece_events(self, piece: Piece) -> list[dict[str, Any]]:
         if isinstance(piece, ToolCall):
             events = self._close()
-            block = {"type": "tool_use", "id": tool_use_id(piece), "name": piece.name,
-                     "input": piece.arguments_object}
+            block = {"type": "tool_use", "id": tool_use_id(piece), "name": piece.name, "input": piece.arguments_object}
             self.content.append(block)
             index = len(self.content) - 1
-            return [*events, _block_start(index, {**block, "input": {}}),
-                    _block_delta(index, {"type": "input_json_delta", "partial_json": piece.arguments}),
-                    {"type": "content_block_stop", "index": index}]
+            return [
+                *events,
+                _block_start(index, {**block, "input": {}}),
+                _block_delta(index, {"type": "input_json_delta", "partial_json": piece.arguments}),
+                {"type": "content_block_stop", "index": index},
+            ]
         assert isinstance(piece, ReasoningText | ContentText)
         kind = "thinking" if isinstance(piece, ReasoningText) else "text"
         delta_type = f"{kind}_delta"
         events = []
         if self._open != kind:
             events = self._close()
-            self.content.append({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
-                                else {"type": "text", "text": ""})
+            self.content.append(
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
             self._open = kind
             events.append(_block_start(len(self.content) - 1, dict(self.content[-1])))
         self.content[-1][kind] += piece.text
@@ -551,8 +591,9 @@ class _Outcome:
         return item.text
 
 
-async def _stop(outcome: _Outcome, job: MessagesJob, blocks: MessageBlocks, tokenizer: Any,
-                lane: TokenizerLane) -> tuple[str, str | None]:
+async def _stop(
+    outcome: _Outcome, job: MessagesJob, blocks: MessageBlocks, tokenizer: Any, lane: TokenizerLane
+) -> tuple[str, str | None]:
     """(`stop_reason`, `stop_sequence`)."""
     done = outcome.done
     if done is None or done.finish_reason == "length":
@@ -572,14 +613,27 @@ async def _stop(outcome: _Outcome, job: MessagesJob, blocks: MessageBlocks, toke
 
 def _usage(job: MessagesJob, done: GenerationDone | None) -> dict[str, int]:
     cached = done.cached_tokens if done else 0
-    return {"input_tokens": job.prompt_tokens - cached, "output_tokens": done.completion_tokens if done else 0,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": job.prompt_tokens - cached,
+        "output_tokens": done.completion_tokens if done else 0,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
-def _message(ident: str, model_id: str, content: list[dict[str, Any]], usage: dict[str, int],
-             stop: tuple[str | None, str | None]) -> dict[str, Any]:
-    return {"id": ident, "type": "message", "role": "assistant", "model": model_id, "content": content,
-            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+def _message(
+    ident: str, model_id: str, content: list[dict[str, Any]], usage: dict[str, int], stop: tuple[str | None, str | None]
+) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "type": "message",
+        "role": "assistant",
+        "model": model_id,
+        "content": content,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": usage,
+    }
 
 
 async def _complete(system: System, job: MessagesJob, lane: TokenizerLane, model_id: str) -> dict[str, Any]:
@@ -606,8 +660,12 @@ async def _stream(system: System, job: MessagesJob, lane: TokenizerLane, model_i
     blocks = MessageBlocks(tokenizer, job.tools, in_reasoning=job.reply_in_reasoning)
     outcome = _Outcome()
     # The cached share is known only at the end: message_delta carries the final usage.
-    start_usage = {"input_tokens": job.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
-                   "cache_creation_input_tokens": 0}
+    start_usage = {
+        "input_tokens": job.prompt_tokens,
+        "output_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+    }
     yield _sse({"type": "message_start", "message": _message(_message_id(), model_id, [], start_usage, (None, None))})
     yield _sse({"type": "ping"})
     try:
@@ -622,6 +680,11 @@ async def _stream(system: System, job: MessagesJob, lane: TokenizerLane, model_i
         _, body = failure_event_body(e)
         yield _sse(body)
         return
-    yield _sse({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": _usage(job, outcome.done)})
+    yield _sse(
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": _usage(job, outcome.done),
+        }
+    )
     yield _sse({"type": "message_stop"})

@@ -56,26 +56,35 @@ class HttpSettings:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
 
 
-def error_body(message: str, *, param: str | None = None, error_type: str = "invalid_request_error",
-               ) -> dict[str, Any]:
+def error_body(
+    message: str,
+    *,
+    param: str | None = None,
+    error_type: str = "invalid_request_error",
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   error_type: str = "invalid_request_error") -> JSONResponse:
+def error_response(
+    status: int, message: str, *, param: str | None = None, error_type: str = "invalid_request_error"
+) -> JSONResponse:
     return JSONResponse(error_body(message, param=param, error_type=error_type), status_code=status)
 
 
 # OpenAI's error `type` for each kind of failure (http/failures.py classifies).
-_OPENAI_ERROR_TYPES = {"invalid_request": "invalid_request_error", "unavailable": "server_unavailable",
-                       "server": "server_error"}
+_OPENAI_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "unavailable": "server_unavailable",
+    "server": "server_error",
+}
 
 
 def failure_body(error: Exception) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI-style body for an error raised while serving."""
     failure = classify_failure(error)
-    return failure.status, error_body(failure.message, param=failure.param,
-                                      error_type=_OPENAI_ERROR_TYPES[failure.kind])
+    return failure.status, error_body(
+        failure.message, param=failure.param, error_type=_OPENAI_ERROR_TYPES[failure.kind]
+    )
 
 
 def _failure_response(error: Exception) -> JSONResponse:
@@ -112,8 +121,12 @@ def flush_timeout_s(query_value: str | None, body: bytes) -> float:
     if len(values) > 1:
         raise BadRequest("timeout_s is given both in the query string and in the body", param="timeout_s")
     timeout_s = values[0] if values else FLUSH_TIMEOUT_S_DEFAULT
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) \
-            or timeout_s <= 0:
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
         raise BadRequest(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}", param="timeout_s")
     return float(timeout_s)
 
@@ -142,8 +155,9 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
 
     async def health(_: Request) -> Response:
         admitting = system.admitting
-        return JSONResponse({"status": "ok" if admitting else "shutting down", "model": model_id},
-                            status_code=200 if admitting else 503)
+        return JSONResponse(
+            {"status": "ok" if admitting else "shutting down", "model": model_id}, status_code=200 if admitting else 503
+        )
 
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "kvcellar"}]})
@@ -170,8 +184,9 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
 
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
-            job = await tokenizer_lane.parse_body(await request.body(), loaded, chat=chat,
-                                                  max_tokens_default=settings.max_tokens_default)
+            job = await tokenizer_lane.parse_body(
+                await request.body(), loaded, chat=chat, max_tokens_default=settings.max_tokens_default
+            )
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
         except Exception as e:
@@ -197,8 +212,13 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     def admin_token() -> str | None:
         return settings.admin_token
 
-    responses = ResponsesRoute(system, tokenizer_lane, model_id=model_id,
-                               max_tokens_default=settings.max_tokens_default, failure_body=failure_body)
+    responses = ResponsesRoute(
+        system,
+        tokenizer_lane,
+        model_id=model_id,
+        max_tokens_default=settings.max_tokens_default,
+        failure_body=failure_body,
+    )
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
@@ -206,8 +226,11 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
         *messages_routes(system, tokenizer_lane, api_key),
         Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
-        Route("/v1/responses/{response_id:path}", _guarded(api_key, responses.not_stored),
-              methods=["GET", "DELETE", "POST"]),
+        Route(
+            "/v1/responses/{response_id:path}",
+            _guarded(api_key, responses.not_stored),
+            methods=["GET", "DELETE", "POST"],
+        ),
         Route("/stats", _guarded(admin_token, stats), methods=["GET"]),
         Route("/metrics", _guarded(admin_token, metrics), methods=["GET"]),
         Route("/admin/cache/flush", _guarded(admin_token, flush), methods=["POST"]),
@@ -217,16 +240,24 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
 
 def _usage(job: CompletionJob, done: GenerationDone | None, completion_tokens: int) -> dict[str, Any]:
     cached = done.cached_tokens if done else 0
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": job.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
     """One `choices[].logprobs.content[]` item, OpenAI's chat shape."""
-    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.token_bytes),
-            "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token_bytes)}
-                             for top in entry.top]}
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token_bytes),
+        "top_logprobs": [
+            {"token": top.token, "logprob": top.logprob, "bytes": list(top.token_bytes)} for top in entry.top
+        ],
+    }
 
 
 def _completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
@@ -236,9 +267,12 @@ def _completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[
     for entry in entries:
         offsets.append(text_offset)
         text_offset += len(entry.token)
-    return {"tokens": [entry.token for entry in entries], "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{top.token: top.logprob for top in entry.top} for entry in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [entry.token for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{top.token: top.logprob for top in entry.top} for entry in entries],
+        "text_offset": offsets,
+    }
 
 
 def _choice_logprobs(job: CompletionJob, entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
@@ -260,18 +294,25 @@ async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[s
             if item.logprob is not None:
                 entries.append(item.logprob)
     completion_tokens = done.completion_tokens if done else 0
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else "length",
-                              "logprobs": _choice_logprobs(job, entries)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": done.finish_reason if done else "length",
+        "logprobs": _choice_logprobs(job, entries),
+    }
     if job.chat:
         reply = ChatReply(system.loaded.tokenizer, job.tools, in_reasoning=job.reply_in_reasoning)
         choice["message"] = reply.message(text)
         choice["finish_reason"] = reply.finish_reason(choice["finish_reason"])
     else:
         choice["text"] = text
-    return {"id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if job.chat else "text_completion",
-            "created": int(time.time()), "model": model_id, "choices": [choice],
-            "usage": _usage(job, done, completion_tokens)}
+    return {
+        "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_id,
+        "choices": [choice],
+        "usage": _usage(job, done, completion_tokens),
+    }
 
 
 async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterator[str]:
@@ -288,8 +329,9 @@ async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterat
     # Chat text goes through the reply splitter: reasoning, content and tool-call deltas.
     reply = ChatReply(system.loaded.tokenizer, job.tools, in_reasoning=job.reply_in_reasoning) if job.chat else None
 
-    def choice(delta: dict[str, Any] | str | None, finish: str | None,
-               item: TokenDelta | None = None) -> dict[str, Any]:
+    def choice(
+        delta: dict[str, Any] | str | None, finish: str | None, item: TokenDelta | None = None
+    ) -> dict[str, Any]:
         nonlocal text_offset
         logprobs = None
         if item is not None and item.logprob is not None:

@@ -45,8 +45,10 @@ class ChatReply:
         for _ in self.splitter.finish():
             pass
         splitter = self.splitter
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": splitter.content_text or (None if splitter.tool_calls else "")}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": splitter.content_text or (None if splitter.tool_calls else ""),
+        }
         if splitter.reasoning_text:
             message["reasoning_content"] = splitter.reasoning_text
         if splitter.tool_calls:
@@ -66,7 +68,11 @@ def _piece_deltas(piece: Piece) -> list[dict[str, Any]]:
         return [{"content": piece.text}]
     if isinstance(piece, ReasoningText):
         return [{"reasoning_content": piece.text}]
-    opening = {"index": piece.index, "id": piece.call_id, "type": "function",
-               "function": {"name": piece.name, "arguments": ""}}
+    opening = {
+        "index": piece.index,
+        "id": piece.call_id,
+        "type": "function",
+        "function": {"name": piece.name, "arguments": ""},
+    }
     arguments = {"index": piece.index, "function": {"arguments": piece.arguments}}
     return [{"tool_calls": [opening]}, {"tool_calls": [arguments]}]

@@ -55,5 +55,4 @@ def classify_failure(error: Exception) -> Failure:
         log.error("request failed on a kvcellar error: %s: %s", type(error).__name__, error, exc_info=error)
         return Failure(kind="server", status=500, message=f"{type(error).__name__}: {error}")
     log.error("request failed on an unexpected error", exc_info=error)
-    return Failure(kind="server", status=500,
-                   message=f"internal error ({type(error).__name__}); see the server log")
+    return Failure(kind="server", status=500, message=f"internal error ({type(error).__name__}); see the server log")

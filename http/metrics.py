@@ -40,13 +40,15 @@ class MetricSpec:
 
 
 def _counter(section: str, field: str, help: str, *, name: str = "") -> MetricSpec:
-    return MetricSpec(section=section, field=field, kind="counter", name=name or f"kvcellar_{section}_{field}",
-                      help=help)
+    return MetricSpec(
+        section=section, field=field, kind="counter", name=name or f"kvcellar_{section}_{field}", help=help
+    )
 
 
 def _gauge(section: str, field: str, help: str, *, name: str = "", scale: float = 1.0) -> MetricSpec:
-    return MetricSpec(section=section, field=field, kind="gauge", name=name or f"kvcellar_{section}_{field}",
-                      help=help, scale=scale)
+    return MetricSpec(
+        section=section, field=field, kind="gauge", name=name or f"kvcellar_{section}_{field}", help=help, scale=scale
+    )
 
 
 _RAM, _GATEWAY, _SSD, _SCHEDULER = "prompt_cache", "gateway", "ssd_cache", "scheduler"
@@ -75,8 +77,13 @@ SPECS: tuple[MetricSpec, ...] = (
     _gauge(_SSD, "max_bytes", "Byte cap of the SSD tier (absent when unbounded)."),
     _counter(_SSD, "restores", "Entries read back from the SSD tier."),
     _counter(_SSD, "spills", "Entries written to the SSD tier."),
-    _gauge(_SSD, "restore_ms_last", "Duration of the latest SSD restore.",
-           name="kvcellar_ssd_cache_last_restore_seconds", scale=0.001),
+    _gauge(
+        _SSD,
+        "restore_ms_last",
+        "Duration of the latest SSD restore.",
+        name="kvcellar_ssd_cache_last_restore_seconds",
+        scale=0.001,
+    ),
     _counter(_SSD, "demotions", "Idle RAM entries demoted towards the SSD tier."),
     _gauge(_SSD, "pending_snapshots", "Prefixes not yet durable, including ones waiting on a debounce timer."),
     _gauge(_SSD, "pending_spills", "Snapshots in the spill queue (queued or being written)."),
@@ -85,15 +92,27 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_SSD, "failed_spills", "Snapshots whose SSD write failed."),
     _gauge(_SSD, "longest_durable_prefix_tokens", "Tokens of the longest entry durable on the SSD tier."),
     _counter(_SSD, "quarantined", "SSD entry files moved to quarantine as unreadable or mismatched."),
-    _gauge(_SCHEDULER, "batch_size", "Most rows the scheduler runs in one batch (1 on the serial lane).",
-           name="kvcellar_scheduler_rows_max"),
+    _gauge(
+        _SCHEDULER,
+        "batch_size",
+        "Most rows the scheduler runs in one batch (1 on the serial lane).",
+        name="kvcellar_scheduler_rows_max",
+    ),
     _gauge(_SCHEDULER, "kv_budget_bytes", "KV byte budget for the active rows of a batch."),
     _gauge(_SCHEDULER, "rows_active", "Requests currently generating."),
     _gauge(_SCHEDULER, "waiting", "Requests waiting to be admitted into a batch."),
-    _gauge(_SCHEDULER, "kv_bytes_active", "Padded KV bytes projected for the active rows.",
-           name="kvcellar_scheduler_kv_active_bytes"),
-    _gauge(_SCHEDULER, "kv_bytes_peak", "Highest projected KV bytes of the active rows since start.",
-           name="kvcellar_scheduler_kv_peak_bytes"),
+    _gauge(
+        _SCHEDULER,
+        "kv_bytes_active",
+        "Padded KV bytes projected for the active rows.",
+        name="kvcellar_scheduler_kv_active_bytes",
+    ),
+    _gauge(
+        _SCHEDULER,
+        "kv_bytes_peak",
+        "Highest projected KV bytes of the active rows since start.",
+        name="kvcellar_scheduler_kv_peak_bytes",
+    ),
     _gauge(_SCHEDULER, "admitting", "1 while the scheduler admits new rows, 0 once shutdown began."),
     _counter(_SCHEDULER, "batches", "Batch jobs started on the engine."),
     _counter(_SCHEDULER, "admitted", "Requests admitted into a batch."),
@@ -150,7 +169,8 @@ def journal_degraded_family(journal: Any) -> GaugeMetricFamily:
         "kvcellar_journal_degraded",
         "1 when the SSD journal is degraded (writes failed; the next start reconciles), else 0 "
         "(healthy, off, or no SSD tier).",
-        value=1.0 if state == "degraded" else 0.0)
+        value=1.0 if state == "degraded" else 0.0,
+    )
 
 
 def batch_decode_steps_family(history: Any) -> CounterMetricFamily:
@@ -158,7 +178,8 @@ def batch_decode_steps_family(history: Any) -> CounterMetricFamily:
     family = CounterMetricFamily(
         "kvcellar_scheduler_decode_steps",
         "Decode steps the batch lane took, by the number of rows the batch held at that step.",
-        labels=["rows"])
+        labels=["rows"],
+    )
     if isinstance(history, Mapping):
         for rows, steps in sorted(history.items(), key=lambda item: int(item[0])):
             family.add_metric([str(rows)], float(steps))
@@ -167,9 +188,10 @@ def batch_decode_steps_family(history: Any) -> CounterMetricFamily:
 
 def _serving_info_family(stats: Mapping[str, Any]) -> InfoMetricFamily:
     return InfoMetricFamily(
-        "kvcellar_serving", "How this server serves: the KV scheme and the scheduler lane (batch or serial).",
-        value={"kv_scheme": str(stats.get("kv_scheme", "")),
-               "lane": str(_section(stats, _SCHEDULER).get("lane", ""))})
+        "kvcellar_serving",
+        "How this server serves: the KV scheme and the scheduler lane (batch or serial).",
+        value={"kv_scheme": str(stats.get("kv_scheme", "")), "lane": str(_section(stats, _SCHEDULER).get("lane", ""))},
+    )
 
 
 def undescribed_families(stats: Mapping[str, Any]) -> Iterator[GaugeMetricFamily]:
@@ -206,6 +228,15 @@ def _number(value: Any) -> float | None:
     return None
 
 
-__all__ = ["SPECS", "UNDESCRIBED_HELP", "MetricSpec", "StatsCollector", "batch_decode_steps_family",
-           "described_families", "journal_degraded_family", "metrics_registry", "render_metrics",
-           "undescribed_families"]
+__all__ = [
+    "SPECS",
+    "UNDESCRIBED_HELP",
+    "MetricSpec",
+    "StatsCollector",
+    "batch_decode_steps_family",
+    "described_families",
+    "journal_degraded_family",
+    "metrics_registry",
+    "render_metrics",
+    "undescribed_families",
+]

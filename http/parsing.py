@@ -103,16 +103,24 @@ def _text_parts(parts: list[Any], index: int) -> str:
             raise BadRequest(f"{param} must be an object", param=param)
         kind = part.get("type", "text")
         if kind != "text":
-            raise BadRequest(f"{param} is a {kind!r} part; this server serves a text-only model and "
-                             "accepts only 'text' parts", param=param)
+            raise BadRequest(
+                f"{param} is a {kind!r} part; this server serves a text-only model and accepts only 'text' parts",
+                param=param,
+            )
         if not isinstance(part.get("text"), str):
             raise BadRequest(f"{param} needs a string 'text'", param=param)
         texts.append(part["text"])
     return "".join(texts)
 
 
-def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT,
-              model_names: frozenset[str] = frozenset()) -> CompletionJob:
+def parse_job(
+    body: Any,
+    loaded: LoadedModel,
+    *,
+    chat: bool,
+    max_tokens_default: int = MAX_TOKENS_DEFAULT,
+    model_names: frozenset[str] = frozenset(),
+) -> CompletionJob:
     """Validate a request body into a job; raises `BadRequest` naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -133,8 +141,11 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
         prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
     max_tokens = _max_tokens(body, max_tokens_default)
     if len(prompt_ids) + max_tokens > loaded.context_tokens_max:
-        raise BadRequest(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                         f"model's context of {loaded.context_tokens_max} tokens", param="messages" if chat else "prompt")
+        raise BadRequest(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {loaded.context_tokens_max} tokens",
+            param="messages" if chat else "prompt",
+        )
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
@@ -152,11 +163,21 @@ def parse_job(body: Any, loaded: LoadedModel, *, chat: bool, max_tokens_default:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    request = GenerationRequest(prompt_ids=prompt_ids, params=params, stop_strings=_stop_strings(body),
-                                logits_processors=forced_reply_start(rendered),
-                                snapshot_at_tokens=rendered.snapshot_at_tokens if rendered else None)
-    return CompletionJob(request=request, stream=stream, include_usage=bool(stream_options.get("include_usage")),
-                         chat=chat, tools=tool_plan, reply_in_reasoning=bool(rendered and rendered.in_reasoning))
+    request = GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=params,
+        stop_strings=_stop_strings(body),
+        logits_processors=forced_reply_start(rendered),
+        snapshot_at_tokens=rendered.snapshot_at_tokens if rendered else None,
+    )
+    return CompletionJob(
+        request=request,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage")),
+        chat=chat,
+        tools=tool_plan,
+        reply_in_reasoning=bool(rendered and rendered.in_reasoning),
+    )
 
 
 # -- sampling and output fields (engine/sampling.py applies them) -------------------
@@ -216,8 +237,9 @@ def _repetition_penalty(body: dict[str, Any]) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 10:
-        raise BadRequest("'repetition_penalty' must be a number > 0 and at most 10 (1 is none)",
-                         param="repetition_penalty")
+        raise BadRequest(
+            "'repetition_penalty' must be a number > 0 and at most 10 (1 is none)", param="repetition_penalty"
+        )
     return None if value == 1 else float(value)
 
 
@@ -234,12 +256,18 @@ def _logit_bias(body: dict[str, Any], vocab_tokens: int) -> tuple[tuple[int, flo
         except ValueError:
             raise BadRequest(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
         if not 0 <= token_id < vocab_tokens:
-            raise BadRequest(f"'logit_bias' token id {token_id} is outside the vocabulary (0..{vocab_tokens - 1})",
-                             param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
-            raise BadRequest(f"'logit_bias' value for {key!r} must be a number between -100 and 100",
-                             param="logit_bias")
+            raise BadRequest(
+                f"'logit_bias' token id {token_id} is outside the vocabulary (0..{vocab_tokens - 1})",
+                param="logit_bias",
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX
+        ):
+            raise BadRequest(
+                f"'logit_bias' value for {key!r} must be a number between -100 and 100", param="logit_bias"
+            )
         entries.append((token_id, float(value)))
     return tuple(sorted(entries))
 
@@ -252,8 +280,7 @@ def _chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
     if top_logprobs is None:
         return bool(logprobs), 0
     if not 0 <= top_logprobs <= TOP_LOGPROBS_MAX:
-        raise BadRequest(f"'top_logprobs' must be an integer between 0 and {TOP_LOGPROBS_MAX}",
-                         param="top_logprobs")
+        raise BadRequest(f"'top_logprobs' must be an integer between 0 and {TOP_LOGPROBS_MAX}", param="top_logprobs")
     if not logprobs:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return True, top_logprobs
@@ -265,8 +292,7 @@ def _completion_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
     if logprobs is None:
         return False, 0
     if not 0 <= logprobs <= COMPLETION_LOGPROBS_MAX:
-        raise BadRequest(f"'logprobs' must be an integer between 0 and {COMPLETION_LOGPROBS_MAX}",
-                         param="logprobs")
+        raise BadRequest(f"'logprobs' must be an integer between 0 and {COMPLETION_LOGPROBS_MAX}", param="logprobs")
     return True, logprobs
 
 
@@ -287,8 +313,9 @@ def _response_format(body: dict[str, Any], tokenizer: Any) -> str | None:
     elif kind == "json_schema":
         schema = _json_schema(response_format.get("json_schema"))
     else:
-        raise BadRequest(f"'response_format.type' {kind!r} is not one of 'text', 'json_object', 'json_schema'",
-                         param=param)
+        raise BadRequest(
+            f"'response_format.type' {kind!r} is not one of 'text', 'json_object', 'json_schema'", param=param
+        )
     try:
         return compile_response_grammar(tokenizer, schema)
     except GrammarError as e:
@@ -309,8 +336,14 @@ def _json_schema(spec: Any) -> dict[str, Any]:
     return schema
 
 
-def parse_body(raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT,
-               model_names: frozenset[str] = frozenset()) -> CompletionJob:
+def parse_body(
+    raw: bytes,
+    loaded: LoadedModel,
+    *,
+    chat: bool,
+    max_tokens_default: int = MAX_TOKENS_DEFAULT,
+    model_names: frozenset[str] = frozenset(),
+) -> CompletionJob:
     """Decode a raw request body and validate it into a job; raises `BadRequest`."""
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -328,8 +361,9 @@ class TokenizerLane:
     def __init__(self) -> None:
         self._limiter = trio.CapacityLimiter(1)
 
-    async def parse_body(self, raw: bytes, loaded: LoadedModel, *, chat: bool,
-                         max_tokens_default: int = MAX_TOKENS_DEFAULT) -> CompletionJob:
+    async def parse_body(
+        self, raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT
+    ) -> CompletionJob:
         """`parse_body` on a worker thread; `BadRequest` comes back as raised."""
         return await self.run(partial(parse_body, raw, loaded, chat=chat, max_tokens_default=max_tokens_default))
 
@@ -385,8 +419,9 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
     if content is None and role == "assistant":
         content = ""
     if not isinstance(content, str):
-        raise BadRequest(f"messages[{index}].content must be a string or a list of text parts",
-                         param=f"messages[{index}].content")
+        raise BadRequest(
+            f"messages[{index}].content must be a string or a list of text parts", param=f"messages[{index}].content"
+        )
     parsed: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
     if role == "assistant":
         if message.get("tool_calls") is not None:
@@ -397,8 +432,10 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
     elif role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise BadRequest(f"messages[{index}] is a tool result and needs a string 'tool_call_id'",
-                             param=f"messages[{index}].tool_call_id")
+            raise BadRequest(
+                f"messages[{index}] is a tool result and needs a string 'tool_call_id'",
+                param=f"messages[{index}].tool_call_id",
+            )
         parsed["tool_call_id"] = call_id
         if isinstance(message.get("name"), str):
             parsed["name"] = message["name"]
@@ -422,13 +459,18 @@ def _message_tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
             try:
                 arguments = json.loads(arguments or "{}")
             except json.JSONDecodeError as e:
-                raise BadRequest(f"{where}.function.arguments is not valid JSON: {e}",
-                                 param=f"{where}.function.arguments") from e
+                raise BadRequest(
+                    f"{where}.function.arguments is not valid JSON: {e}", param=f"{where}.function.arguments"
+                ) from e
         if not isinstance(arguments, dict):
-            raise BadRequest(f"{where}.function.arguments must be a JSON object",
-                             param=f"{where}.function.arguments")
-        parsed.append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{index}_{call_index}",
-                       "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+            raise BadRequest(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments")
+        parsed.append(
+            {
+                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{index}_{call_index}",
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return parsed
 
 
@@ -454,14 +496,16 @@ def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     for index, tool in enumerate(tools):
         param = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise BadRequest(f"{param} must be a function tool ({{'type': 'function', 'function': {{...}}}})",
-                             param=param)
+            raise BadRequest(
+                f"{param} must be a function tool ({{'type': 'function', 'function': {{...}}}})", param=param
+            )
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise BadRequest(f"{param}.function needs a non-empty string 'name'", param=f"{param}.function.name")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise BadRequest(f"{param}.function.parameters must be a JSON schema object",
-                             param=f"{param}.function.parameters")
+            raise BadRequest(
+                f"{param}.function.parameters must be a JSON schema object", param=f"{param}.function.parameters"
+            )
         parsed.append({"type": "function", "function": function})
     return tuple(parsed)
 
@@ -472,16 +516,18 @@ def _tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, s
         return ("auto" if tools else "none"), None
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
-            raise BadRequest(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a named function",
-                             param="tool_choice")
+            raise BadRequest(
+                f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a named function", param="tool_choice"
+            )
         if choice == "required" and not tools:
             raise BadRequest("tool_choice 'required' needs 'tools'", param="tool_choice")
         return choice, None
     function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise BadRequest("a named 'tool_choice' is {'type': 'function', 'function': {'name': ...}}",
-                         param="tool_choice")
+        raise BadRequest(
+            "a named 'tool_choice' is {'type': 'function', 'function': {'name': ...}}", param="tool_choice"
+        )
     if name not in {tool["function"]["name"] for tool in tools}:
         raise BadRequest(f"tool_choice names {name!r}, which is not one of 'tools'", param="tool_choice")
     return "function", name

@@ -63,12 +63,23 @@ FailureBody = Callable[[Exception], tuple[int, dict[str, Any]]]
 
 # Fields handed to the chat parser as they are: the Responses API's own and the
 # sampling extensions local servers take.
-_PASSED_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "user", "stream")
+_PASSED_FIELDS = (
+    "model",
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "stream",
+)
 # Fields that need state this server does not keep.
 _STATEFUL_FIELDS = {
     "previous_response_id": "this server is stateless and stores no responses: send the whole conversation as "
-                            "'input' instead of 'previous_response_id'",
+    "'input' instead of 'previous_response_id'",
     "conversation": "this server is stateless and keeps no conversations: send the whole conversation as 'input'",
     "prompt": "this server stores no prompt templates: send 'instructions' and 'input'",
 }
@@ -104,14 +115,19 @@ def parse_responses_body(raw: bytes, loaded: LoadedModel, *, max_tokens_default:
     _refuse_state(body)
     tools, echoed_tools = _function_tools(body.get("tools"))
     chat_body: dict[str, Any] = {name: body[name] for name in _PASSED_FIELDS if name in body}
-    chat_body.update(messages=input_messages(body), tools=tools, tool_choice=_tool_choice(body.get("tool_choice")),
-                     parallel_tool_calls=body.get("parallel_tool_calls"),
-                     max_tokens=_max_output_tokens(body, max_tokens_default),
-                     response_format=_text_format(body.get("text")))
+    chat_body.update(
+        messages=input_messages(body),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        parallel_tool_calls=body.get("parallel_tool_calls"),
+        max_tokens=_max_output_tokens(body, max_tokens_default),
+        response_format=_text_format(body.get("text")),
+    )
     top_logprobs = body.get("top_logprobs")
     if top_logprobs not in (None, 0):
-        raise BadRequest("'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)",
-                         param="top_logprobs")
+        raise BadRequest(
+            "'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)", param="top_logprobs"
+        )
     try:
         job = parse_job(chat_body, loaded, chat=True, max_tokens_default=max_tokens_default)
     except BadRequest as e:
@@ -145,8 +161,11 @@ def _refuse_state(body: dict[str, Any]) -> None:
         if body.get(name) is not None:
             raise BadRequest(message, param=name)
     if body.get("background") not in (None, False):
-        raise BadRequest("'background' responses need stored state; this server is stateless: send "
-                         "'background': false or leave it out", param="background")
+        raise BadRequest(
+            "'background' responses need stored state; this server is stateless: send "
+            "'background': false or leave it out",
+            param="background",
+        )
     for name in ("store", "stream", "parallel_tool_calls"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise BadRequest(f"'{name}' must be a boolean", param=name)
@@ -157,8 +176,9 @@ def _max_output_tokens(body: dict[str, Any], default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise BadRequest(f"'max_output_tokens' must be an integer between 1 and {MAX_TOKENS_LIMIT}",
-                         param="max_output_tokens")
+        raise BadRequest(
+            f"'max_output_tokens' must be an integer between 1 and {MAX_TOKENS_LIMIT}", param="max_output_tokens"
+        )
     return value
 
 
@@ -175,15 +195,16 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind != "json_schema":
-        raise BadRequest("'text.format.type' must be one of 'text', 'json_object', 'json_schema'",
-                         param="text.format")
+        raise BadRequest("'text.format.type' must be one of 'text', 'json_object', 'json_schema'", param="text.format")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise BadRequest("'text.format.name' must be a non-empty string", param="text.format.name")
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise BadRequest("'text.format.schema' must be a JSON schema object", param="text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": spec["name"], "schema": schema,
-                                                   "strict": spec.get("strict")}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": spec["name"], "schema": schema, "strict": spec.get("strict")},
+    }
 
 
 def _function_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -199,8 +220,10 @@ def _function_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, An
             raise BadRequest(f"{param} must be an object", param=param)
         kind = tool.get("type")
         if kind != "function":
-            raise BadRequest(f"{param} is a {kind!r} tool; this server runs no hosted tools and takes only "
-                             "'function' tools", param=param)
+            raise BadRequest(
+                f"{param} is a {kind!r} tool; this server runs no hosted tools and takes only 'function' tools",
+                param=param,
+            )
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise BadRequest(f"{param} needs a non-empty string 'name'", param=f"{param}.name")
@@ -228,8 +251,10 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise BadRequest(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                     "{'type': 'function', 'name': ...}", param="tool_choice")
+    raise BadRequest(
+        f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or {{'type': 'function', 'name': ...}}",
+        param="tool_choice",
+    )
 
 
 # -- input items -> template messages -------------------------------------------
@@ -268,8 +293,9 @@ def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise BadRequest(f"{param}.role must be one of 'user', 'assistant', 'system', 'developer'",
-                             param=f"{param}.role")
+            raise BadRequest(
+                f"{param}.role must be one of 'user', 'assistant', 'system', 'developer'", param=f"{param}.role"
+            )
         content = _content_text(item.get("content"), param)
         if role == "assistant":
             turn = _assistant_turn(messages, starts_new=False)
@@ -280,19 +306,29 @@ def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
         turn = _assistant_turn(messages, starts_new=False)
         turn.setdefault("tool_calls", []).append(_function_call(item, param))
     elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param),
-                         "content": _call_output(item.get("output"), param)})
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": _string(item, "call_id", param),
+                "content": _call_output(item.get("output"), param),
+            }
+        )
     elif kind == "reasoning":
         text = _reasoning_text(item, param)
         turn = _assistant_turn(messages, starts_new=True)
         if text:
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
     elif kind == "item_reference":
-        raise BadRequest(f"{param} is an 'item_reference'; this server is stateless and stores no items: send "
-                         "the item itself", param=param)
+        raise BadRequest(
+            f"{param} is an 'item_reference'; this server is stateless and stores no items: send the item itself",
+            param=param,
+        )
     else:
-        raise BadRequest(f"{param} is a {kind!r} item; this server takes 'message', 'function_call', "
-                         "'function_call_output' and 'reasoning' items", param=f"{param}.type")
+        raise BadRequest(
+            f"{param} is a {kind!r} item; this server takes 'message', 'function_call', "
+            "'function_call_output' and 'reasoning' items",
+            param=f"{param}.type",
+        )
 
 
 def _assistant_turn(messages: list[dict[str, Any]], *, starts_new: bool) -> dict[str, Any]:
@@ -338,11 +374,13 @@ def _content_text(content: Any, param: str) -> str:
 def _part_text(part: Any, param: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in _NOT_TEXT_PARTS:
-        raise BadRequest(f"{param} is an {kind!r} part; this server serves a text-only model and takes only "
-                         "'input_text' and 'output_text' parts", param=param)
+        raise BadRequest(
+            f"{param} is an {kind!r} part; this server serves a text-only model and takes only "
+            "'input_text' and 'output_text' parts",
+            param=param,
+        )
     if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-        raise BadRequest(f"{param} must be an 'input_text' or 'output_text' part with a string 'text'",
-                         param=param)
+        raise BadRequest(f"{param} must be an 'input_text' or 'output_text' part with a string 'text'", param=param)
     return part["text"]
 
 
@@ -362,8 +400,9 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
         parts = item.get(field)
         if parts is None:
             continue
-        if not isinstance(parts, list) or not all(isinstance(part, dict) and isinstance(part.get("text"), str)
-                                                  for part in parts):
+        if not isinstance(parts, list) or not all(
+            isinstance(part, dict) and isinstance(part.get("text"), str) for part in parts
+        ):
             raise BadRequest(f"{param}.{field} must be a list of {part_type!r} parts", param=f"{param}.{field}")
         if parts:
             return "\n".join(part["text"] for part in parts)
@@ -406,8 +445,10 @@ class ResponseShaper:
         self.response = self._response("in_progress")
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response),
-                self._event("response.in_progress", response=self.response)]
+        return [
+            self._event("response.created", response=self.response),
+            self._event("response.in_progress", response=self.response),
+        ]
 
     def feed(self, delta: TokenDelta) -> list[dict[str, Any]]:
         pieces = list(self._splitter.feed(delta.text))
@@ -421,13 +462,17 @@ class ResponseShaper:
         if not self._output:
             events += self._open_item("message")  # a reply with no text still has its message
         events += self._close_open("incomplete" if cut else "completed")
-        usage = {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_tokens},
-                 "output_tokens": done.completion_tokens,
-                 "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens},
-                 "total_tokens": done.prompt_tokens + done.completion_tokens}
+        usage = {
+            "input_tokens": done.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": done.cached_tokens},
+            "output_tokens": done.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens},
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+        }
         status = "incomplete" if cut else "completed"
-        self.response = self._response(status, usage=usage,
-                                       incomplete_details={"reason": "max_output_tokens"} if cut else None)
+        self.response = self._response(
+            status, usage=usage, incomplete_details={"reason": "max_output_tokens"} if cut else None
+        )
         return events + [self._event(f"response.{status}", response=self.response)]
 
     def fail(self, status: int, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -436,23 +481,41 @@ class ResponseShaper:
         error = body["error"]
         code = "invalid_prompt" if status < 500 else "server_error"
         self.response = self._response("failed", error={"code": code, "message": error["message"]})
-        return [self._event("error", code=error.get("code") or code, message=error["message"],
-                            param=error.get("param")),
-                self._event("response.failed", response=self.response)]
+        return [
+            self._event("error", code=error.get("code") or code, message=error["message"], param=error.get("param")),
+            self._event("response.failed", response=self.response),
+        ]
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return event
 
-    def _response(self, status: str, *, usage: dict[str, Any] | None = None,
-                  incomplete_details: dict[str, Any] | None = None,
-                  error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": self._id, "object": "response", "created_at": self._created_at, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None,
-                "error": error, "incomplete_details": incomplete_details, "model": self._model_id,
-                "output": list(self._output), "previous_response_id": None, "reasoning": {"effort": None},
-                "store": False, "truncation": "disabled", "usage": usage, **self._job.echo}
+    def _response(
+        self,
+        status: str,
+        *,
+        usage: dict[str, Any] | None = None,
+        incomplete_details: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "object": "response",
+            "created_at": self._created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": incomplete_details,
+            "model": self._model_id,
+            "output": list(self._output),
+            "previous_response_id": None,
+            "reasoning": {"effort": None},
+            "store": False,
+            "truncation": "disabled",
+            "usage": usage,
+            **self._job.echo,
+        }
 
     def _piece_events(self, piece: Piece) -> list[dict[str, Any]]:
         if isinstance(piece, ToolCall):
@@ -469,14 +532,16 @@ class ResponseShaper:
         return events + [self._event("response.reasoning_text.delta", **where, delta=piece.text)]
 
     def _open_item(self, kind: str) -> list[dict[str, Any]]:
-        item = _OpenItem(kind=kind, item_id=_new_id("rs" if kind == "reasoning" else "msg"),
-                         output_index=len(self._output))
+        item = _OpenItem(
+            kind=kind, item_id=_new_id("rs" if kind == "reasoning" else "msg"), output_index=len(self._output)
+        )
         self._open = item
         self._output.append(_item_body(item, "in_progress"))
         where = {"item_id": item.item_id, "output_index": item.output_index}
-        return [self._event("response.output_item.added", output_index=item.output_index,
-                            item=self._output[-1]),
-                self._event("response.content_part.added", **where, content_index=0, part=_part(item))]
+        return [
+            self._event("response.output_item.added", output_index=item.output_index, item=self._output[-1]),
+            self._event("response.content_part.added", **where, content_index=0, part=_part(item)),
+        ]
 
     def _close_open(self, status: str) -> list[dict[str, Any]]:
         item, self._open = self._open, None
@@ -488,21 +553,29 @@ class ResponseShaper:
         else:
             done = self._event("response.reasoning_text.done", **where, text=item.text)
         self._output[item.output_index] = _item_body(item, status)
-        return [done, self._event("response.content_part.done", **where, part=_part(item)),
-                self._event("response.output_item.done", output_index=item.output_index,
-                            item=self._output[item.output_index])]
+        return [
+            done,
+            self._event("response.content_part.done", **where, part=_part(item)),
+            self._event(
+                "response.output_item.done", output_index=item.output_index, item=self._output[item.output_index]
+            ),
+        ]
 
     def _call_events(self, call: ToolCall) -> list[dict[str, Any]]:
         item_id, output_index = _new_id("fc"), len(self._output)
         body = {"type": "function_call", "id": item_id, "call_id": call.call_id, "name": call.name}
         self._output.append({**body, "arguments": call.arguments, "status": "completed"})
         where = {"item_id": item_id, "output_index": output_index}
-        return [self._event("response.output_item.added", output_index=output_index,
-                            item={**body, "arguments": "", "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
-                self._event("response.function_call_arguments.done", **where, name=call.name,
-                            arguments=call.arguments),
-                self._event("response.output_item.done", output_index=output_index, item=self._output[-1])]
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=output_index,
+                item={**body, "arguments": "", "status": "in_progress"},
+            ),
+            self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            self._event("response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
+            self._event("response.output_item.done", output_index=output_index, item=self._output[-1]),
+        ]
 
 
 def _part(item: _OpenItem) -> dict[str, Any]:
@@ -526,8 +599,9 @@ class ResponsesRoute:
     """The `/v1/responses` handlers over a running system; `failure_body`
     maps an error to its status and OpenAI error body (http/app.py's)."""
 
-    def __init__(self, system: System, lane: TokenizerLane, *, model_id: str, max_tokens_default: int,
-                 failure_body: FailureBody) -> None:
+    def __init__(
+        self, system: System, lane: TokenizerLane, *, model_id: str, max_tokens_default: int, failure_body: FailureBody
+    ) -> None:
         self._system = system
         self._lane = lane
         self._model_id = model_id
@@ -535,15 +609,25 @@ class ResponsesRoute:
         self._failure_body = failure_body
 
     async def create(self, request: Request) -> Response:
-        work = partial(parse_responses_body, await request.body(), self._system.loaded,
-                       max_tokens_default=self._max_tokens_default)
+        work = partial(
+            parse_responses_body, await request.body(), self._system.loaded, max_tokens_default=self._max_tokens_default
+        )
         try:
             job = await self._lane.run(work)
         except Exception as e:
             return self._failure(e)
         if not self._system.admitting:
-            return JSONResponse({"error": {"message": "the server is shutting down", "type": "server_unavailable",
-                                           "param": None, "code": None}}, status_code=503)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "the server is shutting down",
+                        "type": "server_unavailable",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status_code=503,
+            )
         shaper = ResponseShaper(self._system.loaded.tokenizer, job, self._model_id)
         if job.job.stream:
             return StreamingResponse(self._events(job, shaper), media_type="text/event-stream")
@@ -559,10 +643,18 @@ class ResponsesRoute:
 
     async def not_stored(self, request: Request) -> Response:
         """Every read of a stored response: none is stored."""
-        return JSONResponse({"error": {
-            "message": f"no response {request.path_params['response_id']!r}: this server is stateless and stores "
-                       "no responses", "type": "invalid_request_error", "param": None, "code": "not_found"}},
-            status_code=404)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"no response {request.path_params['response_id']!r}: "
+                    "this server is stateless and stores no responses",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "not_found",
+                }
+            },
+            status_code=404,
+        )
 
     async def _events(self, job: ResponsesJob, shaper: ResponseShaper) -> AsyncIterator[str]:
         for event in shaper.start():

@@ -36,8 +36,10 @@ def resolve_model_dir(model: str | None) -> Path:
 
             return Path(snapshot_download(model, local_files_only=True))
         except Exception as e:
-            raise UsageError(f"{model!r} is not a local directory and is not in the local Hugging Face cache "
-                             f"(kvcellar never downloads at start-up): {e}") from e
+            raise UsageError(
+                f"{model!r} is not a local directory and is not in the local Hugging Face cache "
+                f"(kvcellar never downloads at start-up): {e}"
+            ) from e
     raise UsageError(f"--model {model!r}: no such directory")
 
 
@@ -66,42 +68,117 @@ def shutdown_timeout_s(environ=os.environ) -> float:
 
 
 @click.command("serve")
-@click.option("--model", default=None, help="Model: a local mlx-lm directory or a cached hub repo id. "
-              "Default: the built-in demo model, created on first use.")
+@click.option(
+    "--model",
+    default=None,
+    help="Model: a local mlx-lm directory or a cached hub repo id. "
+    "Default: the built-in demo model, created on first use.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback by default.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
-@click.option("--prompt-cache", "prompt_cache_gb", default=8.0, show_default=True, type=click.FloatRange(min=0),
-              help="RAM prompt cache size in GB; 0 disables it.")
-@click.option("--ssd-cache", "ssd_dir", default=None, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory of the SSD cold tier (off unless set).")
-@click.option("--ssd-cache-max", "ssd_max_gb", default=None, type=click.FloatRange(min=0),
-              help="Byte cap of the SSD tier in GB; 0 or unset = unlimited. Needs --ssd-cache.")
-@click.option("--ssd-demote-idle", "demote_idle_s", default=None, type=click.FloatRange(min=0),
-              help="Seconds after which unused RAM entries move to SSD (default 300 with the tier on; 0 disables). "
-                   "Needs --ssd-cache.")
-@click.option("--kv-quant", default="off", show_default=True, type=click.Choice(["off", "4", "8", "config"]),
-              help="KV cache quantization: off (model dtype), 4 or 8 bits, or per-layer from kv_config.json.")
-@click.option("--batch", "--max-batch", "batch_rows", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Rows of the batch lane: up to this many requests decode together. 1 = the serial lane "
-                   "(one request at a time). --max-batch is the same flag.")
-@click.option("--kv-budget", "kv_budget_gb", default=4.0, show_default=True, type=click.FloatRange(min=0),
-              help="KV budget of the batch lane in GB: a request joins the batch only if the batch's projected "
-                   "KV with it fits (rows x the largest row's prompt + max_tokens: rows are padded to the "
-                   "longest); the rest wait in FIFO order.")
-@click.option("--prefill-step-size", default=512, show_default=True, type=click.IntRange(min=1),
-              help="Tokens per prefill chunk.")
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Default max_tokens for requests that do not set it.")
-@click.option("--admin-token", envvar="KVCELLAR_ADMIN_TOKEN", default=None,
-              help="Bearer token required by /stats, /metrics and /admin/* (or KVCELLAR_ADMIN_TOKEN).")
-@click.option("--api-key", envvar="KVCELLAR_API_KEY", default=None,
-              help="Bearer token required by the /v1 API (or KVCELLAR_API_KEY).")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]), help="Logging verbosity.")
-def serve_command(model: str | None, host: str, port: int, prompt_cache_gb: float, ssd_dir: Path | None,
-                  ssd_max_gb: float | None, demote_idle_s: float | None, kv_quant: str, batch_rows: int,
-                  kv_budget_gb: float, prefill_step_size: int, max_tokens: int, admin_token: str | None,
-                  api_key: str | None, log_level: str) -> None:
+@click.option(
+    "--prompt-cache",
+    "prompt_cache_gb",
+    default=8.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="RAM prompt cache size in GB; 0 disables it.",
+)
+@click.option(
+    "--ssd-cache",
+    "ssd_dir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory of the SSD cold tier (off unless set).",
+)
+@click.option(
+    "--ssd-cache-max",
+    "ssd_max_gb",
+    default=None,
+    type=click.FloatRange(min=0),
+    help="Byte cap of the SSD tier in GB; 0 or unset = unlimited. Needs --ssd-cache.",
+)
+@click.option(
+    "--ssd-demote-idle",
+    "demote_idle_s",
+    default=None,
+    type=click.FloatRange(min=0),
+    help="Seconds after which unused RAM entries move to SSD (default 300 with the tier on; 0 disables). "
+    "Needs --ssd-cache.",
+)
+@click.option(
+    "--kv-quant",
+    default="off",
+    show_default=True,
+    type=click.Choice(["off", "4", "8", "config"]),
+    help="KV cache quantization: off (model dtype), 4 or 8 bits, or per-layer from kv_config.json.",
+)
+@click.option(
+    "--batch",
+    "--max-batch",
+    "batch_rows",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Rows of the batch lane: up to this many requests decode together. 1 = the serial lane "
+    "(one request at a time). --max-batch is the same flag.",
+)
+@click.option(
+    "--kv-budget",
+    "kv_budget_gb",
+    default=4.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="KV budget of the batch lane in GB: a request joins the batch only if the batch's projected "
+    "KV with it fits (rows x the largest row's prompt + max_tokens: rows are padded to the "
+    "longest); the rest wait in FIFO order.",
+)
+@click.option(
+    "--prefill-step-size", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens per prefill chunk."
+)
+@click.option(
+    "--max-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Default max_tokens for requests that do not set it.",
+)
+@click.option(
+    "--admin-token",
+    envvar="KVCELLAR_ADMIN_TOKEN",
+    default=None,
+    help="Bearer token required by /stats, /metrics and /admin/* (or KVCELLAR_ADMIN_TOKEN).",
+)
+@click.option(
+    "--api-key",
+    envvar="KVCELLAR_API_KEY",
+    default=None,
+    help="Bearer token required by the /v1 API (or KVCELLAR_API_KEY).",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    help="Logging verbosity.",
+)
+def serve_command(
+    model: str | None,
+    host: str,
+    port: int,
+    prompt_cache_gb: float,
+    ssd_dir: Path | None,
+    ssd_max_gb: float | None,
+    demote_idle_s: float | None,
+    kv_quant: str,
+    batch_rows: int,
+    kv_budget_gb: float,
+    prefill_step_size: int,
+    max_tokens: int,
+    admin_token: str | None,
+    api_key: str | None,
+    log_level: str,
+) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
 

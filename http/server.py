@@ -31,8 +31,10 @@ def banner(system: System, host: str, port: int) -> str:
     """One block naming the model, the URL, the tiers and what was restored."""
     stats = system.stats()
     ram_gb = system.prompt_cache.bytes_max / 1e9
-    lines = [f"kvcellar serving {system.loaded.model_dir} on http://{host}:{port}",
-             f"  RAM prompt cache: {'off' if ram_gb <= 0 else f'{ram_gb:g} GB'}; KV scheme {system.scheme.cache_key}"]
+    lines = [
+        f"kvcellar serving {system.loaded.model_dir} on http://{host}:{port}",
+        f"  RAM prompt cache: {'off' if ram_gb <= 0 else f'{ram_gb:g} GB'}; KV scheme {system.scheme.cache_key}",
+    ]
     lane = stats["scheduler"]
     if lane["lane"] == "batch":
         lines.append(f"  batch lane: up to {lane['batch_size']} rows, KV budget {lane['kv_budget_bytes'] / 1e9:g} GB")
@@ -41,15 +43,18 @@ def banner(system: System, host: str, port: int) -> str:
     if system.store is not None:
         ssd = stats["ssd_cache"]
         cap = "unlimited" if not ssd["max_bytes"] else f"{ssd['max_bytes'] / 1e9:g} GB"
-        lines.append(f"  SSD cache: {system.store.directory} ({cap}); restored index: {ssd['entries']} entries, "
-                     f"{ssd['bytes'] / 1e6:.1f} MB, longest prefix {ssd['longest_durable_prefix_tokens']} tokens")
+        lines.append(
+            f"  SSD cache: {system.store.directory} ({cap}); restored index: {ssd['entries']} entries, "
+            f"{ssd['bytes'] / 1e6:.1f} MB, longest prefix {ssd['longest_durable_prefix_tokens']} tokens"
+        )
     else:
         lines.append("  SSD cache: off (use --ssd-cache DIR to keep prefixes across restarts)")
     return "\n".join(lines)
 
 
-async def serve_forever(config: SystemConfig, host: str, port: int, settings: HttpSettings, *,
-                        ready: trio.Event | None = None) -> None:
+async def serve_forever(
+    config: SystemConfig, host: str, port: int, settings: HttpSettings, *, ready: trio.Event | None = None
+) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully."""
     async with open_system(config) as system:
         hypercorn_config = Config()

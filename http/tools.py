@@ -179,14 +179,18 @@ def starts_in_reasoning(tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
     return tokenizer.rfind_think_start(ids) > tokenizer.rfind_think_end(ids)
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan = NO_TOOLS, *,
-                  probe: bool = False) -> RenderedPrompt:
+def render_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan = NO_TOOLS, *, probe: bool = False
+) -> RenderedPrompt:
     """Render and tokenize a chat for the model; raises `PromptRefused`. With
     `probe`, also run the template probe (one more render and an encode of
     the common text)."""
     if plan.parses_calls and not supports_tools(tokenizer):
-        raise PromptRefused("this model does not support tool calling (its tokenizer names no tool parser); "
-                            "send no 'tools', or tool_choice 'none'", param="tools")
+        raise PromptRefused(
+            "this model does not support tool calling (its tokenizer names no tool parser); "
+            "send no 'tools', or tool_choice 'none'",
+            param="tools",
+        )
     tools = plan.template_tools()
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -203,8 +207,13 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
             stable = stable_prefix_tokens(tokenizer, messages, prompt_ids, tools=tools, rendered=text)
         except Exception as e:  # a template that refuses the probe turn: no stable boundary known
             log.info("template probe refused (%s: %s); no stable boundary", type(e).__name__, e)
-    return RenderedPrompt(text=text, prompt_ids=prompt_ids, in_reasoning=starts_in_reasoning(tokenizer, prompt_ids),
-                          forced_ids=forced_ids, stable_prefix_tokens=stable)
+    return RenderedPrompt(
+        text=text,
+        prompt_ids=prompt_ids,
+        in_reasoning=starts_in_reasoning(tokenizer, prompt_ids),
+        forced_ids=forced_ids,
+        stable_prefix_tokens=stable,
+    )
 
 
 def _transitions(tokenizer: Any, plan: ToolPlan) -> dict[str, list[tuple[str, str]]]:
@@ -309,7 +318,7 @@ class ReplySplitter:
                 self._strip_leading = False
             text = self._held + text
             body = text.rstrip()
-            self._held = text[len(body):]
+            self._held = text[len(body) :]
             text = body
         if not text:
             return
@@ -330,8 +339,10 @@ class ReplySplitter:
             return
         for name, arguments in calls:
             if not self._plan.parallel and self.tool_calls:
-                log.warning("the reply made more than one tool call with parallel_tool_calls false; "
-                            "the call of %r is dropped", name)
+                log.warning(
+                    "the reply made more than one tool call with parallel_tool_calls false; the call of %r is dropped",
+                    name,
+                )
                 continue
             call = ToolCall(index=len(self.tool_calls), call_id=new_call_id(), name=name, arguments=arguments)
             self.tool_calls.append(call)
@@ -345,16 +356,22 @@ class ReplySplitter:
             items = parsed if isinstance(parsed, list) else [parsed]
             calls = [_call_fields(item) for item in items]
         except Exception as e:  # a third-party parser over model output: any failure is the text's
-            log.warning("generated tool-call text does not parse (%s: %s); returned as content: %r",
-                        type(e).__name__, e, tool_text[:200])
+            log.warning(
+                "generated tool-call text does not parse (%s: %s); returned as content: %r",
+                type(e).__name__,
+                e,
+                tool_text[:200],
+            )
             return None
         known = {tool["function"]["name"] for tool in self._plan.tools or ()}
         unknown = [name for name, _ in calls if name not in known]
         wanted = self._plan.function_name
         if unknown or (wanted is not None and any(name != wanted for name, _ in calls)):
-            log.warning("generated tool call names %s, not %s; returned as content",
-                        ", ".join(repr(name) for name, _ in calls),
-                        repr(wanted) if wanted else "a tool of the request")
+            log.warning(
+                "generated tool call names %s, not %s; returned as content",
+                ", ".join(repr(name) for name, _ in calls),
+                repr(wanted) if wanted else "a tool of the request",
+            )
             return None
         return calls
 
@@ -370,8 +387,14 @@ def _call_fields(item: Any) -> tuple[str, str]:
     return item["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-def stable_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]], prompt_ids: Sequence[int], *,
-                         tools: list[dict[str, Any]] | None, rendered: str) -> int:
+def stable_prefix_tokens(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    prompt_ids: Sequence[int],
+    *,
+    tools: list[dict[str, Any]] | None,
+    rendered: str,
+) -> int:
     """The template probe: render the same messages followed by one more user
     turn and count the leading tokens of `prompt_ids` (the rendering of
     `messages` with the generation prompt, `rendered` as text) that this
@@ -379,9 +402,10 @@ def stable_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]], prompt_
     all of them but the generation prompt; one that re-renders earlier turns
     once a new user turn follows keeps fewer. Raises whatever the template
     raises (the caller decides what a refusal means)."""
-    continued = tokenizer.apply_chat_template(messages + [_PROBE_MESSAGE], tools=tools,
-                                              add_generation_prompt=False, tokenize=False)
-    common_ids = tokenizer.encode(rendered[:_common_length(rendered, continued)], add_special_tokens=False)
+    continued = tokenizer.apply_chat_template(
+        messages + [_PROBE_MESSAGE], tools=tools, add_generation_prompt=False, tokenize=False
+    )
+    common_ids = tokenizer.encode(rendered[: _common_length(rendered, continued)], add_special_tokens=False)
     # The text's last token may merge differently once cut: count only tokens both agree on.
     return _common_length(prompt_ids, common_ids)
 

@@ -26,26 +26,63 @@ from kvcellar.store.mutations import MUTATIONS
 @click.command("simulate")
 @click.option("--seed", type=int, default=None, help="First seed (default: drawn at random and printed).")
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True, help="Seeds to run, from --seed on.")
-@click.option("--faults", default="mixed", show_default=True,
-              help="none, all, mixed (a subset drawn per seed) or a comma list of fsync,enospc,eio,bitflip,misdirect.")
-@click.option("--crash-points", type=click.Choice(["all", "random"]), default=None,
-              help="Also crash at every disk operation of each seed's workload, or at one drawn at random.")
+@click.option(
+    "--faults",
+    default="mixed",
+    show_default=True,
+    help="none, all, mixed (a subset drawn per seed) or a comma list of fsync,enospc,eio,bitflip,misdirect.",
+)
+@click.option(
+    "--crash-points",
+    type=click.Choice(["all", "random"]),
+    default=None,
+    help="Also crash at every disk operation of each seed's workload, or at one drawn at random.",
+)
 @click.option("--crash-at", type=click.IntRange(min=1), default=None, help="Crash at this disk operation (replay).")
-@click.option("--workload", "workload_name", default="default", show_default=True,
-              help="default, or a small one: chat, fork, hybrid.")
+@click.option(
+    "--workload",
+    "workload_name",
+    default="default",
+    show_default=True,
+    help="default, or a small one: chat, fork, hybrid.",
+)
 @click.option("--real-model", is_flag=True, help="Run the demo MLX model inline instead of the fake engine.")
-@click.option("--batch-rows", type=click.IntRange(min=1), default=None,
-              help="Run every seed on the batch lane with up to this many rows (1: the serial lane); "
-                   "default: each seed draws its lane.")
-@click.option("--mutate", "mutate", multiple=True, type=click.Choice(sorted(MUTATIONS)),
-              help="Switch a deliberate durability bug on (the checkers must catch it).")
-@click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Leave the last run's disk image and journal here, laid out like --ssd-cache.")
+@click.option(
+    "--batch-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run every seed on the batch lane with up to this many rows (1: the serial lane); "
+    "default: each seed draws its lane.",
+)
+@click.option(
+    "--mutate",
+    "mutate",
+    multiple=True,
+    type=click.Choice(sorted(MUTATIONS)),
+    help="Switch a deliberate durability bug on (the checkers must catch it).",
+)
+@click.option(
+    "--keep",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Leave the last run's disk image and journal here, laid out like --ssd-cache.",
+)
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON object on the last line.")
 @click.pass_context
-def simulate_command(ctx: click.Context, seed: int | None, runs: int, faults: str, crash_points: str | None,
-                     crash_at: int | None, workload_name: str, real_model: bool, batch_rows: int | None,
-                     mutate: tuple[str, ...], keep: Path | None, as_json: bool) -> None:
+def simulate_command(
+    ctx: click.Context,
+    seed: int | None,
+    runs: int,
+    faults: str,
+    crash_points: str | None,
+    crash_at: int | None,
+    workload_name: str,
+    real_model: bool,
+    batch_rows: int | None,
+    mutate: tuple[str, ...],
+    keep: Path | None,
+    as_json: bool,
+) -> None:
     """Run the real store and actors on a simulated disk under a seeded
     workload, inject crashes and faults, recover, and check the invariants.
 
@@ -55,10 +92,17 @@ def simulate_command(ctx: click.Context, seed: int | None, runs: int, faults: st
     """
     seed = seed if seed is not None else random.SystemRandom().randrange(10**6)
     click.echo(f"SEED={seed}")
-    plan = SweepPlan(seed=seed, runs=runs, faults=parse_faults(faults), crash_points=crash_points,
-                     crash_at_op=crash_at, shape_name=workload_name,
-                     real_model_dir=_real_model_dir() if real_model else None, mutations=frozenset(mutate),
-                     batch_rows=batch_rows)
+    plan = SweepPlan(
+        seed=seed,
+        runs=runs,
+        faults=parse_faults(faults),
+        crash_points=crash_points,
+        crash_at_op=crash_at,
+        shape_name=workload_name,
+        real_model_dir=_real_model_dir() if real_model else None,
+        mutations=frozenset(mutate),
+        batch_rows=batch_rows,
+    )
     plan.options(seed, None)  # validates the workload name before any run
     console = Console(stderr=True)
     outcome = _run_with_progress(plan, console, show=runs > 1 or crash_points is not None)
@@ -92,9 +136,12 @@ def _run_with_progress(plan: SweepPlan, console: Console, *, show: bool) -> Swee
 
 
 JOURNAL_ROWS = (
-    ("entries stored", ("entry.stored",)), ("supersessions", ("entry.superseded",)),
-    ("evictions", ("entry.evicted",)), ("quarantines", ("entry.quarantined",)),
-    ("failed writes", ("entry.write_failed",)), ("dropped spills", ("spill.dropped",)),
+    ("entries stored", ("entry.stored",)),
+    ("supersessions", ("entry.superseded",)),
+    ("evictions", ("entry.evicted",)),
+    ("quarantines", ("entry.quarantined",)),
+    ("failed writes", ("entry.write_failed",)),
+    ("dropped spills", ("spill.dropped",)),
     ("temp files reaped", ("entry.temp_reaped",)),
     ("reconcile corrections", ("reconcile.added", "reconcile.updated", "reconcile.removed")),
 )
@@ -106,16 +153,21 @@ def _print_summary(outcome: SweepOutcome, console: Console) -> None:
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [
-        ("runs", len(results)), ("crash-point runs", outcome.crash_points),
+        ("runs", len(results)),
+        ("crash-point runs", outcome.crash_points),
         ("failed runs", len(outcome.failures)),
         *((name.replace("_", " "), value) for name, value in outcome.lane_counts().items()),
-        ("requests", sum(r.requests for r in results)), ("flushes", sum(r.flushes for r in results)),
+        ("requests", sum(r.requests for r in results)),
+        ("flushes", sum(r.flushes for r in results)),
         ("durable flushes", sum(r.durable_flushes for r in results)),
         ("durable prefixes checked", sum(r.claims_checked for r in results)),
-        ("crashes", sum(r.crashes for r in results)), ("restarts", sum(r.restarts for r in results)),
+        ("crashes", sum(r.crashes for r in results)),
+        ("restarts", sum(r.restarts for r in results)),
         ("disk operations", sum(r.disk_ops for r in results)),
-        *((f"journaled {label}", sum(r.journal_kinds.get(kind, 0) for r in results for kind in kinds))
-          for label, kinds in JOURNAL_ROWS),
+        *(
+            (f"journaled {label}", sum(r.journal_kinds.get(kind, 0) for r in results for kind in kinds))
+            for label, kinds in JOURNAL_ROWS
+        ),
         ("runs/s", f"{len(results) / outcome.elapsed_s:.1f}" if outcome.elapsed_s else "-"),
     ]
     for name, value in rows:
@@ -126,9 +178,11 @@ def _print_summary(outcome: SweepOutcome, console: Console) -> None:
 def _print_failures(plan: SweepPlan, outcome: SweepOutcome, console: Console) -> None:
     for result, point in outcome.failures[:5]:
         first = result.violations[0]
-        console.print(f"[bold red]FAILED[/] seed {result.seed}"
-                      + (f" crash point {point}" if point is not None else "")
-                      + f": {first.invariant} ({first.kind})\n  {first.detail}")
+        console.print(
+            f"[bold red]FAILED[/] seed {result.seed}"
+            + (f" crash point {point}" if point is not None else "")
+            + f": {first.invariant} ({first.kind})\n  {first.detail}"
+        )
         console.print(f"  replay: {plan.replay_command(result.seed, point)}")
     if len(outcome.failures) > 5:
         console.print(f"... and {len(outcome.failures) - 5} more failed runs")
@@ -169,15 +223,28 @@ def export_image(disk: Any, journal_image: bytes | None, target: Path) -> None:
 
 def _summary_json(plan: SweepPlan, outcome: SweepOutcome) -> dict[str, Any]:
     results = [result for result, _ in outcome.results]
-    failures = [{"seed": r.seed, "crash_at": p, "invariant": r.violations[0].invariant,
-                 "kind": r.violations[0].kind, "replay": plan.replay_command(r.seed, p)}
-                for r, p in outcome.failures]
+    failures = [
+        {
+            "seed": r.seed,
+            "crash_at": p,
+            "invariant": r.violations[0].invariant,
+            "kind": r.violations[0].kind,
+            "replay": plan.replay_command(r.seed, p),
+        }
+        for r, p in outcome.failures
+    ]
     return {
-        "seed": plan.seed, "runs": len(results), "crash_point_runs": outcome.crash_points,
-        "failed": len(failures), "failures": failures[:20], "journal_digest": outcome.journal_digest(),
+        "seed": plan.seed,
+        "runs": len(results),
+        "crash_point_runs": outcome.crash_points,
+        "failed": len(failures),
+        "failures": failures[:20],
+        "journal_digest": outcome.journal_digest(),
         "disk_digest": results[0].disk_digest if len(results) == 1 else None,
-        "requests": sum(r.requests for r in results), "durable_flushes": sum(r.durable_flushes for r in results),
-        "claims_checked": sum(r.claims_checked for r in results), **outcome.lane_counts(),
+        "requests": sum(r.requests for r in results),
+        "durable_flushes": sum(r.durable_flushes for r in results),
+        "claims_checked": sum(r.claims_checked for r in results),
+        **outcome.lane_counts(),
         "elapsed_s": round(outcome.elapsed_s, 3),
         "runs_per_s": round(len(results) / outcome.elapsed_s, 2) if outcome.elapsed_s else None,
         "exit_code": outcome.exit_code(),

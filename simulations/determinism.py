@@ -27,7 +27,8 @@ def check_trio() -> None:
     missing = [name for name in ("_r", "_ALLOW_DETERMINISTIC_SCHEDULING") if not hasattr(trio_run, name)]
     if missing:
         raise DeterminismUnavailable(
-            f"trio {trio.__version__} lacks {', '.join(missing)}; the simulator needs trio {TRIO_VERSION_PINNED}")
+            f"trio {trio.__version__} lacks {', '.join(missing)}; the simulator needs trio {TRIO_VERSION_PINNED}"
+        )
 
 
 def seed_trio(seed: int) -> None:

@@ -52,8 +52,9 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + token % 26) for token in ids)
 
 
-def _key_values(tokens: np.ndarray, positions: np.ndarray, layer: int, heads: int,
-                head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+def _key_values(
+    tokens: np.ndarray, positions: np.ndarray, layer: int, heads: int, head_dim: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Keys and values as exact small integers in float32: `[1, heads, T,
     head_dim]` for `T` tokens, `[B, heads, T, head_dim]` for `[B, T]` rows."""
     rows = tokens.reshape(-1, 1, tokens.shape[-1], 1).astype(np.int64)
@@ -111,10 +112,15 @@ class FakeModel:
         mask = state_cache.make_mask(tokens.shape[1])
         if mask is not None:
             real &= np.array(mask)
-        previous = (np.zeros(tokens.shape[0], dtype=np.int64) if state_cache[0] is None
-                    else np.array(state_cache[0])[:, 0].astype(np.int64))
-        states = [_recurrent_state(row_tokens[keep], row_positions[keep], int(state))
-                  for row_tokens, row_positions, keep, state in zip(tokens, positions, real, previous, strict=True)]
+        previous = (
+            np.zeros(tokens.shape[0], dtype=np.int64)
+            if state_cache[0] is None
+            else np.array(state_cache[0])[:, 0].astype(np.int64)
+        )
+        states = [
+            _recurrent_state(row_tokens[keep], row_positions[keep], int(state))
+            for row_tokens, row_positions, keep, state in zip(tokens, positions, real, previous, strict=True)
+        ]
         state_cache[0] = mx.array(np.repeat(np.array(states, dtype=np.float32)[:, None], self.head_dim, axis=1))
         state_cache.advance(tokens.shape[1])
 
@@ -127,8 +133,7 @@ class FakeModel:
         for layer in range(len(self.layers)):
             arrays.extend(_key_values(token_array, positions, layer, self.heads, self.head_dim))
         if self.recurrent:
-            arrays.append(np.full((1, self.head_dim), _recurrent_state(token_array, positions, 0),
-                                  dtype=np.float32))
+            arrays.append(np.full((1, self.head_dim), _recurrent_state(token_array, positions, 0), dtype=np.float32))
         return arrays
 
 
@@ -146,8 +151,12 @@ def cache_arrays(caches: Sequence[Any], token_count: int) -> list[np.ndarray]:
 
 
 def fake_loaded_model(*, recurrent: bool = False) -> LoadedModel:
-    return LoadedModel(model=FakeModel(recurrent=recurrent), tokenizer=FakeTokenizer(),
-                       model_dir=Path("/sim/model"), context_tokens_max=4096)
+    return LoadedModel(
+        model=FakeModel(recurrent=recurrent),
+        tokenizer=FakeTokenizer(),
+        model_dir=Path("/sim/model"),
+        context_tokens_max=4096,
+    )
 
 
 class InlineEngine:
@@ -157,8 +166,9 @@ class InlineEngine:
     # Jobs run on the Trio thread: one that waits for work would stall the tasks that send it.
     blocking_waits = False
 
-    def __init__(self, loaded: LoadedModel, *, token_cost_s: float = 0.01,
-                 delay_s: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, token_cost_s: float = 0.01, delay_s: Callable[[], float] | None = None
+    ) -> None:
         self._loaded = loaded
         self._turn = trio.Lock()
         self.token_cost_s = token_cost_s
@@ -173,16 +183,18 @@ class InlineEngine:
     def stop(self, timeout_s: float = 0.0) -> None:
         self.stopped = True
 
-    async def call(self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True,
-                   label: str = "call") -> Any:
+    async def call(
+        self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True, label: str = "call"
+    ) -> Any:
         async with self._turn:
             await trio.sleep(self.token_cost_s + self._delay_s())
             result = job(self._loaded if needs_model else None)
             await trio.sleep(self._delay_s())
             return result
 
-    async def stream(self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *,
-                     label: str = "stream"):
+    async def stream(
+        self, job: Callable[[LoadedModel], Iterator[Any]], cancelled: threading.Event, *, label: str = "stream"
+    ):
         async with self._turn:
             items = job(self._loaded)
             try:

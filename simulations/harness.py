@@ -177,8 +177,9 @@ class JournalImage:
         # startup: reconciliation, eviction over the cap) reach it here.
         if "events" not in {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}:
             return
-        rows = connection.execute("SELECT seq, kind, payload FROM events WHERE seq > ? ORDER BY seq",
-                                  [self.followed_seq]).fetchall()
+        rows = connection.execute(
+            "SELECT seq, kind, payload FROM events WHERE seq > ? ORDER BY seq", [self.followed_seq]
+        ).fetchall()
         for seq, kind, payload in rows:
             self.kinds[kind] += 1
             self._follow(decode_event(kind, payload))
@@ -221,41 +222,68 @@ class _Run:
 def _open_store(run: _Run, *, journal: bool = True, observed: bool = False) -> SsdStore:
     """A store of the run on its SimDisk; `observed`: the system's, whose
     events and restores the observer sees through the store's listeners."""
+
     def new_entry_id() -> str:
         return f"{next(run.entry_numbers):032x}"
 
     index_lock, journal_runner = run.boundary.new_store_seams()
     listeners = run.observer.store_listeners() if observed else {}
     return SsdStore.open(
-        CACHE_DIR, FINGERPRINT, run.options.ssd_bytes_max, run.disk, verify=True, journal=journal,
-        clock_ns=run.clock_ns, journal_opener=lambda path: Journal.open_in_memory(
-            path, run.journal, clock_ns=run.clock_ns, runner=journal_runner, safeguards=run.safeguards),
-        new_entry_id=new_entry_id, timer_ns=run.clock_ns, owner=f"simulated server, seed {run.options.seed}",
-        index_lock=index_lock, safeguards=run.safeguards, **listeners)
+        CACHE_DIR,
+        FINGERPRINT,
+        run.options.ssd_bytes_max,
+        run.disk,
+        verify=True,
+        journal=journal,
+        clock_ns=run.clock_ns,
+        journal_opener=lambda path: Journal.open_in_memory(
+            path, run.journal, clock_ns=run.clock_ns, runner=journal_runner, safeguards=run.safeguards
+        ),
+        new_entry_id=new_entry_id,
+        timer_ns=run.clock_ns,
+        owner=f"simulated server, seed {run.options.seed}",
+        index_lock=index_lock,
+        safeguards=run.safeguards,
+        **listeners,
+    )
 
 
 def _config(run: _Run) -> SystemConfig:
     return SystemConfig(
-        model_dir=Path("/sim/model"), ssd_dir=CACHE_DIR, ssd_bytes_max=run.options.ssd_bytes_max,
-        prompt_cache_bytes=run.options.prompt_cache_bytes, spill_queue_bytes=256 * 1024, write_behind=True,
-        demote_idle_s=6.0, debounce_s=0.5, busy_rearm_s=1.0, prefill_step_tokens=64, shutdown_timeout_s=60.0,
-        batch_rows_max=run.lane.rows, kv_budget_bytes=run.lane.kv_budget_bytes)
+        model_dir=Path("/sim/model"),
+        ssd_dir=CACHE_DIR,
+        ssd_bytes_max=run.options.ssd_bytes_max,
+        prompt_cache_bytes=run.options.prompt_cache_bytes,
+        spill_queue_bytes=256 * 1024,
+        write_behind=True,
+        demote_idle_s=6.0,
+        debounce_s=0.5,
+        busy_rearm_s=1.0,
+        prefill_step_tokens=64,
+        shutdown_timeout_s=60.0,
+        batch_rows_max=run.lane.rows,
+        kv_budget_bytes=run.lane.kv_budget_bytes,
+    )
 
 
 def _seams(run: _Run) -> SystemSeams:
     """The simulated world: an inline engine, the mock clock, seeded blocking
     calls, the run's store on its SimDisk, and the run's safeguards."""
     return SystemSeams(
-        engine=InlineEngine(run.loaded, delay_s=run.schedule.delay_s), clock_s=run.clock.current_time,
+        engine=InlineEngine(run.loaded, delay_s=run.schedule.delay_s),
+        clock_s=run.clock.current_time,
         run_blocking=SeededBlocking(run.schedule),
-        store_opener=lambda config, scheme: _open_store(run, observed=True), safeguards=run.safeguards)
+        store_opener=lambda config, scheme: _open_store(run, observed=True),
+        safeguards=run.safeguards,
+    )
 
 
 async def _request(run: _Run, system: Any, request: Request) -> None:
     history = run.conversations.setdefault(request.conversation, run.system_prompt)
     prompt = history + request.user_tokens
-    generation = GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=request.max_tokens),
-                                   namespace=request.namespace)
+    generation = GenerationRequest(
+        prompt_ids=prompt, params=SamplingParams(max_tokens=request.max_tokens), namespace=request.namespace
+    )
     produced: list[int] = []
     run.requests += 1
     try:
@@ -362,14 +390,16 @@ async def _liveness(run: _Run, system: Any) -> None:
     for _ in range(LIVENESS_FLUSHES):
         verdict = await _flush(run, system)
         loss_explained = bool(run.options.faults) or (system.queue is not None and system.queue.stats()["dropped"])
-        if verdict.durable or (not verdict.pending and not verdict.failed and not verdict.dropped
-                               and loss_explained):
+        if verdict.durable or (not verdict.pending and not verdict.failed and not verdict.dropped and loss_explained):
             return
         await trio.sleep(2.0)
-    run.observer.violate("flush_becomes_durable",
-                         f"with faults off, {LIVENESS_FLUSHES} flushes in a row did not settle "
-                         f"(last: {verdict.pending} pending, {verdict.failed} failed, {verdict.dropped} dropped, "
-                         f"{verdict.missing} missing)", kind="liveness")
+    run.observer.violate(
+        "flush_becomes_durable",
+        f"with faults off, {LIVENESS_FLUSHES} flushes in a row did not settle "
+        f"(last: {verdict.pending} pending, {verdict.failed} failed, {verdict.dropped} dropped, "
+        f"{verdict.missing} missing)",
+        kind="liveness",
+    )
 
 
 def _recover_from_crash(run: _Run) -> None:
@@ -405,18 +435,31 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
     determinism.seed_trio(options.seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
     disk_rng = random.Random(f"disk-{options.seed}")
-    disk = SimDisk(rng=disk_rng, root=SIM_ROOT, faults=combined_faults(options.faults),
-                   clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9))
+    disk = SimDisk(
+        rng=disk_rng,
+        root=SIM_ROOT,
+        faults=combined_faults(options.faults),
+        clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9),
+    )
     loaded = _loaded_model(options)
     observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
     boundary = BoundaryChecks(observer.violate)
     disk.on_operation = boundary.disk_operation
-    run = _Run(options=options, lane=lane_for_seed(options.seed, options.batch_rows), disk=disk,
-               journal=JournalImage(disk, observer.follow, boundary.journal_transaction), observer=observer,
-               boundary=boundary, schedule=BoundarySchedule(random.Random(f"boundary-{options.seed}")),
-               safeguards=safeguards, loaded=loaded, clock=clock,
-               rng=random.Random(f"crash-{options.seed}"), conversations={},
-               system_prompt=system_prompt(options.seed, options.shape))
+    run = _Run(
+        options=options,
+        lane=lane_for_seed(options.seed, options.batch_rows),
+        disk=disk,
+        journal=JournalImage(disk, observer.follow, boundary.journal_transaction),
+        observer=observer,
+        boundary=boundary,
+        schedule=BoundarySchedule(random.Random(f"boundary-{options.seed}")),
+        safeguards=safeguards,
+        loaded=loaded,
+        clock=clock,
+        rng=random.Random(f"crash-{options.seed}"),
+        conversations={},
+        system_prompt=system_prompt(options.seed, options.shape),
+    )
     steps = build_workload(options.seed, options.shape)
     claims_checked = 0
     workload_ops = 0
@@ -426,16 +469,29 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
             workload_ops = disk.ops_done
             claims_checked = _verify_recovery(run)
         except Exception as error:
-            run.observer.violate("no_unexpected_error", "".join(traceback.format_exception(error))[-2000:],
-                                 kind="crash")
-    return RunResult(seed=options.seed, violations=list(run.observer.violations), journal_digest=run.journal.digest(),
-                     disk_digest=disk.image_digest(), disk_ops=disk.ops_done, workload_ops=workload_ops,
-                     crashes=run.crashes, restarts=run.restarts, requests=run.requests, flushes=run.flushes,
-                     durable_flushes=run.durable_flushes, claims_checked=claims_checked,
-                     sim_time_s=round(clock.current_time(), 3), batch_rows=run.lane.rows,
-                     decode_steps_by_rows=dict(sorted(run.decode_steps_by_rows.items())),
-                     journal_kinds=dict(run.journal.kinds), kept_disk=disk if keep else None,
-                     kept_journal=run.journal.durable if keep else None)
+            run.observer.violate(
+                "no_unexpected_error", "".join(traceback.format_exception(error))[-2000:], kind="crash"
+            )
+    return RunResult(
+        seed=options.seed,
+        violations=list(run.observer.violations),
+        journal_digest=run.journal.digest(),
+        disk_digest=disk.image_digest(),
+        disk_ops=disk.ops_done,
+        workload_ops=workload_ops,
+        crashes=run.crashes,
+        restarts=run.restarts,
+        requests=run.requests,
+        flushes=run.flushes,
+        durable_flushes=run.durable_flushes,
+        claims_checked=claims_checked,
+        sim_time_s=round(clock.current_time(), 3),
+        batch_rows=run.lane.rows,
+        decode_steps_by_rows=dict(sorted(run.decode_steps_by_rows.items())),
+        journal_kinds=dict(run.journal.kinds),
+        kept_disk=disk if keep else None,
+        kept_journal=run.journal.durable if keep else None,
+    )
 
 
 def _loaded_model(options: RunOptions) -> Any:
@@ -458,8 +514,7 @@ def _indexed_entries(store: SsdStore) -> list[IndexedEntry]:
 
 
 def _index_of(store: SsdStore) -> list[tuple[str, str, tuple[int, ...]]]:
-    return [(entry.entry_id, entry.namespace, tuple(int(t) for t in entry.tokens))
-            for entry in _indexed_entries(store)]
+    return [(entry.entry_id, entry.namespace, tuple(int(t) for t in entry.tokens)) for entry in _indexed_entries(store)]
 
 
 def _verify_recovery(run: _Run) -> int:
@@ -504,9 +559,11 @@ def _check_nothing_left_to_supersede(run: _Run, store: SsdStore) -> None:
             if not np.array_equal(other.tokens[: entry.tokens.size], entry.tokens):
                 continue
             if same or (other.trimmable and other.minimum_reusable_offset <= entry.tokens.size):
-                run.observer.violate("nothing_left_to_supersede",
-                                     f"entry {entry.entry_id} ({entry.tokens.size} tokens) is "
-                                     f"{'a duplicate of' if same else 'superseded by'} {other.entry_id} after startup")
+                run.observer.violate(
+                    "nothing_left_to_supersede",
+                    f"entry {entry.entry_id} ({entry.tokens.size} tokens) is "
+                    f"{'a duplicate of' if same else 'superseded by'} {other.entry_id} after startup",
+                )
                 return
 
 
@@ -521,8 +578,10 @@ def _check_fresh_scan(run: _Run, journaled: list[Any]) -> None:
     # full scan quarantines it (and restore would): only those may differ.
     tolerated = quarantined if run.observer.corruption_faults else 0
     if fresh != journaled and not (set(fresh) <= set(journaled) and len(journaled) - len(fresh) <= tolerated):
-        run.observer.violate("index_matches_fresh_scan",
-                             f"startup index ({len(journaled)} entries) differs from a fresh scan ({len(fresh)})")
+        run.observer.violate(
+            "index_matches_fresh_scan",
+            f"startup index ({len(journaled)} entries) differs from a fresh scan ({len(fresh)})",
+        )
 
 
 def _check_idempotent(run: _Run, journaled: list[Any]) -> None:
@@ -536,8 +595,9 @@ def _check_idempotent(run: _Run, journaled: list[Any]) -> None:
         store.close()
     added = run.journal.followed_seq - seq_before
     if again != journaled or added:
-        run.observer.violate("recovery_is_idempotent",
-                             f"a second recovery changed the index or journaled {added} new events")
+        run.observer.violate(
+            "recovery_is_idempotent", f"a second recovery changed the index or journaled {added} new events"
+        )
 
 
 class _quiet_logs:

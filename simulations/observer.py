@@ -51,7 +51,8 @@ def probe(tokens: Sequence[int]) -> list[int]:
 
 def arrays_equal(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> bool:
     return len(got) == len(want) and all(
-        g.shape == w.shape and g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+        g.shape == w.shape and g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True)
+    )
 
 
 class Observer:
@@ -80,8 +81,9 @@ class Observer:
         cache = system.prompt_cache
         put = cache.put
 
-        def observed_put(tokens: Sequence[int], caches: Sequence[Any], namespace: str = "", *args: Any,
-                         **kw: Any) -> Any:
+        def observed_put(
+            tokens: Sequence[int], caches: Sequence[Any], namespace: str = "", *args: Any, **kw: Any
+        ) -> Any:
             key = (namespace, tuple(int(t) for t in tokens))
             arrays = cache_arrays(caches, len(key[1]))
             self._check_fresh(key, arrays)
@@ -141,16 +143,20 @@ class Observer:
 
     def _check_fresh(self, key: tuple[str, tuple[int, ...]], arrays: list[np.ndarray]) -> None:
         if isinstance(self.model, FakeModel) and not arrays_equal(arrays, self.model.expected_layer_arrays(key[1])):
-            self.violate("ram_holds_exact_bytes",
-                         f"a put of {len(key[1])} tokens in namespace {key[0]!r} holds bytes the model never made")
+            self.violate(
+                "ram_holds_exact_bytes",
+                f"a put of {len(key[1])} tokens in namespace {key[0]!r} holds bytes the model never made",
+            )
 
     def check_restored(self, namespace: str, tokens: tuple[int, ...], caches: Sequence[Any], where: str) -> bool:
         want = self.expected(namespace, tokens)
         if want is None:
             return True
         if not arrays_equal(cache_arrays(caches, len(tokens)), want):
-            self.violate("no_corrupt_restore",
-                         f"{where}: {len(tokens)} tokens in namespace {namespace!r} came back with different bytes")
+            self.violate(
+                "no_corrupt_restore",
+                f"{where}: {len(tokens)} tokens in namespace {namespace!r} came back with different bytes",
+            )
             return False
         return True
 
@@ -171,25 +177,30 @@ class Observer:
             if match is None or match.usable_tokens < len(tokens):
                 if self.evicted_since_put > self._put_epochs[index]:
                     continue
-                self.violate("durable_means_covered",
-                             f"flush said durable but {len(tokens)} tokens in {namespace!r} have no SSD entry")
+                self.violate(
+                    "durable_means_covered",
+                    f"flush said durable but {len(tokens)} tokens in {namespace!r} have no SSD entry",
+                )
                 continue
             self.claims.append(Claim(namespace=namespace, tokens=tokens, entry_id=match.entry_id))
             if durable_files is None:
                 durable_files = self.disk.files(durable=True)
             self._check_on_platter(store, match.entry_id, tokens, durable_files)
 
-    def _check_on_platter(self, store: Any, entry_id: str, tokens: tuple[int, ...],
-                          durable_files: dict[Any, bytes]) -> None:
+    def _check_on_platter(
+        self, store: Any, entry_id: str, tokens: tuple[int, ...], durable_files: dict[Any, bytes]
+    ) -> None:
         entry = store.entry(entry_id)
         if entry is None:
             return
         relative = Path(entry.path).relative_to(self.disk.root)
         durable = durable_files.get(_posix(relative))
         if durable is None or durable != self.disk.read_bytes(entry.path):
-            self.violate("durable_is_on_disk",
-                         f"flush said durable but the entry for {len(tokens)} tokens ({relative}) "
-                         "could still be lost: its data or its name is not synced")
+            self.violate(
+                "durable_is_on_disk",
+                f"flush said durable but the entry for {len(tokens)} tokens ({relative}) "
+                "could still be lost: its data or its name is not synced",
+            )
 
     def check_claims(self, store: Any) -> int:
         """After recovery: every live claim restores byte-identical. Returns how many were checked."""
@@ -205,14 +216,18 @@ class Observer:
                 self.released_by_corruption += 1
                 continue
             if lost:
-                self.violate("durable_prefix_survives",
-                             f"{len(claim.tokens)} tokens in {claim.namespace!r} were reported durable "
-                             "but no entry serves them after recovery")
+                self.violate(
+                    "durable_prefix_survives",
+                    f"{len(claim.tokens)} tokens in {claim.namespace!r} were reported durable "
+                    "but no entry serves them after recovery",
+                )
                 continue
             if caches is None:
-                self.violate("durable_prefix_survives",
-                             f"{len(claim.tokens)} tokens in {claim.namespace!r} were reported durable "
-                             "but their entry failed to restore")
+                self.violate(
+                    "durable_prefix_survives",
+                    f"{len(claim.tokens)} tokens in {claim.namespace!r} were reported durable "
+                    "but their entry failed to restore",
+                )
                 continue
             self.check_restored(claim.namespace, claim.tokens, caches, "durable claim")
             checked += 1

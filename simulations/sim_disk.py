@@ -154,9 +154,16 @@ class SimDisk:
     """An in-memory `Disk` with crash and fault simulation (see the module
     docstring for the model). Thread-safe: one mutex serialises all calls."""
 
-    def __init__(self, *, rng: random.Random | None = None, root: PurePosixPath | str = ROOT_DEFAULT,
-                 clock_ns: Callable[[], int] | None = None, faults: FaultConfig | None = None,
-                 bytes_max: int | None = None, trace: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        rng: random.Random | None = None,
+        root: PurePosixPath | str = ROOT_DEFAULT,
+        clock_ns: Callable[[], int] | None = None,
+        faults: FaultConfig | None = None,
+        bytes_max: int | None = None,
+        trace: bool = False,
+    ) -> None:
         self.rng = rng if rng is not None else random.Random(0)
         self.root = PurePosixPath(posixpath.normpath(str(root)))
         if not self.root.is_absolute():
@@ -237,8 +244,14 @@ class SimDisk:
         return directory
 
     def _new_file(self, now_ns: int) -> FileInode:
-        file = FileInode(number=self._new_inode_number(), durable=bytearray(), volatile=bytearray(), pending=[],
-                         mtime_ns=now_ns, durable_mtime_ns=now_ns)
+        file = FileInode(
+            number=self._new_inode_number(),
+            durable=bytearray(),
+            volatile=bytearray(),
+            pending=[],
+            mtime_ns=now_ns,
+            durable_mtime_ns=now_ns,
+        )
         self._inodes[file.number] = file
         return file
 
@@ -285,8 +298,13 @@ class SimDisk:
             raise _error(operation, path, errno_codes.ENOENT)
         return self._inodes[number]
 
-    def _change(self, directory: DirectoryInode, *, removals: tuple[tuple[str, int], ...] = (),
-                additions: tuple[tuple[str, int], ...] = ()) -> None:
+    def _change(
+        self,
+        directory: DirectoryInode,
+        *,
+        removals: tuple[tuple[str, int], ...] = (),
+        additions: tuple[tuple[str, int], ...] = (),
+    ) -> None:
         """Apply a directory change to the volatile view and queue it for a crash."""
         for name, number in removals:
             del directory.volatile[name]
@@ -300,15 +318,27 @@ class SimDisk:
         directory.mtime_ns = self.clock_ns()
         self._dir_ops.append(DirOp(directory=directory.number, removals=removals, additions=additions))
 
-    def _open(self, file: FileInode, path: object, *, readable: bool, writable: bool,
-              is_lock: bool = False) -> SimHandle:
+    def _open(
+        self, file: FileInode, path: object, *, readable: bool, writable: bool, is_lock: bool = False
+    ) -> SimHandle:
         file.opened += 1
-        return SimHandle(disk=self, inode=file.number, path=PurePosixPath(str(path)), readable=readable,
-                         writable=writable, generation=self._generation, is_lock=is_lock)
+        return SimHandle(
+            disk=self,
+            inode=file.number,
+            path=PurePosixPath(str(path)),
+            readable=readable,
+            writable=writable,
+            generation=self._generation,
+            is_lock=is_lock,
+        )
 
     def _file_of(self, handle: SimHandle, operation: str, *, reading: bool = False, writing: bool = False) -> FileInode:
-        valid = (isinstance(handle, SimHandle) and handle.disk is self and not handle.closed
-                 and handle.generation == self._generation)
+        valid = (
+            isinstance(handle, SimHandle)
+            and handle.disk is self
+            and not handle.closed
+            and handle.generation == self._generation
+        )
         if not valid or (reading and not handle.readable) or (writing and not handle.writable):
             raise _error(operation, getattr(handle, "path", handle), errno_codes.EBADF)
         file = self._inodes[handle.inode]
@@ -381,8 +411,8 @@ class SimDisk:
         if offset < 0:
             raise _error("read", handle.path, errno_codes.EINVAL)
         view = memoryview(buffer).cast("B")
-        chunk = file.volatile[offset:offset + len(view)]
-        view[:len(chunk)] = chunk
+        chunk = file.volatile[offset : offset + len(view)]
+        view[: len(chunk)] = chunk
         if chunk and self._roll(self.faults.read_bitflip_rate):
             bit = self.rng.randrange(len(chunk) * 8)
             view[bit // 8] ^= 1 << (bit % 8)
@@ -438,8 +468,14 @@ class SimDisk:
             self._change(source_parent, removals=((source_name, number),))
             self._change(target_parent, additions=((target_name, number),))
 
-    def _check_rename(self, number: int, replaced: int | None, source: PurePosixPath | Path | str,
-                      target: PurePosixPath | Path | str, subject: str) -> None:
+    def _check_rename(
+        self,
+        number: int,
+        replaced: int | None,
+        source: PurePosixPath | Path | str,
+        target: PurePosixPath | Path | str,
+        subject: str,
+    ) -> None:
         moving_dir = isinstance(self._inodes[number], DirectoryInode)
         if replaced is not None:
             onto = self._inodes[replaced]
@@ -450,7 +486,7 @@ class SimDisk:
             if isinstance(onto, DirectoryInode) and onto.volatile:
                 raise _error("rename", subject, errno_codes.ENOTEMPTY)
         source_parts = self._parts(source, "rename")
-        if moving_dir and self._parts(target, "rename")[:len(source_parts)] == source_parts:
+        if moving_dir and self._parts(target, "rename")[: len(source_parts)] == source_parts:
             raise _error("rename", subject, errno_codes.EINVAL)
 
     @_operation
@@ -501,8 +537,11 @@ class SimDisk:
         for name in sorted(inode.volatile):
             child = self._inodes[inode.volatile[name]]
             size_bytes = len(child.volatile) if isinstance(child, FileInode) else 0
-            entries.append(DirEntry(name=name, is_dir=isinstance(child, DirectoryInode), size_bytes=size_bytes,
-                                    mtime_ns=child.mtime_ns))
+            entries.append(
+                DirEntry(
+                    name=name, is_dir=isinstance(child, DirectoryInode), size_bytes=size_bytes, mtime_ns=child.mtime_ns
+                )
+            )
         return entries
 
     @_operation
@@ -580,8 +619,9 @@ class SimDisk:
         return sorted(seen)
 
     @staticmethod
-    def _install(inode: Inode, images: dict[int, bytearray], entries: dict[int, dict[str, int]],
-                 rng: random.Random) -> None:
+    def _install(
+        inode: Inode, images: dict[int, bytearray], entries: dict[int, dict[str, int]], rng: random.Random
+    ) -> None:
         inode.nlink = 0
         if isinstance(inode, DirectoryInode):
             inode.durable = entries[inode.number]
@@ -632,8 +672,11 @@ class SimDisk:
         with `durable`, what a crash that loses everything pending would leave:
         durable entries and durable data."""
         with self._mutex:
-            return {relative: bytes(inode.durable if durable else inode.volatile)
-                    for relative, inode in self._walk(durable) if isinstance(inode, FileInode)}
+            return {
+                relative: bytes(inode.durable if durable else inode.volatile)
+                for relative, inode in self._walk(durable)
+                if isinstance(inode, FileInode)
+            }
 
     def directories(self, *, durable: bool = False) -> list[PurePosixPath]:
         with self._mutex:
@@ -664,8 +707,11 @@ class SimDisk:
     def bytes_used(self) -> int:
         """Bytes of files that have a name or an open handle (volatile sizes)."""
         with self._mutex:
-            return sum(len(inode.volatile) for inode in self._inodes.values()
-                       if isinstance(inode, FileInode) and (inode.nlink > 0 or inode.opened > 0))
+            return sum(
+                len(inode.volatile)
+                for inode in self._inodes.values()
+                if isinstance(inode, FileInode) and (inode.nlink > 0 or inode.opened > 0)
+            )
 
     def image_digest(self, *, durable: bool = False) -> str:
         """sha256 over the sorted paths, kinds and contents of the image."""

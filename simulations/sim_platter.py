@@ -74,7 +74,7 @@ def sector_pieces(offset: int, data: bytes, sector_bytes: int) -> list[tuple[int
     end = offset + len(data)
     while cursor < end:
         boundary = min(end, (cursor // sector_bytes + 1) * sector_bytes)
-        pieces.append((cursor, data[cursor - offset:boundary - offset]))
+        pieces.append((cursor, data[cursor - offset : boundary - offset]))
         cursor = boundary
     return pieces
 
@@ -86,7 +86,7 @@ def torn_pieces(write: PendingWrite, rng: random.Random) -> list[tuple[int, byte
     if len(pieces) < 2:
         return pieces if rng.random() < PERSIST_PROBABILITY else []
     if rng.random() < 0.5:
-        return pieces[:rng.randrange(1, len(pieces))]
+        return pieces[: rng.randrange(1, len(pieces))]
     mask = [rng.random() < 0.5 for _ in pieces]
     if all(mask) or not any(mask):
         flipped = rng.randrange(len(pieces))
@@ -116,8 +116,9 @@ def crash_image(file: FileInode, rng: random.Random) -> bytearray:
     return image
 
 
-def crash_entries(directories: list[DirectoryInode], operations: list[DirOp],
-                   rng: random.Random) -> dict[int, dict[str, int]]:
+def crash_entries(
+    directories: list[DirectoryInode], operations: list[DirOp], rng: random.Random
+) -> dict[int, dict[str, int]]:
     """Each directory's entries after a power loss."""
     entries = {directory.number: dict(directory.durable) for directory in directories}
     for operation in operations:

@@ -69,14 +69,24 @@ class SweepPlan:
     batch_rows: int | None = None  # None: each seed draws its lane
 
     def options(self, seed: int, crash_at_op: int | None) -> RunOptions:
-        return RunOptions(seed=seed, shape=shape_named(self.shape_name), faults=faults_for_seed(self.faults, seed),
-                          crash_at_op=crash_at_op, real_model_dir=self.real_model_dir, mutations=self.mutations,
-                          batch_rows=self.batch_rows)
+        return RunOptions(
+            seed=seed,
+            shape=shape_named(self.shape_name),
+            faults=faults_for_seed(self.faults, seed),
+            crash_at_op=crash_at_op,
+            real_model_dir=self.real_model_dir,
+            mutations=self.mutations,
+            batch_rows=self.batch_rows,
+        )
 
     def replay_command(self, seed: int, crash_at_op: int | None) -> str:
         faults = faults_for_seed(self.faults, seed)
-        parts = ["kvcellar simulate", f"--seed {seed}", "--runs 1",
-                 f"--faults {','.join(sorted(faults)) if faults else 'none'}"]
+        parts = [
+            "kvcellar simulate",
+            f"--seed {seed}",
+            "--runs 1",
+            f"--faults {','.join(sorted(faults)) if faults else 'none'}",
+        ]
         if self.shape_name != "default":
             parts.append(f"--workload {self.shape_name}")
         if crash_at_op is not None:
@@ -112,10 +122,13 @@ class SweepOutcome:
     def lane_counts(self) -> dict[str, int]:
         """Runs on each lane, and batch-lane decode steps that more than one row shared."""
         results = [result for result, _ in self.results]
-        return {"serial_lane_runs": sum(r.batch_rows == 1 for r in results),
-                "batch_lane_runs": sum(r.batch_rows > 1 for r in results),
-                "shared_decode_steps": sum(steps for r in results for rows, steps in r.decode_steps_by_rows.items()
-                                           if rows > 1)}
+        return {
+            "serial_lane_runs": sum(r.batch_rows == 1 for r in results),
+            "batch_lane_runs": sum(r.batch_rows > 1 for r in results),
+            "shared_decode_steps": sum(
+                steps for r in results for rows, steps in r.decode_steps_by_rows.items() if rows > 1
+            ),
+        }
 
     def journal_digest(self) -> str:
         """The single run's journal digest, or a digest over all runs' in order."""
@@ -127,8 +140,9 @@ class SweepOutcome:
         return combined.hexdigest()
 
 
-def run_sweep(plan: SweepPlan, *, progress: Callable[[int, int], None] | None = None,
-              stop_on_failure: bool = False) -> SweepOutcome:
+def run_sweep(
+    plan: SweepPlan, *, progress: Callable[[int, int], None] | None = None, stop_on_failure: bool = False
+) -> SweepOutcome:
     """Run the plan; `progress(done, total)` after each run (total grows as
     crash points are counted)."""
     outcome = SweepOutcome()

@@ -84,12 +84,15 @@ class WorkloadShape:
 
 
 SMALL_SHAPES = {
-    "chat": WorkloadShape(steps=8, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0,
-                          namespaces=("",)),
-    "fork": WorkloadShape(steps=8, conversations=2, restarts=True, crashes=False, long_prompt_rate=0.0,
-                          namespaces=("",)),
-    "hybrid": WorkloadShape(steps=7, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0,
-                            namespaces=("", "team-b")),
+    "chat": WorkloadShape(
+        steps=8, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0, namespaces=("",)
+    ),
+    "fork": WorkloadShape(
+        steps=8, conversations=2, restarts=True, crashes=False, long_prompt_rate=0.0, namespaces=("",)
+    ),
+    "hybrid": WorkloadShape(
+        steps=7, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0, namespaces=("", "team-b")
+    ),
 }
 
 
@@ -100,9 +103,12 @@ def _tokens(rng: random.Random, bounds: tuple[int, int]) -> tuple[int, ...]:
 def _request(rng: random.Random, shape: WorkloadShape, conversation: int) -> Request:
     long = rng.random() < shape.long_prompt_rate
     bounds = (shape.long_prompt_tokens, shape.long_prompt_tokens + 16) if long else shape.user_tokens
-    return Request(conversation=conversation, user_tokens=_tokens(rng, bounds),
-                   max_tokens=rng.randint(*shape.max_tokens),
-                   namespace=shape.namespaces[conversation % len(shape.namespaces)])
+    return Request(
+        conversation=conversation,
+        user_tokens=_tokens(rng, bounds),
+        max_tokens=rng.randint(*shape.max_tokens),
+        namespace=shape.namespaces[conversation % len(shape.namespaces)],
+    )
 
 
 def system_prompt(seed: int, shape: WorkloadShape) -> tuple[int, ...]:
@@ -119,11 +125,19 @@ def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[St
         if roll < 0.40:
             steps.append(_request(rng, shape, rng.randrange(conversations)))
         elif roll < 0.52:
-            steps.append(Burst(requests=tuple(_request(rng, shape, rng.randrange(conversations))
-                                              for _ in range(rng.randint(2, 3)))))
+            steps.append(
+                Burst(
+                    requests=tuple(_request(rng, shape, rng.randrange(conversations)) for _ in range(rng.randint(2, 3)))
+                )
+            )
         elif roll < 0.60:
-            steps.append(Fork(source=rng.randrange(conversations), target=conversations,
-                              keep_fraction=rng.choice((0.3, 0.6, 0.9, 1.0))))
+            steps.append(
+                Fork(
+                    source=rng.randrange(conversations),
+                    target=conversations,
+                    keep_fraction=rng.choice((0.3, 0.6, 0.9, 1.0)),
+                )
+            )
             steps.append(_request(rng, shape, conversations))
             conversations += 1
         elif roll < 0.75:

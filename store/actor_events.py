@@ -35,6 +35,7 @@ class SpillEnqueued(_SpillEvent):
 class SpillDropped(_SpillEvent):
     """`reason`: "byte_cap", "shutdown" (held when the shell stopped) or
     "closed" (enqueued after it stopped). A drop is the item's settle record."""
+
     kind: ClassVar[str] = "spill.dropped"
     reason: str
 
@@ -47,6 +48,7 @@ class SpillDispatched(_SpillEvent):
 @attrs.frozen(kw_only=True)
 class SpillSettled(_SpillEvent):
     """A write finished: `outcome` is "stored" or "failed"."""
+
     kind: ClassVar[str] = "spill.settled"
     outcome: str
 
@@ -164,7 +166,17 @@ class RequestFinished:
 
 
 ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
-    SpillEnqueued, SpillDropped, SpillDispatched, SpillSettled, WriteStarted,
-    DurabilityDirty, DurabilityAttempt, DurabilitySettled, FlushBegun, FlushVerdictRecorded, FlushTimedOutRecorded,
-    RequestAdmitted, RequestFinished,
+    SpillEnqueued,
+    SpillDropped,
+    SpillDispatched,
+    SpillSettled,
+    WriteStarted,
+    DurabilityDirty,
+    DurabilityAttempt,
+    DurabilitySettled,
+    FlushBegun,
+    FlushVerdictRecorded,
+    FlushTimedOutRecorded,
+    RequestAdmitted,
+    RequestFinished,
 )

@@ -43,9 +43,18 @@ _DTYPE_NAMES: dict[Any, str] = {
 }
 # bf16 has no numpy type: it travels as its uint16 bit pattern.
 _HOST_DTYPES: dict[str, Any] = {
-    "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32,
-    "int32": np.int32, "uint16": np.uint16, "int16": np.int16, "uint8": np.uint8, "int8": np.int8,
-    "int64": np.int64, "uint64": np.uint64, "bool": np.bool_,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "uint32": np.uint32,
+    "int32": np.int32,
+    "uint16": np.uint16,
+    "int16": np.int16,
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "int64": np.int64,
+    "uint64": np.uint64,
+    "bool": np.bool_,
 }
 
 
@@ -106,8 +115,14 @@ class _Plan:
     def tensor(self, name: str, array: mx.array) -> TensorRecord:
         self.producers.append(lambda: array)
         length = int(np.prod(array.shape, dtype=np.int64)) * array.dtype.size
-        return TensorRecord(name=name, dtype=dtype_name(array.dtype), shape=tuple(int(d) for d in array.shape),
-                            file_offset=0, length=length, checksum=b"")
+        return TensorRecord(
+            name=name,
+            dtype=dtype_name(array.dtype),
+            shape=tuple(int(d) for d in array.shape),
+            file_offset=0,
+            length=length,
+            checksum=b"",
+        )
 
 
 def _rows(array: mx.array, count: int) -> mx.array:
@@ -159,9 +174,11 @@ def _plan_attention(cache: Any, name: str, fields: dict[str, int], plan: _Plan) 
         fields.update(group_size=cache.group_size, bits=cache.bits)
         if cache.keys is None:
             return []
-        return [plan.tensor(f"{name}.{part}.{i}", _rows(array, cache.offset))
-                for part, triple in (("keys", cache.keys), ("values", cache.values))
-                for i, array in enumerate(triple)]
+        return [
+            plan.tensor(f"{name}.{part}.{i}", _rows(array, cache.offset))
+            for part, triple in (("keys", cache.keys), ("values", cache.values))
+            for i, array in enumerate(triple)
+        ]
     if kind is mlx_cache.RotatingKVCache:
         return _plan_rotating(cache, name, fields, plan)
     rows = cache.offset
@@ -170,8 +187,10 @@ def _plan_attention(cache: Any, name: str, fields: dict[str, int], plan: _Plan) 
         rows = cache.offset - cache.start_position
     if cache.keys is None:
         return []
-    return [plan.tensor(f"{name}.keys", _rows(cache.keys, rows)),
-            plan.tensor(f"{name}.values", _rows(cache.values, rows))]
+    return [
+        plan.tensor(f"{name}.keys", _rows(cache.keys, rows)),
+        plan.tensor(f"{name}.values", _rows(cache.values, rows)),
+    ]
 
 
 def _plan_rotating(cache: Any, name: str, fields: dict[str, int], plan: _Plan) -> list[TensorRecord]:

@@ -191,7 +191,6 @@ class RealDisk:
         except OSError as e:
             raise _disk_error("utime", path, e) from e
 
-
     def lock_exclusive(self, path: Path, owner: str) -> int:
         """Take an exclusive advisory lock on `path` (created if needed) and
         record `owner` in it; raises `DirectoryLocked` naming the holder when
@@ -231,8 +230,18 @@ class TracingDisk:
     simulations can check the order of a crash-safety sequence."""
 
     _PATH_OPERATIONS = frozenset(
-        {"create_exclusive", "open_read", "rename", "fsync_dir", "unlink", "makedirs", "scandir", "stat", "utime",
-         "lock_exclusive"}
+        {
+            "create_exclusive",
+            "open_read",
+            "rename",
+            "fsync_dir",
+            "unlink",
+            "makedirs",
+            "scandir",
+            "stat",
+            "utime",
+            "lock_exclusive",
+        }
     )
 
     def __init__(self, inner: Disk) -> None:

@@ -161,13 +161,33 @@ class ReconcileUpdated:
 
 
 Event = (
-    EntryStored | EntrySuperseded | EntryEvicted | EntryHit | EntryRestored | EntryQuarantined
-    | QuarantinePurged | TempReaped | EntryWriteFailed | ReconcileAdded | ReconcileRemoved | ReconcileUpdated
+    EntryStored
+    | EntrySuperseded
+    | EntryEvicted
+    | EntryHit
+    | EntryRestored
+    | EntryQuarantined
+    | QuarantinePurged
+    | TempReaped
+    | EntryWriteFailed
+    | ReconcileAdded
+    | ReconcileRemoved
+    | ReconcileUpdated
 )
 
 STORE_EVENT_TYPES: tuple[type[Any], ...] = (
-    EntryStored, EntrySuperseded, EntryEvicted, EntryHit, EntryRestored, EntryQuarantined,
-    QuarantinePurged, TempReaped, EntryWriteFailed, ReconcileAdded, ReconcileRemoved, ReconcileUpdated,
+    EntryStored,
+    EntrySuperseded,
+    EntryEvicted,
+    EntryHit,
+    EntryRestored,
+    EntryQuarantined,
+    QuarantinePurged,
+    TempReaped,
+    EntryWriteFailed,
+    ReconcileAdded,
+    ReconcileRemoved,
+    ReconcileUpdated,
 )
 
 

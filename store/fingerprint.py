@@ -58,9 +58,18 @@ DIGEST_HEX_CHARS = 32
 # Files a tokenizer loader (transformers, sentencepiece, tiktoken-style BPE)
 # reads to tokenize or to render a chat; whichever are present are hashed.
 TOKENIZER_FILE_NAMES = (
-    "added_tokens.json", "chat_template.jinja", "chat_template.json", "merges.txt", "sentencepiece.bpe.model",
-    "special_tokens_map.json", "spiece.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-    "vocab.json", "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "merges.txt",
+    "sentencepiece.bpe.model",
+    "special_tokens_map.json",
+    "spiece.model",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
 )
 ADDITIONAL_CHAT_TEMPLATES_DIR = "additional_chat_templates"
 CPUINFO_PATH = Path("/proc/cpuinfo")
@@ -120,8 +129,12 @@ class _MemoFile:
 
 def _revision(stat: os.stat_result, sha256: str = "") -> _MemoEntry:
     return _MemoEntry(
-        size_bytes=stat.st_size, inode=stat.st_ino, device=stat.st_dev,
-        mtime_ns=stat.st_mtime_ns, ctime_ns=stat.st_ctime_ns, sha256=sha256,
+        size_bytes=stat.st_size,
+        inode=stat.st_ino,
+        device=stat.st_dev,
+        mtime_ns=stat.st_mtime_ns,
+        ctime_ns=stat.st_ctime_ns,
+        sha256=sha256,
     )
 
 
@@ -253,8 +266,11 @@ def tokenizer_files(model_dir: Path) -> list[tuple[str, Path]]:
     found = [(name, model_dir / name) for name in TOKENIZER_FILE_NAMES if (model_dir / name).is_file()]
     extra_dir = model_dir / ADDITIONAL_CHAT_TEMPLATES_DIR
     if extra_dir.is_dir():
-        found += [(f"{ADDITIONAL_CHAT_TEMPLATES_DIR}/{path.name}", path)
-                  for path in extra_dir.glob("*.jinja") if path.is_file()]
+        found += [
+            (f"{ADDITIONAL_CHAT_TEMPLATES_DIR}/{path.name}", path)
+            for path in extra_dir.glob("*.jinja")
+            if path.is_file()
+        ]
     return sorted(found)
 
 
@@ -292,8 +308,9 @@ def _cpu_model(cpuinfo_path: Path) -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def describe_device_architecture(device: Any = None, *, device_info: Callable[[Any], dict[str, Any]] | None = None,
-                                 cpuinfo_path: Path = CPUINFO_PATH) -> str:
+def describe_device_architecture(
+    device: Any = None, *, device_info: Callable[[Any], dict[str, Any]] | None = None, cpuinfo_path: Path = CPUINFO_PATH
+) -> str:
     """The chip the default device runs on: "<GPU name> (<architecture>)" for
     a GPU (the Metal GPU on macOS, from `mx.device_info`), "<CPU model>
     (<machine>)" for the CPU. Reads device metadata only; runs no kernel."""
@@ -307,7 +324,10 @@ def describe_device_architecture(device: Any = None, *, device_info: Callable[[A
 
 
 def compute_fingerprint(
-    model_dir: Path, *, kv_scheme_key: str = "bf16", memo: ShardDigestMemo | None = None,
+    model_dir: Path,
+    *,
+    kv_scheme_key: str = "bf16",
+    memo: ShardDigestMemo | None = None,
     device_architecture: str | None = None,
 ) -> ServingFingerprint:
     """The serving fingerprint of the model in `model_dir`; `memo` (RAM-only
@@ -346,6 +366,7 @@ def compute_fingerprint(
         mlx_version=mlx_version(),
         mlx_lm_version=mlx_lm_version(),
         device=mx.default_device().type.name,
-        device_architecture=(device_architecture if device_architecture is not None
-                             else describe_device_architecture()),
+        device_architecture=(
+            device_architecture if device_architecture is not None else describe_device_architecture()
+        ),
     )

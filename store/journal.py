@@ -53,8 +53,18 @@ SCHEMA_VERSION = 1
 JOURNAL_FILE_NAME = "journal.sqlite"
 
 ENTRY_COLUMNS = (
-    "entry_id", "namespace", "path", "token_count", "tokens_digest", "token_ids", "bytes", "mtime_ns",
-    "trimmable", "minimum_reusable_offset", "hits", "restores",
+    "entry_id",
+    "namespace",
+    "path",
+    "token_count",
+    "tokens_digest",
+    "token_ids",
+    "bytes",
+    "mtime_ns",
+    "trimmable",
+    "minimum_reusable_offset",
+    "hits",
+    "restores",
 )
 
 
@@ -96,8 +106,10 @@ def _upsert_entry(db: sqlite_utils.Database, entry: ev.EntryFields, *, keep_coun
     else:
         row["hits"], row["restores"] = 0, 0
     placeholders = ", ".join("?" for _ in ENTRY_COLUMNS)
-    db.execute(f"INSERT OR REPLACE INTO entries ({', '.join(ENTRY_COLUMNS)}) VALUES ({placeholders})",
-               [row[column] for column in ENTRY_COLUMNS])
+    db.execute(
+        f"INSERT OR REPLACE INTO entries ({', '.join(ENTRY_COLUMNS)}) VALUES ({placeholders})",
+        [row[column] for column in ENTRY_COLUMNS],
+    )
 
 
 def apply_event(db: sqlite_utils.Database, event: ev.Event) -> None:
@@ -107,11 +119,13 @@ def apply_event(db: sqlite_utils.Database, event: ev.Event) -> None:
     elif isinstance(event, ev.ReconcileUpdated):
         _upsert_entry(db, event.entry, keep_counters=True)
     elif isinstance(event, (ev.EntrySuperseded, ev.EntryEvicted, ev.ReconcileRemoved)) or (
-            isinstance(event, ev.EntryQuarantined) and event.entry_id):
+        isinstance(event, ev.EntryQuarantined) and event.entry_id
+    ):
         db.execute("DELETE FROM entries WHERE entry_id = ?", [event.entry_id])
     elif isinstance(event, ev.EntryHit):
-        db.execute("UPDATE entries SET hits = hits + 1, mtime_ns = ? WHERE entry_id = ?",
-                   [event.mtime_ns, event.entry_id])
+        db.execute(
+            "UPDATE entries SET hits = hits + 1, mtime_ns = ? WHERE entry_id = ?", [event.mtime_ns, event.entry_id]
+        )
     elif isinstance(event, ev.EntryRestored):
         db.execute("UPDATE entries SET restores = restores + 1 WHERE entry_id = ?", [event.entry_id])
 
@@ -239,9 +253,16 @@ class Journal:
     the next startup's reconciliation restores the projection from the files.
     """
 
-    def __init__(self, db: sqlite_utils.Database | None, path: Path, clock_ns: Callable[[], int],
-                 durability: JournalDurability | None = None, runner: JournalRunner | None = None,
-                 reason: str | None = None, safeguards: Safeguards = SAFEGUARDS) -> None:
+    def __init__(
+        self,
+        db: sqlite_utils.Database | None,
+        path: Path,
+        clock_ns: Callable[[], int],
+        durability: JournalDurability | None = None,
+        runner: JournalRunner | None = None,
+        reason: str | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+    ) -> None:
         self._db = db
         self.path = path
         self._clock_ns = clock_ns
@@ -259,8 +280,14 @@ class Journal:
         return {"state": "degraded" if self.degraded else "ok", "reason": self.degraded_reason}
 
     @classmethod
-    def open(cls, path: Path, *, clock_ns: Callable[[], int] = time.time_ns,
-             runner: JournalRunner | None = None, safeguards: Safeguards = SAFEGUARDS) -> Journal:
+    def open(
+        cls,
+        path: Path,
+        *,
+        clock_ns: Callable[[], int] = time.time_ns,
+        runner: JournalRunner | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+    ) -> Journal:
         """Open or create the journal on `runner` (inline by default; a server
         passes a `JournalThread`); a journal that cannot be opened is returned
         degraded (an ERROR line), never raised: serving must not depend on it."""
@@ -273,9 +300,15 @@ class Journal:
         return cls(db, path, clock_ns, runner=runner, safeguards=safeguards)
 
     @classmethod
-    def open_in_memory(cls, path: Path, durability: JournalDurability, *,
-                       clock_ns: Callable[[], int] = time.time_ns, runner: JournalRunner | None = None,
-                       safeguards: Safeguards = SAFEGUARDS) -> Journal:
+    def open_in_memory(
+        cls,
+        path: Path,
+        durability: JournalDurability,
+        *,
+        clock_ns: Callable[[], int] = time.time_ns,
+        runner: JournalRunner | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+    ) -> Journal:
         """A journal in an in-memory database whose durable image `durability`
         keeps (the simulator's model of SQLite's atomic commit: a crash keeps
         exactly the committed transactions). Starts from `durability.image()`.
@@ -327,8 +360,9 @@ class Journal:
         the record says when it happened; the runner applies them in order."""
         if self._db is None or not events:
             return
-        rows = [(self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event), event)
-                for event in events]
+        rows = [
+            (self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event), event) for event in events
+        ]
         if not self._safeguards.append_on_journal_owner:
             self._apply(rows)
             return
@@ -352,8 +386,12 @@ class Journal:
             if self._durability is not None:
                 self._durability.committed(self._db.conn)
         except sqlite3.Error as e:
-            log.error("journal %s cannot be written, continuing without a journal "
-                      "(the next start rebuilds it from the files): %s", self.path, e)
+            log.error(
+                "journal %s cannot be written, continuing without a journal "
+                "(the next start rebuilds it from the files): %s",
+                self.path,
+                e,
+            )
             self._db = None
             self.degraded_reason = f"cannot be written: {e}"
 
@@ -362,8 +400,9 @@ class Journal:
         Raises `JournalError` past `timeout_s`."""
         self._runner.call(lambda: None, timeout_s)
 
-    def events(self, *, after_seq: int = 0, until_seq: int | None = None, kind: str | None = None,
-               entry_id: str | None = None) -> Iterator[JournalEvent]:
+    def events(
+        self, *, after_seq: int = 0, until_seq: int | None = None, kind: str | None = None, entry_id: str | None = None
+    ) -> Iterator[JournalEvent]:
         """Stored events in sequence order, optionally filtered (read on the
         runner after every queued append, decoded on the caller's thread)."""
         clauses: list[str] = ["seq > ?"]
@@ -377,12 +416,15 @@ class Journal:
         if entry_id is not None:
             clauses.append("entry_id = ?")
             params.append(entry_id)
-        query = (f"SELECT seq, time_ns, actor, kind, entry_id, payload FROM events"
-                 f" WHERE {' AND '.join(clauses)} ORDER BY seq")
+        query = (
+            f"SELECT seq, time_ns, actor, kind, entry_id, payload FROM events"
+            f" WHERE {' AND '.join(clauses)} ORDER BY seq"
+        )
         rows = self._runner.call(lambda: self._db.execute(query, params).fetchall() if self._db is not None else [])
         for seq, time_ns, actor, kind_, entry, payload in rows:
-            yield JournalEvent(seq=seq, time_ns=time_ns, actor=actor, kind=kind_, entry_id=entry,
-                               event=decode_event(kind_, payload))
+            yield JournalEvent(
+                seq=seq, time_ns=time_ns, actor=actor, kind=kind_, entry_id=entry, event=decode_event(kind_, payload)
+            )
 
     def entries(self) -> list[dict[str, Any]]:
         """The stored `entries` projection, ordered by entry id."""
@@ -398,6 +440,7 @@ class Journal:
 
     def close(self) -> None:
         """Apply what is queued, close the connection, stop the runner."""
+
         def close_connection() -> None:
             if self._db is not None:
                 self._db.conn.close()

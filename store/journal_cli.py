@@ -66,8 +66,9 @@ def fingerprint_dir(directory: Path, fingerprint: str | None) -> Path:
     if not candidates:
         raise UsageError(f"{directory}: not a kvcellar cache directory (no {JOURNAL_FILE_NAME} in it or below it)")
     if len(candidates) > 1:
-        raise UsageError(f"{directory} holds several fingerprints, choose one with --fingerprint: "
-                         + ", ".join(candidates))
+        raise UsageError(
+            f"{directory} holds several fingerprints, choose one with --fingerprint: " + ", ".join(candidates)
+        )
     return directory / candidates[0]
 
 
@@ -92,10 +93,13 @@ def journal_command(name: str, *, with_json: bool = True) -> Callable[[Callable[
         command: Any = function
         if with_json:
             command = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(command)
-        command = click.option("--fingerprint", default=None, metavar="DIGEST",
-                               help="The fingerprint directory to read when DIR holds several.")(command)
-        command = click.argument("directory", metavar="DIR",
-                                 type=click.Path(file_okay=False, path_type=Path))(command)
+        command = click.option(
+            "--fingerprint",
+            default=None,
+            metavar="DIGEST",
+            help="The fingerprint directory to read when DIR holds several.",
+        )(command)
+        command = click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))(command)
         return journal_group.command(name)(command)
 
     return decorate
@@ -117,8 +121,14 @@ def _plain(value: Any) -> Any:
 
 def event_as_json(record: JournalEvent) -> dict[str, Any]:
     """One journal event as plain JSON data (bytes in hex, token ids omitted)."""
-    return {"seq": record.seq, "time_ns": record.time_ns, "actor": record.actor, "kind": record.kind,
-            "entry_id": record.entry_id, "event": _plain(converter.unstructure(record.event))}
+    return {
+        "seq": record.seq,
+        "time_ns": record.time_ns,
+        "actor": record.actor,
+        "kind": record.kind,
+        "entry_id": record.entry_id,
+        "event": _plain(converter.unstructure(record.event)),
+    }
 
 
 def row_as_json(row: dict[str, Any]) -> dict[str, Any]:
@@ -138,15 +148,23 @@ def event_details(record: JournalEvent) -> str:
     entry = payload.pop("entry", None)
     payload.pop("entry_id", None)
     if entry is not None:
-        payload = {"ns": entry["namespace"], "tokens": entry["token_count"], "bytes": entry["bytes"],
-                   "trimmable": entry["trimmable"], **payload}
-    return " ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
-                    for key, value in payload.items())
+        payload = {
+            "ns": entry["namespace"],
+            "tokens": entry["token_count"],
+            "bytes": entry["bytes"],
+            "trimmable": entry["trimmable"],
+            **payload,
+        }
+    return " ".join(
+        f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}" for key, value in payload.items()
+    )
 
 
 def event_line(record: JournalEvent) -> str:
-    return f"{record.seq:>6}  {format_time(record.time_ns)}  {record.kind:<18} {record.entry_id or '-':<32}  " \
-           f"{event_details(record)}"
+    return (
+        f"{record.seq:>6}  {format_time(record.time_ns)}  {record.kind:<18} {record.entry_id or '-':<32}  "
+        f"{event_details(record)}"
+    )
 
 
 def print_events(records: list[JournalEvent], title: str | None = None) -> None:
@@ -154,8 +172,14 @@ def print_events(records: list[JournalEvent], title: str | None = None) -> None:
     for column in ("seq", "time", "actor", "kind", "entry", "details"):
         table.add_column(column, overflow="fold")
     for record in records:
-        table.add_row(str(record.seq), format_time(record.time_ns), record.actor, record.kind,
-                      record.entry_id or "-", escape(event_details(record)))
+        table.add_row(
+            str(record.seq),
+            format_time(record.time_ns),
+            record.actor,
+            record.kind,
+            record.entry_id or "-",
+            escape(event_details(record)),
+        )
     Console().print(table)
 
 
@@ -164,9 +188,17 @@ def print_entries(rows: list[dict[str, Any]], title: str) -> None:
     for column in ("entry", "namespace", "tokens", "bytes", "mtime", "trimmable", "min reuse", "hits", "restores"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(row["entry_id"], escape(repr(row["namespace"])), str(row["token_count"]), str(row["bytes"]),
-                      format_time(row["mtime_ns"]), "yes" if row["trimmable"] else "no",
-                      str(row["minimum_reusable_offset"]), str(row["hits"]), str(row["restores"]))
+        table.add_row(
+            row["entry_id"],
+            escape(repr(row["namespace"])),
+            str(row["token_count"]),
+            str(row["bytes"]),
+            format_time(row["mtime_ns"]),
+            "yes" if row["trimmable"] else "no",
+            str(row["minimum_reusable_offset"]),
+            str(row["hits"]),
+            str(row["restores"]),
+        )
     Console().print(table)
 
 
@@ -198,20 +230,52 @@ class NamespaceTracker:
 
 
 @journal_command("tail")
-@click.option("-n", "--lines", "count", type=click.IntRange(min=0), default=20, show_default=True,
-              help="How many of the most recent matching events to show first.")
+@click.option(
+    "-n",
+    "--lines",
+    "count",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="How many of the most recent matching events to show first.",
+)
 @click.option("--kind", default=None, type=click.Choice(sorted(ev.EVENT_TYPES)), help="Only events of this kind.")
 @click.option("--ns", "namespace", default=None, help="Only events about entries of this namespace.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing events as the server appends them.")
-@click.option("--interval-seconds", "interval_s", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
-              help="How often --follow polls the journal.")
-@click.option("--max-seconds", "follow_max_s", type=click.FloatRange(min=0), default=None,
-              help="Stop following after this many seconds (default: until interrupted).")
-@click.option("--max-events", "events_max", type=click.IntRange(min=1), default=None,
-              help="Stop following after this many new events (default: until interrupted).")
-def tail_command(directory: Path, fingerprint: str | None, as_json: bool, count: int, kind: str | None,
-                 namespace: str | None, follow: bool, interval_s: float, follow_max_s: float | None,
-                 events_max: int | None) -> None:
+@click.option(
+    "--interval-seconds",
+    "interval_s",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    help="How often --follow polls the journal.",
+)
+@click.option(
+    "--max-seconds",
+    "follow_max_s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Stop following after this many seconds (default: until interrupted).",
+)
+@click.option(
+    "--max-events",
+    "events_max",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop following after this many new events (default: until interrupted).",
+)
+def tail_command(
+    directory: Path,
+    fingerprint: str | None,
+    as_json: bool,
+    count: int,
+    kind: str | None,
+    namespace: str | None,
+    follow: bool,
+    interval_s: float,
+    follow_max_s: float | None,
+    events_max: int | None,
+) -> None:
     """Show the most recent events; with -f, follow new events as they are appended.
 
     JSON output is one event per line, so it can be piped while following.
@@ -230,12 +294,31 @@ def tail_command(directory: Path, fingerprint: str | None, as_json: bool, count:
         elif recent or not follow:
             print_events(list(recent))
         if follow:
-            _follow(journal, tracker, last_seq, kind=kind, namespace=namespace, as_json=as_json,
-                    interval_s=interval_s, follow_max_s=follow_max_s, events_max=events_max)
+            _follow(
+                journal,
+                tracker,
+                last_seq,
+                kind=kind,
+                namespace=namespace,
+                as_json=as_json,
+                interval_s=interval_s,
+                follow_max_s=follow_max_s,
+                events_max=events_max,
+            )
 
 
-def _follow(journal: Journal, tracker: NamespaceTracker, last_seq: int, *, kind: str | None, namespace: str | None,
-            as_json: bool, interval_s: float, follow_max_s: float | None, events_max: int | None) -> None:
+def _follow(
+    journal: Journal,
+    tracker: NamespaceTracker,
+    last_seq: int,
+    *,
+    kind: str | None,
+    namespace: str | None,
+    as_json: bool,
+    interval_s: float,
+    follow_max_s: float | None,
+    events_max: int | None,
+) -> None:
     deadline = None if follow_max_s is None else time.monotonic() + follow_max_s
     shown = 0
     try:
@@ -306,18 +389,26 @@ def show_command(directory: Path, fingerprint: str | None, as_json: bool, refere
             if header is not None:
                 header_data = header_as_json(header)
                 header_data["token_count"] = len(header_data.pop("tokens"))
-            echo_json({"entry_id": entry_id, "entry": None if row is None else row_as_json(row),
-                       "header": header_data, "header_problem": problem or None,
-                       "events": [event_as_json(record) for record in records]})
+            echo_json(
+                {
+                    "entry_id": entry_id,
+                    "entry": None if row is None else row_as_json(row),
+                    "header": header_data,
+                    "header_problem": problem or None,
+                    "events": [event_as_json(record) for record in records],
+                }
+            )
             return
         if row is not None:
             print_entries([row], title=f"entry {entry_id}")
         else:
             click.echo(f"entry {entry_id} is no longer in the index")
         if row is not None and header is not None:  # a header implies a row (`_file_header`)
-            click.echo(f"file {row['path']}: format {header.format_version}, namespace {header.namespace!r}, "
-                       f"{len(header.tokens)} tokens, {header.file_bytes} bytes, "
-                       f"{sum(1 for _ in header.tensor_records())} tensors")
+            click.echo(
+                f"file {row['path']}: format {header.format_version}, namespace {header.namespace!r}, "
+                f"{len(header.tokens)} tokens, {header.file_bytes} bytes, "
+                f"{sum(1 for _ in header.tensor_records())} tensors"
+            )
         elif row is not None:
             click.echo(f"file {row['path']}: {problem}")
         print_events(records, title="events")
@@ -325,8 +416,11 @@ def show_command(directory: Path, fingerprint: str | None, as_json: bool, refere
 
 def _timeline(journal: Journal, entry_id: str) -> list[JournalEvent]:
     """The events about an entry plus the supersessions it caused, in order."""
-    return [record for record in journal.events()
-            if record.entry_id == entry_id or getattr(record.event, "by_entry_id", None) == entry_id]
+    return [
+        record
+        for record in journal.events()
+        if record.entry_id == entry_id or getattr(record.event, "by_entry_id", None) == entry_id
+    ]
 
 
 @journal_command("timeline")
@@ -359,15 +453,19 @@ def _sorted_rows(rows: list[dict[str, Any]], namespace: str | None, sort: str) -
 
 
 _NS_OPTION = click.option("--ns", "namespace", default=None, help="Only entries of this namespace.")
-_SORT_OPTION = click.option("--sort", type=click.Choice(sorted(SORT_KEYS)), default="mtime", show_default=True,
-                            help="Order by this column, largest or newest first.")
+_SORT_OPTION = click.option(
+    "--sort",
+    type=click.Choice(sorted(SORT_KEYS)),
+    default="mtime",
+    show_default=True,
+    help="Order by this column, largest or newest first.",
+)
 
 
 @journal_command("entries")
 @_NS_OPTION
 @_SORT_OPTION
-def entries_command(directory: Path, fingerprint: str | None, as_json: bool, namespace: str | None,
-                    sort: str) -> None:
+def entries_command(directory: Path, fingerprint: str | None, as_json: bool, namespace: str | None, sort: str) -> None:
     """The index as the journal sees it (its stored `entries` projection)."""
     with opened_journal(directory, fingerprint) as (_, journal):
         rows = _sorted_rows(journal.entries(), namespace, sort)
@@ -378,12 +476,18 @@ def entries_command(directory: Path, fingerprint: str | None, as_json: bool, nam
 
 
 @journal_command("replay")
-@click.option("--until", "until_seq", type=click.IntRange(min=0), default=None,
-              help="Replay events up to and including this sequence number (default: all).")
+@click.option(
+    "--until",
+    "until_seq",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Replay events up to and including this sequence number (default: all).",
+)
 @_NS_OPTION
 @_SORT_OPTION
-def replay_command(directory: Path, fingerprint: str | None, as_json: bool, until_seq: int | None,
-                   namespace: str | None, sort: str) -> None:
+def replay_command(
+    directory: Path, fingerprint: str | None, as_json: bool, until_seq: int | None, namespace: str | None, sort: str
+) -> None:
     """The index as it was right after event --until, rebuilt from the events alone."""
     with opened_journal(directory, fingerprint) as (_, journal):
         rows = _sorted_rows(journal.replay(until_seq=until_seq), namespace, sort)
@@ -398,8 +502,14 @@ def replay_command(directory: Path, fingerprint: str | None, as_json: bool, unti
 
 
 @journal_command("export", with_json=False)
-@click.option("--format", "output_format", type=click.Choice(["jsonl"]), default="jsonl", show_default=True,
-              help="Output format: one JSON object per event and line.")
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["jsonl"]),
+    default="jsonl",
+    show_default=True,
+    help="Output format: one JSON object per event and line.",
+)
 def export_command(directory: Path, fingerprint: str | None, output_format: str) -> None:
     """Every event in sequence order, as JSON lines (bytes in hex, token ids omitted)."""
     with opened_journal(directory, fingerprint) as (_, journal):
@@ -438,10 +548,14 @@ def journal_stats(root: Path, journal: Journal) -> dict[str, Any]:
     quarantine_dir = root / QUARANTINE_DIR_NAME
     quarantine_files = list(quarantine_dir.iterdir()) if quarantine_dir.is_dir() else []
     return {
-        "events": sum(counts.values()), "counts_by_kind": dict(sorted(counts.items())),
-        "entries": len(rows), "entry_bytes": sum(row["bytes"] for row in rows),
-        "bytes_written": bytes_written, "bytes_restored": bytes_restored,
-        "hits": counts[ev.EntryHit.kind], "restores": counts[ev.EntryRestored.kind],
+        "events": sum(counts.values()),
+        "counts_by_kind": dict(sorted(counts.items())),
+        "entries": len(rows),
+        "entry_bytes": sum(row["bytes"] for row in rows),
+        "bytes_written": bytes_written,
+        "bytes_restored": bytes_restored,
+        "hits": counts[ev.EntryHit.kind],
+        "restores": counts[ev.EntryRestored.kind],
         "hit_rate": len(stored_ids & restored_ids) / len(stored_ids) if stored_ids else None,
         "write_amplification": bytes_written / bytes_restored if bytes_restored else None,
         "quarantined": counts[ev.EntryQuarantined.kind],
@@ -501,10 +615,16 @@ def scan_files(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, An
                 problems.append(_mismatch("files", path.stem, "header", relative, f"unreadable: {e}"))
                 continue
             rows[path.stem] = {
-                "entry_id": path.stem, "namespace": header.namespace, "path": relative,
-                "token_count": len(header.token_array), "tokens_digest": ev.tokens_digest(header.token_array),
-                "token_ids": header.token_ids, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                "trimmable": int(header.trimmable), "minimum_reusable_offset": header.minimum_reusable_offset,
+                "entry_id": path.stem,
+                "namespace": header.namespace,
+                "path": relative,
+                "token_count": len(header.token_array),
+                "tokens_digest": ev.tokens_digest(header.token_array),
+                "token_ids": header.token_ids,
+                "bytes": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "trimmable": int(header.trimmable),
+                "minimum_reusable_offset": header.minimum_reusable_offset,
             }
     return rows, problems
 
@@ -520,8 +640,9 @@ def _mismatch(check: str, entry_id: str, field: str, left: Any, right: Any) -> d
     return {"check": check, "entry_id": entry_id, "field": field, "left": _shown(left), "right": _shown(right)}
 
 
-def compare_rows(check: str, left: dict[str, dict[str, Any]], right: dict[str, dict[str, Any]],
-                 fields: tuple[str, ...]) -> list[dict[str, Any]]:
+def compare_rows(
+    check: str, left: dict[str, dict[str, Any]], right: dict[str, dict[str, Any]], fields: tuple[str, ...]
+) -> list[dict[str, Any]]:
     """Every difference between two sets of rows keyed by entry id."""
     mismatches = []
     for entry_id in sorted(left.keys() | right.keys()):
@@ -564,8 +685,9 @@ def verify_command(directory: Path, fingerprint: str | None, as_json: bool) -> N
         for column in ("check", "entry", "field", "left", "right"):
             table.add_column(column, overflow="fold")
         for item in mismatches:
-            table.add_row(item["check"], item["entry_id"], item["field"], escape(str(item["left"])),
-                          escape(str(item["right"])))
+            table.add_row(
+                item["check"], item["entry_id"], item["field"], escape(str(item["left"])), escape(str(item["right"]))
+            )
         Console().print(table)
     else:
         click.echo(f"ok: {entry_count} entries agree across the projection, a replay and the files")

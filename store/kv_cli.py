@@ -43,8 +43,17 @@ def _cache_rows(records: tuple[kvfile.CacheRecord, ...], prefix: str = "") -> li
         label = f"{prefix}{index}"
         fields = " ".join(f"{key}={value}" for key, value in sorted(record.fields.items()))
         tensors = ", ".join(f"{t.name.rsplit('.', 1)[-1]} {t.dtype}{list(t.shape)}" for t in record.tensors)
-        rows.append((label, record.signature, str(record.offset), "yes" if record.trimmable else "no",
-                     str(record.minimum_reusable_offset), fields, tensors))
+        rows.append(
+            (
+                label,
+                record.signature,
+                str(record.offset),
+                "yes" if record.trimmable else "no",
+                str(record.minimum_reusable_offset),
+                fields,
+                tensors,
+            )
+        )
         rows.extend(_cache_rows(record.children, prefix=f"{label}."))
     return rows
 
@@ -102,5 +111,6 @@ def verify_command(file: Path) -> None:
         click.echo(f"FAILED: {e}", err=True)
         click.get_current_context().exit(1)
     tensor_count = sum(1 for _ in header.tensor_records())
-    click.echo(f"ok: {file} ({len(header.tokens)} tokens, {tensor_count} tensors, "
-               f"{header.payload_bytes} payload bytes)")
+    click.echo(
+        f"ok: {file} ({len(header.tokens)} tokens, {tensor_count} tensors, {header.payload_bytes} payload bytes)"
+    )

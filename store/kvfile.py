@@ -106,9 +106,17 @@ class KvFileWriter:
     Planning (constructor) does no I/O and materialises nothing.
     """
 
-    def __init__(self, path: Path, caches: Sequence[Any], tokens: Sequence[int],
-                 meta: EntryMeta | Mapping[str, Any] | None = None, disk: Disk | None = None,
-                 *, temp_id: str | None = None, safeguards: Safeguards = SAFEGUARDS) -> None:
+    def __init__(
+        self,
+        path: Path,
+        caches: Sequence[Any],
+        tokens: Sequence[int],
+        meta: EntryMeta | Mapping[str, Any] | None = None,
+        disk: Disk | None = None,
+        *,
+        temp_id: str | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+    ) -> None:
         self.path = Path(path)
         self.disk = disk or RealDisk()
         self.safeguards = safeguards
@@ -286,8 +294,14 @@ def write_entry(writer: KvFileWriter) -> Header:
         raise
 
 
-def save(path: Path | str, caches: Sequence[Any], tokens: Sequence[int],
-         meta: EntryMeta | Mapping[str, Any] | None = None, *, disk: Disk | None = None) -> Header:
+def save(
+    path: Path | str,
+    caches: Sequence[Any],
+    tokens: Sequence[int],
+    meta: EntryMeta | Mapping[str, Any] | None = None,
+    *,
+    disk: Disk | None = None,
+) -> Header:
     """Write an entry atomically to `path` and return its header.
 
     Raises `UnknownCacheKind` / `RefusedCacheKind` for caches without a codec,
@@ -308,8 +322,9 @@ def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, pa
 _FIRST_READ_BYTES = 64 * 1024
 
 
-def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | None = None,
-                      safeguards: Safeguards = SAFEGUARDS) -> Header:
+def _read_header_from(
+    disk: Disk, handle: Any, path: Path, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
+) -> Header:
     """Parse and check the preamble and header. One read covers both for
     headers up to ~64 KiB (a startup scan reads thousands of them);
     `size_bytes`, when the caller already knows it, saves an fstat."""
@@ -345,8 +360,9 @@ def _read_header_from(disk: Disk, handle: Any, path: Path, size_bytes: int | Non
     return header
 
 
-def read_header(path: Path | str, *, disk: Disk | None = None, size_bytes: int | None = None,
-                safeguards: Safeguards = SAFEGUARDS) -> Header:
+def read_header(
+    path: Path | str, *, disk: Disk | None = None, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
+) -> Header:
     """Read and verify only the header (and that the file is long enough;
     pass `size_bytes` when a directory scan already knows the file's size).
 
@@ -363,8 +379,9 @@ def read_header(path: Path | str, *, disk: Disk | None = None, size_bytes: int |
         disk.close(handle)
 
 
-def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None,
-         safeguards: Safeguards = SAFEGUARDS) -> Entry:
+def load(
+    path: Path | str, verify: bool = True, *, disk: Disk | None = None, safeguards: Safeguards = SAFEGUARDS
+) -> Entry:
     """Load an entry into fresh MLX-owned caches.
 
     The header checksum is always verified; tensor checksums when `verify`.
@@ -389,8 +406,9 @@ def load(path: Path | str, verify: bool = True, *, disk: Disk | None = None,
     return Entry(caches=caches, tokens=header.tokens, header=header)
 
 
-def _read_tensor(disk: Disk, handle: Any, record: TensorRecord, verify: bool, path: Path,
-                 capacity_rows: int | None) -> mx.array:
+def _read_tensor(
+    disk: Disk, handle: Any, record: TensorRecord, verify: bool, path: Path, capacity_rows: int | None
+) -> mx.array:
     """Read one tensor straight into its final host layout, then make one copy
     into MLX. With `capacity_rows`, each leading slice's rows (contiguous in the
     file) land at the start of a zero-filled `capacity_rows`-row slot, so no

@@ -80,8 +80,10 @@ def _refuse_trim_below_bound(cache: Any, signature: str, drop_tokens: int) -> No
         raise UsageError(f"{signature} cache cannot drop {drop_tokens} tokens")
     bound = minimum_reusable_offset(cache, cache.offset)
     if cache.offset - drop_tokens < bound:
-        raise UsageError(f"{signature} cache cannot drop {drop_tokens} of {cache.offset} tokens: "
-                         f"it serves no prefix shorter than {bound}")
+        raise UsageError(
+            f"{signature} cache cannot drop {drop_tokens} of {cache.offset} tokens: "
+            f"it serves no prefix shorter than {bound}"
+        )
 
 
 def lend_cache(cache: Any, drop_tokens: int = 0) -> Any:

@@ -24,9 +24,9 @@ MUTATIONS = {
     "ack-before-rename": "a write is reported stored before its file is renamed into place",
     "skip-startup-supersession": "startup does not redo a supersession whose unlink a power loss undid",
     "restore-holds-index-lock": "a restore reads its file while holding the store's index lock (the Trio thread's "
-                                "find, covers and stats then wait on disk)",
+    "find, covers and stats then wait on disk)",
     "journal-unowned-append": "a journal append runs its transaction on the caller's thread instead of the "
-                              "journal's owner (the shared-connection race)",
+    "journal's owner (the shared-connection race)",
 }
 
 # The `Safeguards` field each mutation switches off.

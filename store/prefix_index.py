@@ -115,8 +115,7 @@ def _pareto_frontier(points: Iterable[FrontierPoint]) -> tuple[FrontierPoint, ..
     return tuple(kept)
 
 
-def _frontier_with(frontier: tuple[FrontierPoint, ...],
-                   point: FrontierPoint) -> tuple[FrontierPoint, ...] | None:
+def _frontier_with(frontier: tuple[FrontierPoint, ...], point: FrontierPoint) -> tuple[FrontierPoint, ...] | None:
     """`frontier` after adding `point`, or None when `point` is dominated."""
     if any(_dominates(kept, point) for kept in frontier):
         return None
@@ -126,8 +125,7 @@ def _frontier_with(frontier: tuple[FrontierPoint, ...],
     return tuple(survivors)
 
 
-def _shortest_serving(frontier: tuple[FrontierPoint, ...],
-                      usable_tokens: int) -> FrontierPoint | None:
+def _shortest_serving(frontier: tuple[FrontierPoint, ...], usable_tokens: int) -> FrontierPoint | None:
     """The shortest (then smallest-id) trimmable entry whose minimum reusable
     offset allows serving `usable_tokens`."""
     chosen = None
@@ -164,8 +162,7 @@ class PrefixIndex:
         """The entry's tokens (read-only uint32 array). Unknown id: KeyError."""
         return self._entries[entry_id].tokens
 
-    def add(self, entry_id: str, tokens: Tokens, *, trimmable: bool,
-            minimum_reusable_offset: int) -> None:
+    def add(self, entry_id: str, tokens: Tokens, *, trimmable: bool, minimum_reusable_offset: int) -> None:
         """Index an entry; an id already present is replaced."""
         if minimum_reusable_offset < 0:
             raise ValueError(f"minimum_reusable_offset must be >= 0, got {minimum_reusable_offset}")
@@ -174,8 +171,13 @@ class PrefixIndex:
         if entry_id in self._entries:
             self.remove(entry_id)
         node = self._node_ending_at(array)
-        entry = _Entry(entry_id=entry_id, tokens=array, trimmable=bool(trimmable),
-                       minimum_reusable_offset=int(minimum_reusable_offset), node=node)
+        entry = _Entry(
+            entry_id=entry_id,
+            tokens=array,
+            trimmable=bool(trimmable),
+            minimum_reusable_offset=int(minimum_reusable_offset),
+            node=node,
+        )
         node.entries[entry_id] = entry
         self._entries[entry_id] = entry
         if entry.trimmable:
@@ -223,15 +225,13 @@ class PrefixIndex:
                     best_key = key
         if best_key is None:
             return None
-        return IndexMatch(entry_id=best_key[3], usable_tokens=-best_key[0],
-                          entry_tokens=best_key[2])
+        return IndexMatch(entry_id=best_key[3], usable_tokens=-best_key[0], entry_tokens=best_key[2])
 
     def strict_prefix_ancestors(self, tokens: Tokens) -> list[str]:
         """Ids (sorted) of entries whose tokens are a strict prefix of `tokens`."""
         array = as_token_array(tokens)
         path, _, _ = self._walk(array)
-        return sorted(entry_id for node in path if node.depth < len(array)
-                      for entry_id in node.entries)
+        return sorted(entry_id for node in path if node.depth < len(array) for entry_id in node.entries)
 
     def exact(self, tokens: Tokens) -> list[str]:
         """Ids (sorted) of entries holding exactly `tokens`."""
@@ -241,15 +241,13 @@ class PrefixIndex:
             return []
         return sorted(path[-1].entries)
 
-    def _candidates_at(self, node: _Node,
-                       usable: int) -> Iterator[tuple[int, bool, int, str]]:
+    def _candidates_at(self, node: _Node, usable: int) -> Iterator[tuple[int, bool, int, str]]:
         """Sort keys `(-usable, needs_trim, length, id)` of the best entries under
         `node` serving `usable` tokens. Sound only when no deeper level on the
         query's path serves more (then every trimmable entry below that can
         serve `usable` gives exactly `usable`)."""
         if node.depth == usable:
-            serving = [entry_id for entry_id, entry in node.entries.items()
-                       if entry.minimum_reusable_offset <= usable]
+            serving = [entry_id for entry_id, entry in node.entries.items() if entry.minimum_reusable_offset <= usable]
             if serving:
                 yield (-usable, False, usable, min(serving))
         point = _shortest_serving(node.frontier, usable)
@@ -288,8 +286,7 @@ class PrefixIndex:
                 node.children[first] = leaf
                 return leaf
             end = min(len(tokens), child.depth)
-            split_depth = node.depth + _matching_length(tokens[node.depth:end],
-                                                        child.source[node.depth:end])
+            split_depth = node.depth + _matching_length(tokens[node.depth : end], child.source[node.depth : end])
             if split_depth < child.depth:
                 child = self._split_edge(node, child, split_depth)
             node = child
@@ -298,8 +295,7 @@ class PrefixIndex:
     @staticmethod
     def _split_edge(parent: _Node, child: _Node, depth: int) -> _Node:
         """Insert a node at `depth` on the edge parent -> child; returns it."""
-        middle = _Node(parent=parent, depth=depth, source=child.source,
-                       frontier=child.frontier)
+        middle = _Node(parent=parent, depth=depth, source=child.source, frontier=child.frontier)
         parent.children[int(child.source[parent.depth])] = middle
         middle.children[int(child.source[depth])] = child
         child.parent = middle
@@ -347,4 +343,3 @@ class PrefixIndex:
         for child in node.children.values():
             return child.source
         return np.empty(0, dtype=TOKEN_DTYPE)
-

@@ -119,10 +119,16 @@ class PromptCache:
     threads read only `stats()`: an immutable snapshot the owner publishes
     (one reference swap) at the end of each public call that changes it."""
 
-    def __init__(self, bytes_max: int = BYTES_MAX_DEFAULT, *, cold_tier: ColdTier | None = None,
-                 spill_sink: SpillSink | None = None, on_put: Callable[[str, tuple[int, ...]], None] | None = None,
-                 clock_s: Callable[[], float] = time.monotonic,
-                 bill: Callable[[Sequence[Any], int], int] = logical_bytes) -> None:
+    def __init__(
+        self,
+        bytes_max: int = BYTES_MAX_DEFAULT,
+        *,
+        cold_tier: ColdTier | None = None,
+        spill_sink: SpillSink | None = None,
+        on_put: Callable[[str, tuple[int, ...]], None] | None = None,
+        clock_s: Callable[[], float] = time.monotonic,
+        bill: Callable[[Sequence[Any], int], int] = logical_bytes,
+    ) -> None:
         self.bytes_max = bytes_max
         self.cold_tier = cold_tier
         self.spill_sink = spill_sink
@@ -197,8 +203,9 @@ class PromptCache:
             log.warning("cold entry refused: restored offsets %s, needed %d", sorted(offsets), match.usable_tokens)
             return None
         self.counters.cold_hits += 1
-        return TakeResult(caches=caches, reused_tokens=match.usable_tokens, tier="ssd",
-                          entry_id=getattr(match, "entry_id", ""))
+        return TakeResult(
+            caches=caches, reused_tokens=match.usable_tokens, tier="ssd", entry_id=getattr(match, "entry_id", "")
+        )
 
     def _touch(self, entry: _RamEntry) -> None:
         entry.last_used_tick = next(self._ticks)
@@ -221,10 +228,15 @@ class PromptCache:
 
     def _put(self, token_array: np.ndarray, caches: list[Any], namespace: str) -> bool:
         entry = _RamEntry(
-            entry_id=f"r{next(self._ids)}", namespace=namespace, tokens=token_array, caches=caches,
-            bytes=self._bill(caches, token_array.size), trimmable=caches_trimmable(caches),
+            entry_id=f"r{next(self._ids)}",
+            namespace=namespace,
+            tokens=token_array,
+            caches=caches,
+            bytes=self._bill(caches, token_array.size),
+            trimmable=caches_trimmable(caches),
             minimum_reusable_offset=entry_minimum_reusable_offset(caches, token_array.size),
-            last_used_tick=next(self._ticks), last_used_s=self._clock_s(),
+            last_used_tick=next(self._ticks),
+            last_used_s=self._clock_s(),
         )
         if entry.bytes > self.bytes_max:
             self.counters.oversize += 1
@@ -261,8 +273,11 @@ class PromptCache:
     def _insert(self, entry: _RamEntry) -> None:
         self._entries[entry.entry_id] = entry
         self._indexes.setdefault(entry.namespace, PrefixIndex()).add(
-            entry.entry_id, entry.tokens, trimmable=entry.trimmable,
-            minimum_reusable_offset=entry.minimum_reusable_offset)
+            entry.entry_id,
+            entry.tokens,
+            trimmable=entry.trimmable,
+            minimum_reusable_offset=entry.minimum_reusable_offset,
+        )
         self.bytes_total += entry.bytes
 
     def _drop(self, entry_id: str) -> _RamEntry:
@@ -286,14 +301,20 @@ class PromptCache:
         """Hand a snapshot to the sink; a raising sink has not taken it."""
         if self.spill_sink is None:
             return
-        snapshot = SpillSnapshot(namespace=entry.namespace, tokens=tuple(int(t) for t in entry.tokens),
-                                 caches=snapshot_caches(entry.caches), bytes=entry.bytes, reason=reason)
+        snapshot = SpillSnapshot(
+            namespace=entry.namespace,
+            tokens=tuple(int(t) for t in entry.tokens),
+            caches=snapshot_caches(entry.caches),
+            bytes=entry.bytes,
+            reason=reason,
+        )
         try:
             self.spill_sink(snapshot)
         except Exception as e:
             self.counters.spill_failures += 1
-            log.warning("spill of %d tokens failed (%s); the entry is dropped without a cold copy",
-                        entry.tokens.size, e)
+            log.warning(
+                "spill of %d tokens failed (%s); the entry is dropped without a cold copy", entry.tokens.size, e
+            )
             return
         self.counters.spills += 1
 
@@ -320,8 +341,13 @@ class PromptCache:
         if not matches:
             return None
         entry = self._entries[matches[0]]
-        return SpillSnapshot(namespace=namespace, tokens=tuple(int(t) for t in entry.tokens),
-                             caches=snapshot_caches(entry.caches), bytes=entry.bytes, reason="write-behind")
+        return SpillSnapshot(
+            namespace=namespace,
+            tokens=tuple(int(t) for t in entry.tokens),
+            caches=snapshot_caches(entry.caches),
+            bytes=entry.bytes,
+            reason="write-behind",
+        )
 
     def stats(self) -> dict[str, Any]:
         """The last published snapshot: safe from any thread."""
@@ -329,5 +355,11 @@ class PromptCache:
 
     def _publish(self) -> None:
         # The keys are /stats's `prompt_cache` keys: the cap keeps its public name `max_bytes`.
-        self._published = MappingProxyType({"entries": len(self._entries), "bytes": self.bytes_total,
-                                            "max_bytes": self.bytes_max, **attrs.asdict(self.counters)})
+        self._published = MappingProxyType(
+            {
+                "entries": len(self._entries),
+                "bytes": self.bytes_total,
+                "max_bytes": self.bytes_max,
+                **attrs.asdict(self.counters),
+            }
+        )

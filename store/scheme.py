@@ -77,8 +77,9 @@ def _check_bits(bits: Any, where: str) -> None:
 
 def _check_group_size(group_size: Any, where: str) -> None:
     if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
-        raise UsageError(f"{where}: KV group size {group_size!r} is not supported; "
-                         f"choose one of {SUPPORTED_GROUP_SIZES}")
+        raise UsageError(
+            f"{where}: KV group size {group_size!r} is not supported; choose one of {SUPPORTED_GROUP_SIZES}"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -140,8 +141,11 @@ class KvScheme:
         if self.kind == KIND_UNIFORM:
             suffix = "" if self.group_size == GROUP_SIZE_DEFAULT else f"g{self.group_size}"
             return f"kv{self.bits}{suffix}"
-        canonical = json.dumps({"group_size": self.group_size, "layers": list(self.layer_bits or ())},
-                               sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(
+            {"group_size": self.group_size, "layers": list(self.layer_bits or ())},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
         return "config-" + hashlib.sha256(canonical.encode("ascii")).hexdigest()[:CONFIG_KEY_HEX_CHARS]
 
     def batchable(self, can_convert: bool = True) -> bool:
@@ -223,13 +227,17 @@ class KvScheme:
             prototypes = warm_up_prototype_caches(prototypes_or_model)
         if self.quantized:
             self._check_layer_count(len(prototypes))
-        return sum(self._projected_layer_bytes(cache, index, self.bits_for_layer(index), tokens)
-                   for index, cache in enumerate(prototypes))
+        return sum(
+            self._projected_layer_bytes(cache, index, self.bits_for_layer(index), tokens)
+            for index, cache in enumerate(prototypes)
+        )
 
     def _check_layer_count(self, cache_count: int) -> None:
         if self.layer_bits is not None and len(self.layer_bits) != cache_count:
-            raise UsageError(f"{KV_CONFIG_FILE_NAME} lists {len(self.layer_bits)} layers but the model "
-                             f"has {cache_count} cache-owning layers; give one entry (bits or null) per cache")
+            raise UsageError(
+                f"{KV_CONFIG_FILE_NAME} lists {len(self.layer_bits)} layers but the model "
+                f"has {cache_count} cache-owning layers; give one entry (bits or null) per cache"
+            )
 
     def _convert_layer(self, cache: Any, index: int, bits: int) -> Any:
         signature = _serving_signature(cache, index)
@@ -250,8 +258,12 @@ class KvScheme:
         if signature in self._warned:
             return
         self._warned.add(signature)
-        log.warning("KV scheme %s: %s layers (first: layer %d) stay unquantized because mlx-lm "
-                    "cannot quantize them", self.cache_key, signature, index)
+        log.warning(
+            "KV scheme %s: %s layers (first: layer %d) stay unquantized because mlx-lm cannot quantize them",
+            self.cache_key,
+            signature,
+            index,
+        )
 
     def _projected_layer_bytes(self, cache: Any, index: int, bits: int | None, tokens: int) -> int:
         signature = _serving_signature(cache, index)
@@ -260,16 +272,19 @@ class KvScheme:
         if signature.startswith(sig.LIST_PREFIX):
             return sum(self._projected_layer_bytes(member, index, bits, tokens) for member in cache.caches)
         if cache.keys is None:
-            raise UsageError(f"prototype layer {index} is empty: warm the prototype caches up with a "
-                             "prefill of at least one token")
+            raise UsageError(
+                f"prototype layer {index} is empty: warm the prototype caches up with a prefill of at least one token"
+            )
         if signature.startswith(sig.QUANT_PREFIX):
             return tokens * sum(_row_bytes(array) for array in (*cache.keys, *cache.values))
         if signature == sig.SIGNATURE_ROTATING:
             return min(tokens, cache.max_size) * (_row_bytes(cache.keys) + _row_bytes(cache.values))
         if signature == sig.SIGNATURE_PLAIN and bits is not None:
             _check_group_divides(cache, index, self.group_size)
-            return tokens * (_quantized_row_bytes(cache.keys, bits, self.group_size)
-                             + _quantized_row_bytes(cache.values, bits, self.group_size))
+            return tokens * (
+                _quantized_row_bytes(cache.keys, bits, self.group_size)
+                + _quantized_row_bytes(cache.values, bits, self.group_size)
+            )
         return tokens * (_row_bytes(cache.keys) + _row_bytes(cache.values))
 
 
@@ -278,17 +293,21 @@ def _serving_signature(cache: Any, index: int) -> str:
     converts and bills one request's caches, never a merged batch."""
     signature = sig.cache_signature(cache)
     if signature in sig.BATCH_SIGNATURES:
-        raise RefusedCacheKind(f"layer {index}: {signature} holds a batch; a KV scheme converts and "
-                               "bills per-request caches, and a lane that cannot convert must not batch")
+        raise RefusedCacheKind(
+            f"layer {index}: {signature} holds a batch; a KV scheme converts and "
+            "bills per-request caches, and a lane that cannot convert must not batch"
+        )
     return signature
 
 
 def _check_group_divides(cache: Any, index: int, group_size: int) -> None:
     key_dim, value_dim = cache.keys.shape[-1], cache.values.shape[-1]
     if key_dim % group_size or value_dim % group_size:
-        raise UsageError(f"layer {index}: key/value head dims {key_dim}/{value_dim} are not multiples of the "
-                         f"KV group size {group_size}; pick a group size from {SUPPORTED_GROUP_SIZES} "
-                         "that divides them, or keep this model's KV in bf16")
+        raise UsageError(
+            f"layer {index}: key/value head dims {key_dim}/{value_dim} are not multiples of the "
+            f"KV group size {group_size}; pick a group size from {SUPPORTED_GROUP_SIZES} "
+            "that divides them, or keep this model's KV in bf16"
+        )
 
 
 def _row_bytes(array: mx.array) -> int:
@@ -337,8 +356,9 @@ def warm_up_prototype_caches(model: Any) -> list:
     return caches
 
 
-def resolve_kv_scheme(kv_quant: str, model_dir: Path | None = None, *,
-                      group_size: int = GROUP_SIZE_DEFAULT) -> KvScheme:
+def resolve_kv_scheme(
+    kv_quant: str, model_dir: Path | None = None, *, group_size: int = GROUP_SIZE_DEFAULT
+) -> KvScheme:
     """The scheme for the `--kv-quant` value, resolved once at server start.
 
     `off`/`bf16` -> bf16; `4`/`kv4`/`8`/`kv8` -> uniform affine at
@@ -353,8 +373,9 @@ def resolve_kv_scheme(kv_quant: str, model_dir: Path | None = None, *,
         return KvScheme.uniform(_UNIFORM_CHOICES[choice], group_size)
     if choice == _CONFIG_CHOICE:
         if model_dir is None:
-            raise UsageError(f"--kv-quant config reads {KV_CONFIG_FILE_NAME} beside the model, "
-                             "but no model directory was given")
+            raise UsageError(
+                f"--kv-quant config reads {KV_CONFIG_FILE_NAME} beside the model, but no model directory was given"
+            )
         return _read_kv_config(Path(model_dir) / KV_CONFIG_FILE_NAME, group_size)
     if choice in _TURBO_CHOICES:
         raise UsageError("TurboQuant KV is out of scope for kvcellar; use --kv-quant off, 4, 8 or config")

@@ -141,8 +141,9 @@ def entry_minimum_reusable_offset(caches: Sequence[Any], token_count: int) -> in
     return max((minimum_reusable_offset(cache, token_count) for cache in caches), default=0)
 
 
-def usable_prefix_length(common_prefix_tokens: int, entry_tokens: int, prompt_tokens: int,
-                         trimmable: bool, minimum_reusable: int) -> int:
+def usable_prefix_length(
+    common_prefix_tokens: int, entry_tokens: int, prompt_tokens: int, trimmable: bool, minimum_reusable: int
+) -> int:
     """How many tokens of an entry a prompt can reuse, or 0 when none.
 
     The match is capped at `prompt_tokens - 1` so at least one token is

@@ -122,13 +122,24 @@ class SsdStore:
     """The cold tier of one serving fingerprint. Thread-safe: one lock over
     the in-memory index, never held across file I/O (see the module doc)."""
 
-    def __init__(self, root_dir: Path, fingerprint: str, *, bytes_max: int | None, disk: Disk,
-                 fingerprint_fields: dict[str, str], quarantine_bytes_max: int, verify: bool,
-                 clock_ns: Callable[[], int], new_entry_id: Callable[[], str] | None = None,
-                 timer_ns: Callable[[], int] = time.perf_counter_ns,
-                 index_lock: AbstractContextManager[Any] | None = None, safeguards: Safeguards = SAFEGUARDS,
-                 event_listeners: Sequence[EventListener] = (),
-                 restore_listeners: Sequence[RestoreListener] = ()) -> None:
+    def __init__(
+        self,
+        root_dir: Path,
+        fingerprint: str,
+        *,
+        bytes_max: int | None,
+        disk: Disk,
+        fingerprint_fields: dict[str, str],
+        quarantine_bytes_max: int,
+        verify: bool,
+        clock_ns: Callable[[], int],
+        new_entry_id: Callable[[], str] | None = None,
+        timer_ns: Callable[[], int] = time.perf_counter_ns,
+        index_lock: AbstractContextManager[Any] | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+        event_listeners: Sequence[EventListener] = (),
+        restore_listeners: Sequence[RestoreListener] = (),
+    ) -> None:
         self.root_dir = Path(root_dir)
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
@@ -156,16 +167,27 @@ class SsdStore:
         self._restore_listeners = tuple(restore_listeners)
 
     @classmethod
-    def open(cls, root_dir: Path | str, fingerprint: str, bytes_max: int | None = None, disk: Disk | None = None,
-             *, fingerprint_fields: dict[str, str] | None = None,
-             quarantine_bytes_max: int = QUARANTINE_BYTES_MAX_DEFAULT, verify: bool = True,
-             journal: bool = True, clock_ns: Callable[[], int] = time.time_ns,
-             journal_opener: Callable[[Path], Journal] | None = None,
-             new_entry_id: Callable[[], str] | None = None,
-             timer_ns: Callable[[], int] = time.perf_counter_ns, owner: str | None = None,
-             index_lock: AbstractContextManager[Any] | None = None, safeguards: Safeguards = SAFEGUARDS,
-             event_listeners: Sequence[EventListener] = (),
-             restore_listeners: Sequence[RestoreListener] = ()) -> SsdStore:
+    def open(
+        cls,
+        root_dir: Path | str,
+        fingerprint: str,
+        bytes_max: int | None = None,
+        disk: Disk | None = None,
+        *,
+        fingerprint_fields: dict[str, str] | None = None,
+        quarantine_bytes_max: int = QUARANTINE_BYTES_MAX_DEFAULT,
+        verify: bool = True,
+        journal: bool = True,
+        clock_ns: Callable[[], int] = time.time_ns,
+        journal_opener: Callable[[Path], Journal] | None = None,
+        new_entry_id: Callable[[], str] | None = None,
+        timer_ns: Callable[[], int] = time.perf_counter_ns,
+        owner: str | None = None,
+        index_lock: AbstractContextManager[Any] | None = None,
+        safeguards: Safeguards = SAFEGUARDS,
+        event_listeners: Sequence[EventListener] = (),
+        restore_listeners: Sequence[RestoreListener] = (),
+    ) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
         Raises `DirectoryLocked` when another process holds the directory and
@@ -183,20 +205,33 @@ class SsdStore:
         Each of `restore_listeners` sees every successful restore, outside
         the lock (the simulator's observer uses both).
         """
-        store = cls(Path(root_dir), fingerprint, bytes_max=bytes_max, disk=disk or RealDisk(),
-                    fingerprint_fields=fingerprint_fields or {}, quarantine_bytes_max=quarantine_bytes_max,
-                    verify=verify, clock_ns=clock_ns, new_entry_id=new_entry_id, timer_ns=timer_ns,
-                    index_lock=index_lock, safeguards=safeguards, event_listeners=event_listeners,
-                    restore_listeners=restore_listeners)
+        store = cls(
+            Path(root_dir),
+            fingerprint,
+            bytes_max=bytes_max,
+            disk=disk or RealDisk(),
+            fingerprint_fields=fingerprint_fields or {},
+            quarantine_bytes_max=quarantine_bytes_max,
+            verify=verify,
+            clock_ns=clock_ns,
+            new_entry_id=new_entry_id,
+            timer_ns=timer_ns,
+            index_lock=index_lock,
+            safeguards=safeguards,
+            event_listeners=event_listeners,
+            restore_listeners=restore_listeners,
+        )
         store._make_durable_dirs(store.directory, store.root_dir.parent)
         owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
         try:
             if journal:
                 journal_path = store.directory / JOURNAL_FILE_NAME
-                store.journal = (journal_opener(journal_path) if journal_opener is not None
-                                 else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(),
-                                                   safeguards=safeguards))
+                store.journal = (
+                    journal_opener(journal_path)
+                    if journal_opener is not None
+                    else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=safeguards)
+                )
             journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
             trusted = store._scan(journaled)
             store._reconcile_journal(journaled, trusted)
@@ -278,8 +313,7 @@ class SsdStore:
 
     def _scan_file(self, path: Path, ns_dir_name: str, item: DirEntry) -> None:
         try:
-            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes,
-                                        safeguards=self.safeguards)
+            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards)
         except (UnsupportedFormat, CorruptEntry) as e:
             self._quarantine(path, "", str(e))
             return
@@ -290,11 +324,18 @@ class SsdStore:
         if problem:
             self._quarantine(path, "", problem)
             return
-        self._index(IndexedEntry(
-            entry_id=path.stem, namespace=header.namespace, path=path,
-            tokens=header.token_array, bytes=item.size_bytes, mtime_ns=item.mtime_ns,
-            trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset,
-        ))
+        self._index(
+            IndexedEntry(
+                entry_id=path.stem,
+                namespace=header.namespace,
+                path=path,
+                tokens=header.token_array,
+                bytes=item.size_bytes,
+                mtime_ns=item.mtime_ns,
+                trimmable=header.trimmable,
+                minimum_reusable_offset=header.minimum_reusable_offset,
+            )
+        )
 
     def _mismatch(self, header: kvfile.Header, ns_dir_name: str, path: Path) -> str:
         if header.fingerprint.get("digest") != self.fingerprint:
@@ -330,8 +371,11 @@ class SsdStore:
     def _index(self, entry: IndexedEntry) -> None:
         self._entries[entry.entry_id] = entry
         self._indexes.setdefault(entry.namespace, PrefixIndex()).add(
-            entry.entry_id, entry.tokens, trimmable=entry.trimmable,
-            minimum_reusable_offset=entry.minimum_reusable_offset)
+            entry.entry_id,
+            entry.tokens,
+            trimmable=entry.trimmable,
+            minimum_reusable_offset=entry.minimum_reusable_offset,
+        )
         self._bytes_total += entry.bytes
         self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
 
@@ -344,10 +388,16 @@ class SsdStore:
 
     def _fields(self, entry: IndexedEntry) -> ev.EntryFields:
         return ev.EntryFields(
-            entry_id=entry.entry_id, namespace=entry.namespace, path=self._relative(entry.path),
-            token_count=int(entry.tokens.size), tokens_digest=ev.tokens_digest(entry.tokens),
-            token_ids=np.ascontiguousarray(entry.tokens, dtype="<u4").tobytes(), bytes=entry.bytes,
-            mtime_ns=entry.mtime_ns, trimmable=entry.trimmable, minimum_reusable_offset=entry.minimum_reusable_offset,
+            entry_id=entry.entry_id,
+            namespace=entry.namespace,
+            path=self._relative(entry.path),
+            token_count=int(entry.tokens.size),
+            tokens_digest=ev.tokens_digest(entry.tokens),
+            token_ids=np.ascontiguousarray(entry.tokens, dtype="<u4").tobytes(),
+            bytes=entry.bytes,
+            mtime_ns=entry.mtime_ns,
+            trimmable=entry.trimmable,
+            minimum_reusable_offset=entry.minimum_reusable_offset,
         )
 
     def _relative(self, path: Path) -> str:
@@ -371,8 +421,11 @@ class SsdStore:
             with suppress(DiskError):
                 self.disk.unlink(path)
             target = Path("")
-        self._event(ev.EntryQuarantined(entry_id=entry_id, path=self._relative(path),
-                                        quarantine_path=str(target.name), reason=reason))
+        self._event(
+            ev.EntryQuarantined(
+                entry_id=entry_id, path=self._relative(path), quarantine_path=str(target.name), reason=reason
+            )
+        )
         self._purge_quarantine()
 
     def _purge_quarantine(self) -> None:
@@ -405,8 +458,12 @@ class SsdStore:
             match = index.best(np.asarray(tokens, dtype=np.uint32))
             if match is None:
                 return None
-            return SsdMatch(entry_id=match.entry_id, namespace=namespace, usable_tokens=match.usable_tokens,
-                            entry_tokens=match.entry_tokens)
+            return SsdMatch(
+                entry_id=match.entry_id,
+                namespace=namespace,
+                usable_tokens=match.usable_tokens,
+                entry_tokens=match.entry_tokens,
+            )
 
     def covers(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> bool:
         """Whether a committed entry can serve all of `tokens`: an exact entry,
@@ -469,8 +526,11 @@ class SsdStore:
             self.counters.restores += 1
             self.counters.restore_ms_last = restore_ms
             if entry.entry_id in self._entries:
-                self._event(ev.EntryRestored(entry_id=entry.entry_id, usable_tokens=match.usable_tokens,
-                                             restore_ms=round(restore_ms, 3)))
+                self._event(
+                    ev.EntryRestored(
+                        entry_id=entry.entry_id, usable_tokens=match.usable_tokens, restore_ms=round(restore_ms, 3)
+                    )
+                )
         for listener in self._restore_listeners:
             listener(match, entry, caches)
         return caches
@@ -513,8 +573,14 @@ class SsdStore:
 
     # -- store ---------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str = "",
-              *, tokenizer_hash: str = "") -> str | None:
+    def store(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        caches: Sequence[Any],
+        namespace: str = "",
+        *,
+        tokenizer_hash: str = "",
+    ) -> str | None:
         """Persist an entry atomically; returns its id, or None when it was not
         stored (disk full, I/O error, larger than the cap). Supersedes exact
         duplicates, and strict prefix ancestors when the new entry is trimmable
@@ -533,18 +599,29 @@ class SsdStore:
             return None
         return self.finish_store(pending)
 
-    def prepare_store(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str = "",
-                      *, tokenizer_hash: str = "") -> PendingStore | None:
+    def prepare_store(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        caches: Sequence[Any],
+        namespace: str = "",
+        *,
+        tokenizer_hash: str = "",
+    ) -> PendingStore | None:
         """Plan a write (no I/O, no MLX work): None when the entry can never
         fit under the cap. The caller runs `pending.writer` (its tensors may
         each take their own engine turn), then `finish_store` or `fail_store`."""
         token_array = np.asarray(tokens, dtype=np.uint32)
         entry_id = self._new_entry_id()
         path = self.directory / namespace_dir_name(namespace) / f"{entry_id}{kvfile.FILE_SUFFIX}"
-        meta = kvfile.EntryMeta(namespace=namespace, fingerprint=self._fingerprint_fields,
-                                tokenizer_hash=tokenizer_hash, created_at_ns=self._clock_ns())
-        writer = kvfile.KvFileWriter(path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id,
-                                     safeguards=self.safeguards)
+        meta = kvfile.EntryMeta(
+            namespace=namespace,
+            fingerprint=self._fingerprint_fields,
+            tokenizer_hash=tokenizer_hash,
+            created_at_ns=self._clock_ns(),
+        )
+        writer = kvfile.KvFileWriter(
+            path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id, safeguards=self.safeguards
+        )
         planned = writer.planned_header.file_bytes
         if self.bytes_max is not None and planned > self.bytes_max:
             with self._lock:
@@ -577,9 +654,16 @@ class SsdStore:
             self.disk.utime(path, mtime_ns)
         except DiskError as e:
             log.debug("cannot set the mtime of %s: %s", path, e)
-        entry = IndexedEntry(entry_id=pending.entry_id, namespace=pending.namespace, path=path,
-                             tokens=pending.tokens, bytes=header.file_bytes, mtime_ns=mtime_ns,
-                             trimmable=header.trimmable, minimum_reusable_offset=header.minimum_reusable_offset)
+        entry = IndexedEntry(
+            entry_id=pending.entry_id,
+            namespace=pending.namespace,
+            path=path,
+            tokens=pending.tokens,
+            bytes=header.file_bytes,
+            mtime_ns=mtime_ns,
+            trimmable=header.trimmable,
+            minimum_reusable_offset=header.minimum_reusable_offset,
+        )
         with self._lock:
             self._index(entry)
             self.counters.entries_stored += 1
@@ -610,16 +694,18 @@ class SsdStore:
         removed: list[Path] = []
         for other_id in index.exact(entry.tokens):
             if other_id != entry.entry_id:
-                removed += self._remove(other_id, ev.EntrySuperseded(entry_id=other_id, by_entry_id=entry.entry_id,
-                                                                     reason="duplicate"))
+                removed += self._remove(
+                    other_id, ev.EntrySuperseded(entry_id=other_id, by_entry_id=entry.entry_id, reason="duplicate")
+                )
         if not entry.trimmable:
             return removed
         for ancestor_id in index.strict_prefix_ancestors(entry.tokens):
             ancestor = self._entries[ancestor_id]
             # A descendant can stand in for an ancestor only if it can be trimmed that far.
             if entry.minimum_reusable_offset <= ancestor.tokens.size:
-                removed += self._remove(ancestor_id, ev.EntrySuperseded(entry_id=ancestor_id,
-                                                                        by_entry_id=entry.entry_id, reason="prefix"))
+                removed += self._remove(
+                    ancestor_id, ev.EntrySuperseded(entry_id=ancestor_id, by_entry_id=entry.entry_id, reason="prefix")
+                )
         return removed
 
     def _remove(self, entry_id: str, event: ev.Event) -> list[Path]:
@@ -667,8 +753,13 @@ class SsdStore:
         with self._lock:
             counters = attrs.asdict(self.counters)
             journal = self.journal.state() if self.journal is not None else {"state": "off", "reason": "no journal"}
-            return {"entries": len(self._entries), "bytes": self._bytes_total, "bytes_max": self.bytes_max,
-                    **counters, "journal": journal}
+            return {
+                "entries": len(self._entries),
+                "bytes": self._bytes_total,
+                "bytes_max": self.bytes_max,
+                **counters,
+                "journal": journal,
+            }
 
 
 def _trimmed(caches: list[Any], entry_tokens: int, usable_tokens: int) -> list[Any] | None:
@@ -680,8 +771,12 @@ def _trimmed(caches: list[Any], entry_tokens: int, usable_tokens: int) -> list[A
         return caches
     bound = entry_minimum_reusable_offset(caches, entry_tokens)
     if not caches_trimmable(caches) or usable_tokens < bound:
-        log.warning("entry of %d tokens cannot serve a %d-token prefix (minimum reusable offset %d)",
-                    entry_tokens, usable_tokens, bound)
+        log.warning(
+            "entry of %d tokens cannot serve a %d-token prefix (minimum reusable offset %d)",
+            entry_tokens,
+            usable_tokens,
+            bound,
+        )
         return None
     for cache in caches:
         cache.trim(entry_tokens - usable_tokens)
@@ -696,10 +791,16 @@ def _is_entry_id(name: str) -> bool:
 
 
 def _entry_from_row(row: dict[str, Any], path: Path) -> IndexedEntry:
-    return IndexedEntry(entry_id=row["entry_id"], namespace=row["namespace"], path=path,
-                        tokens=np.frombuffer(row["token_ids"], dtype="<u4"), bytes=row["bytes"],
-                        mtime_ns=row["mtime_ns"], trimmable=bool(row["trimmable"]),
-                        minimum_reusable_offset=row["minimum_reusable_offset"])
+    return IndexedEntry(
+        entry_id=row["entry_id"],
+        namespace=row["namespace"],
+        path=path,
+        tokens=np.frombuffer(row["token_ids"], dtype="<u4"),
+        bytes=row["bytes"],
+        mtime_ns=row["mtime_ns"],
+        trimmable=bool(row["trimmable"]),
+        minimum_reusable_offset=row["minimum_reusable_offset"],
+    )
 
 
 def _row_fields(row: dict[str, Any]) -> ev.EntryFields:

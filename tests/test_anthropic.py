@@ -26,10 +26,16 @@ from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.demo_models import create_model
 from kvcellar.http.app import HttpSettings, build_app
 
-WEATHER = {"name": "get_weather", "description": "The weather in a city now.",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-TIME = {"name": "get_time", "description": "The time in a city.",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city now.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+TIME = {
+    "name": "get_time",
+    "description": "The time in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 TOOLS = [WEATHER, TIME]
 MODEL = "claude-any-name"
 
@@ -108,8 +114,9 @@ def _sse_events(base: str, body: dict, headers: dict | None = None) -> list[tupl
 def test_text_reply(served, tools_model_dir):
     _, client, script = served
     script.push("Hello from the cellar.")
-    reply = _create(client, [{"role": "user", "content": "Say hello."}], system="Be brief.",
-                    metadata={"user_id": "u-1"})
+    reply = _create(
+        client, [{"role": "user", "content": "Say hello."}], system="Be brief.", metadata={"user_id": "u-1"}
+    )
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert reply.model == tools_model_dir.name
     assert _blocks(reply) == [("text", "Hello from the cellar.")]
@@ -140,8 +147,7 @@ def test_streaming_text_has_the_event_sequence_the_sdk_expects(served):
     assert start["content"] == [] and start["stop_reason"] is None
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] \
-        == start["usage"]["input_tokens"]
+    assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == start["usage"]["input_tokens"]
 
 
 def test_tool_use_round_trip(served):
@@ -150,12 +156,20 @@ def test_tool_use_round_trip(served):
     messages = [{"role": "user", "content": "Paris weather?"}]
     reply = _create(client, messages, system=SYSTEM, tools=TOOLS)
     assert reply.stop_reason == "tool_use"
-    assert _blocks(reply) == [("thinking", "The user wants the weather; I should call the tool."),
-                              ("tool_use", "get_weather", {"city": "Paris"})]
+    assert _blocks(reply) == [
+        ("thinking", "The user wants the weather; I should call the tool."),
+        ("tool_use", "get_weather", {"city": "Paris"}),
+    ]
     call = reply.content[1]
-    messages += [{"role": "assistant", "content": reply.content},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                               "content": [{"type": "text", "text": "sunny, 24 C"}]}]}]
+    messages += [
+        {"role": "assistant", "content": reply.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny, 24 C"}]}
+            ],
+        },
+    ]
     answer = _create(client, messages, system=SYSTEM, tools=TOOLS)
     assert answer.stop_reason == "end_turn"
     assert _blocks(answer) == [("thinking", "The tool says sunny."), ("text", "It is sunny in Paris.")]
@@ -165,19 +179,26 @@ def test_tool_use_streams_input_json_deltas(served):
     server, client, script = served
     script.push(CALL_BOTH, CALL_BOTH)
     messages = [{"role": "user", "content": "Rome?"}]
-    with client.messages.stream(model=MODEL, max_tokens=96, tools=TOOLS,
-                                messages=messages) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=96, tools=TOOLS, messages=messages) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
     assert _blocks(final) == [("tool_use", "get_weather", {"city": "Rome"}), ("tool_use", "get_time", {"city": "Rome"})]
     assert "input_json" in kinds
-    body = {"model": MODEL, "max_tokens": 96, "messages": messages, "tools": TOOLS, "stream": True,
-            "tool_choice": {"type": "auto"}}
+    body = {
+        "model": MODEL,
+        "max_tokens": 96,
+        "messages": messages,
+        "tools": TOOLS,
+        "stream": True,
+        "tool_choice": {"type": "auto"},
+    }
     events = _sse_events(server.base, body)
     starts = [data["content_block"] for name, data in events if name == "content_block_start"]
-    assert [(block["type"], block["name"], block["input"]) for block in starts] \
-        == [("tool_use", "get_weather", {}), ("tool_use", "get_time", {})]
+    assert [(block["type"], block["name"], block["input"]) for block in starts] == [
+        ("tool_use", "get_weather", {}),
+        ("tool_use", "get_time", {}),
+    ]
     partial_json = [data["delta"]["partial_json"] for name, data in events if name == "content_block_delta"]
     assert [json.loads(text) for text in partial_json] == [{"city": "Rome"}, {"city": "Rome"}]
 
@@ -185,29 +206,49 @@ def test_tool_use_streams_input_json_deltas(served):
 def test_tool_result_error_and_disable_parallel(served):
     _, client, script = served
     script.push(CALL_BOTH)
-    messages = [{"role": "user", "content": "Rome?"},
-                {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
-                                                  {"type": "tool_use", "id": "toolu_1", "name": "get_time",
-                                                   "input": {"city": "Rome"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
-                                              "content": "clock unavailable"},
-                                             {"type": "text", "text": "Try the weather then."}]}]
-    reply = _create(client, messages, tools=TOOLS,
-                    tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    messages = [
+        {"role": "user", "content": "Rome?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Looking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"city": "Rome"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True, "content": "clock unavailable"},
+                {"type": "text", "text": "Try the weather then."},
+            ],
+        },
+    ]
+    reply = _create(client, messages, tools=TOOLS, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert [block[1] for block in _blocks(reply)] == ["get_weather"]
 
 
 def test_thinking_history_and_config_are_accepted(served):
     _, client, script = served
     script.push(ANSWER_PARIS)
-    messages = [{"role": "user", "content": "Paris?"},
-                {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": "Check the tool.", "signature": "sig"},
-                    {"type": "redacted_thinking", "data": "opaque"},
-                    {"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {"city": "Paris"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "sunny"}]}]
-    reply = client.messages.create(model=MODEL, max_tokens=2048, messages=messages, tools=TOOLS,
-                                   thinking={"type": "enabled", "budget_tokens": 1024})
+    messages = [
+        {"role": "user", "content": "Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Check the tool.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "sunny"}]},
+    ]
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=2048,
+        messages=messages,
+        tools=TOOLS,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     assert _blocks(reply) == [("thinking", "The tool says sunny."), ("text", "It is sunny in Paris.")]
     assert reply.content[0].signature == ""
 
@@ -226,8 +267,10 @@ def test_max_tokens_ends_with_stop_reason_max_tokens(served):
     script.push("one two three four five six seven eight", "one two three four five six seven eight")
     reply = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Count."}])
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
-    events = _sse_events(server.base, {"model": MODEL, "max_tokens": 3, "stream": True,
-                                       "messages": [{"role": "user", "content": "Count."}]})
+    events = _sse_events(
+        server.base,
+        {"model": MODEL, "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "Count."}]},
+    )
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens" and events[-2][1]["usage"]["output_tokens"] == 3
 
 
@@ -243,10 +286,18 @@ def test_sampling_fields_in_extra_body(served):
 
 def test_output_config_format_is_valid_json_for_its_schema(served):
     _, client, _ = served
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
-              "additionalProperties": False}
-    reply = _create(client, [{"role": "user", "content": "A city as JSON."}], max_tokens=48,
-                    output_config={"format": {"type": "json_schema", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    reply = _create(
+        client,
+        [{"role": "user", "content": "A city as JSON."}],
+        max_tokens=48,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
     (block,) = reply.content
     parsed = json.loads(block.text)
     assert set(parsed) == {"city"} and isinstance(parsed["city"], str)
@@ -255,8 +306,11 @@ def test_output_config_format_is_valid_json_for_its_schema(served):
 def test_count_tokens_matches_the_prompt_a_reply_reports(served):
     _, client, script = served
     script.push("ok")
-    fields = {"system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
-              "tools": TOOLS, "messages": [{"role": "user", "content": "How many tokens is this?"}]}
+    fields = {
+        "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "How many tokens is this?"}],
+    }
     counted = client.messages.count_tokens(model=MODEL, **fields)
     reply = client.messages.create(model=MODEL, max_tokens=8, **fields)
     usage = reply.usage
@@ -265,30 +319,46 @@ def test_count_tokens_matches_the_prompt_a_reply_reports(served):
     assert 0 < fewer.input_tokens < counted.input_tokens
 
 
-@pytest.mark.parametrize(("fields", "needle"), [
-    ({"max_tokens": None}, "max_tokens"),
-    ({"model": None}, "model"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64",
-                                                  "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
-     "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]}, "prefill"),
-    ({"system": [{"type": "image"}]}, "system[0]"),
-    ({"temperature": 1.5}, "temperature"),
-    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
-    ({"top_k": "many"}, "top_k"),
-    ({"stop_sequences": "STOP"}, "stop_sequences"),
-    ({"stream": "yes"}, "stream"),
-    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
-    ({"tools": [{"name": "x"}]}, "tools[0].input_schema"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
-    ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, "tool_use_id"),
-])
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"model": None}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0]",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]}, "prefill"),
+        ({"system": [{"type": "image"}]}, "system[0]"),
+        ({"temperature": 1.5}, "temperature"),
+        ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+        ({"top_k": "many"}, "top_k"),
+        ({"stop_sequences": "STOP"}, "stop_sequences"),
+        ({"stream": "yes"}, "stream"),
+        ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+        ({"tools": [{"name": "x"}]}, "tools[0].input_schema"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, "tool_use_id"),
+    ],
+)
 def test_bad_fields_are_400s_in_anthropics_error_shape(served, fields, needle):
     server, _, _ = served
     body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **fields}
@@ -314,8 +384,7 @@ def test_a_model_without_tool_calling_refuses_tools(model_dir_factory):
     with InProcessServer(SystemConfig(model_dir=model_dir_factory("llama"))) as server:
         client = anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0)
         with pytest.raises(anthropic.BadRequestError) as refused:
-            client.messages.create(model=MODEL, max_tokens=4, tools=TOOLS,
-                                   messages=[{"role": "user", "content": "hi"}])
+            client.messages.create(model=MODEL, max_tokens=4, tools=TOOLS, messages=[{"role": "user", "content": "hi"}])
     assert "does not support tool calling" in refused.value.body["error"]["message"]
 
 
@@ -332,11 +401,16 @@ def test_api_key_as_x_api_key_or_bearer(model_dir_factory):
             wrong.messages.create(model=MODEL, max_tokens=2, messages=messages)
         with pytest.raises(anthropic.AuthenticationError):
             wrong.messages.count_tokens(model=MODEL, messages=messages)
-        plain = httpx.post(f"{server.base}/v1/messages", timeout=30,
-                           json={"model": MODEL, "max_tokens": 2, "messages": messages},
-                           headers={"x-api-key": "cellar-key", "anthropic-version": "1999-01-01"})
-    assert refused.value.body == {"type": "error", "error": {"type": "authentication_error",
-                                                             "message": "missing or wrong x-api-key"}}
+        plain = httpx.post(
+            f"{server.base}/v1/messages",
+            timeout=30,
+            json={"model": MODEL, "max_tokens": 2, "messages": messages},
+            headers={"x-api-key": "cellar-key", "anthropic-version": "1999-01-01"},
+        )
+    assert refused.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "missing or wrong x-api-key"},
+    }
     assert plain.status_code == 200
 
 
@@ -370,19 +444,26 @@ def test_agent_loop_turns_are_prefix_hits(served, echo_thinking, capsys):
         reply = _create(client, messages, system=system, tools=TOOLS)
         usage = reply.usage
         prompt_tokens = usage.input_tokens + usage.cache_read_input_tokens
-        ratios.append((prompt_tokens, usage.cache_read_input_tokens,
-                       round(usage.cache_read_input_tokens / prompt_tokens, 3)))
+        ratios.append(
+            (prompt_tokens, usage.cache_read_input_tokens, round(usage.cache_read_input_tokens / prompt_tokens, 3))
+        )
         content = [block for block in reply.content if echo_thinking or block.type != "thinking"]
         messages.append({"role": "assistant", "content": content})
         calls = [block for block in reply.content if block.type == "tool_use"]
         if calls:
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": calls[0].id, "content": "sunny, 24 C"}]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "sunny, 24 C"}],
+                }
+            )
         elif turn == 1:
             messages.append({"role": "user", "content": "And tomorrow?"})
     with capsys.disabled():
-        print(f"\nanthropic agent loop ({'echoing' if echo_thinking else 'dropping'} thinking): "
-              f"(prompt tokens, cache_read_input_tokens, ratio) per turn: {ratios}")
+        print(
+            f"\nanthropic agent loop ({'echoing' if echo_thinking else 'dropping'} thinking): "
+            f"(prompt tokens, cache_read_input_tokens, ratio) per turn: {ratios}"
+        )
     assert ratios[0][2] < 0.1, ratios
     for _prompt_tokens, cached, ratio in ratios[1:]:
         assert cached > 0 and ratio >= 0.75, ratios

@@ -18,8 +18,9 @@ from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 
 # Lengths chosen around gemma3_text's tiny sliding window (32) so rings wrap in some rows and not others.
-PROMPTS = tuple(tuple((7 * i + 13 * k) % 1000 + 3 for i in range(length))
-                for k, length in enumerate((40, 5, 90, 17, 66)))
+PROMPTS = tuple(
+    tuple((7 * i + 13 * k) % 1000 + 3 for i in range(length)) for k, length in enumerate((40, 5, 90, 17, 66))
+)
 MAX_TOKENS = 10
 
 
@@ -30,8 +31,9 @@ def _config(model_dir, **overrides):
 
 
 def _greedy(prompt, max_tokens=MAX_TOKENS, **params):
-    return GenerationRequest(prompt_ids=tuple(prompt),
-                             params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
+    return GenerationRequest(
+        prompt_ids=tuple(prompt), params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    )
 
 
 async def _run(system, request):
@@ -69,9 +71,16 @@ def _outputs(model_dir, requests, **overrides):
     return trio.run(main)
 
 
-@pytest.mark.parametrize(("arch", "dtype"), [("llama", "float32"), ("gemma3_text", "float32"),
-                                           ("qwen3_next", "float32"), ("llama", "bfloat16"),
-                                           ("gemma3_text", "bfloat16")])
+@pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [
+        ("llama", "float32"),
+        ("gemma3_text", "float32"),
+        ("qwen3_next", "float32"),
+        ("llama", "bfloat16"),
+        ("gemma3_text", "bfloat16"),
+    ],
+)
 def test_concurrent_greedy_rows_equal_the_same_requests_on_the_serial_lane(model_dir_factory, arch, dtype):
     model_dir = model_dir_factory(arch, dtype=dtype)
     requests = [_greedy(prompt) for prompt in PROMPTS]
@@ -89,17 +98,19 @@ def test_concurrent_greedy_rows_equal_the_same_requests_on_the_serial_lane(model
 
 def test_per_row_sampling_seeds_stop_strings_and_lengths_match_the_serial_lane(model_dir_factory):
     model_dir = model_dir_factory("llama")
-    (_, probe_text, _), = _outputs(model_dir, [_greedy(PROMPTS[1], 16)], batch_rows_max=1)[0]
+    ((_, probe_text, _),) = _outputs(model_dir, [_greedy(PROMPTS[1], 16)], batch_rows_max=1)[0]
     # Five characters a few in: the stop string ends inside a token, so the row must hold text back.
     stop = probe_text[4:9]
     assert len(stop) == 5, "the probe produced text to stop on"
     requests = [
         _greedy(PROMPTS[0], 16),
-        GenerationRequest(prompt_ids=PROMPTS[1], params=SamplingParams(temperature=0.0, max_tokens=16),
-                          stop_strings=(stop,)),
+        GenerationRequest(
+            prompt_ids=PROMPTS[1], params=SamplingParams(temperature=0.0, max_tokens=16), stop_strings=(stop,)
+        ),
         GenerationRequest(prompt_ids=PROMPTS[2], params=SamplingParams(temperature=1.0, seed=7, max_tokens=12)),
-        GenerationRequest(prompt_ids=PROMPTS[3], params=SamplingParams(temperature=0.7, top_p=0.9, seed=3,
-                                                                       max_tokens=12)),
+        GenerationRequest(
+            prompt_ids=PROMPTS[3], params=SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=12)
+        ),
         _greedy(PROMPTS[4], 3),
     ]
 
@@ -112,7 +123,7 @@ def test_per_row_sampling_seeds_stop_strings_and_lengths_match_the_serial_lane(m
 
     assert seen_by_client(batched) == seen_by_client(serial)
     assert batched[1][2].finish_reason == "stop" and stop not in batched[1][1]
-    assert batched[1][1] == probe_text[:probe_text.find(stop)]
+    assert batched[1][1] == probe_text[: probe_text.find(stop)]
     assert batched[4][2].completion_tokens == 3
 
 
@@ -123,8 +134,10 @@ def test_each_finished_rows_caches_serve_its_next_turn(model_dir_factory, arch):
     async def main():
         async with open_system(_config(model_dir)) as system:
             first = await _concurrently(system, [_greedy(prompt) for prompt in PROMPTS[:3]])
-            follow_ups = [_greedy(prompt + tuple(tokens) + (5, 6, 7), 2)
-                          for prompt, (tokens, _, _) in zip(PROMPTS[:3], first, strict=True)]
+            follow_ups = [
+                _greedy(prompt + tuple(tokens) + (5, 6, 7), 2)
+                for prompt, (tokens, _, _) in zip(PROMPTS[:3], first, strict=True)
+            ]
             second = await _concurrently(system, follow_ups)
             return first, second, system.stats()
 
@@ -280,11 +293,15 @@ def test_background_steps_wait_while_batch_rows_are_active(model_dir_factory):
                     assert gateway.busy and len(scheduler.core.active) == 1
                     for _ in range(3):
                         nursery.start_soon(gateway.run_when_idle, step)
-                    await wait_until(lambda: gateway.stats()["background_waiting"] == 3,
-                                     what="three steps queue behind the running batch")
+                    await wait_until(
+                        lambda: gateway.stats()["background_waiting"] == 3,
+                        what="three steps queue behind the running batch",
+                    )
                     nursery.start_soon(_run, system, _greedy(PROMPTS[2], 20))
-                    await wait_until(lambda: len(scheduler.core.active) == 2,
-                                     what="the second row is admitted into the running batch")
+                    await wait_until(
+                        lambda: len(scheduler.core.active) == 2,
+                        what="the second row is admitted into the running batch",
+                    )
                     engine.resume.set()
             return scheduler.stats()
 
@@ -319,11 +336,14 @@ def test_steps_wait_for_a_row_that_arrived_while_the_last_batch_was_ending(model
                     assert scheduler.core.state is BatchState.ENDING and gateway.busy
                     for _ in range(3):
                         nursery.start_soon(gateway.run_when_idle, step)
-                    await wait_until(lambda: gateway.stats()["background_waiting"] == 3,
-                                     what="three steps queue behind the ending batch")
+                    await wait_until(
+                        lambda: gateway.stats()["background_waiting"] == 3,
+                        what="three steps queue behind the ending batch",
+                    )
                     nursery.start_soon(_run, system, _greedy(PROMPTS[2], 4))
-                    await wait_until(lambda: len(scheduler.core.waiting) == 1,
-                                     what="the second row waits for the next batch")
+                    await wait_until(
+                        lambda: len(scheduler.core.waiting) == 1, what="the second row waits for the next batch"
+                    )
                     engine.resume.set()
 
     trio.run(main)

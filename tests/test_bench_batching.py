@@ -26,9 +26,24 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     model_dir = create_model("llama", tmp_path / "m")
     work = tmp_path / "work"
 
-    outcome = CliRunner().invoke(batching.main, [
-        "--model", str(model_dir), "--prompt-tokens", "8", "--new-tokens", str(NEW_TOKENS), "--rounds", "1", "--passes", "1", "--dir", str(work),
-        "--json"])
+    outcome = CliRunner().invoke(
+        batching.main,
+        [
+            "--model",
+            str(model_dir),
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            str(NEW_TOKENS),
+            "--rounds",
+            "1",
+            "--passes",
+            "1",
+            "--dir",
+            str(work),
+            "--json",
+        ],
+    )
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])

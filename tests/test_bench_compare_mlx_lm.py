@@ -15,16 +15,32 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     model_dir = create_model("llama", tmp_path / "m")
     work = tmp_path / "work"
 
-    outcome = CliRunner().invoke(compare_mlx_lm.main, [
-        "--model", str(model_dir), "--context-tokens", "64", "--turns", "2", "--new-tokens", "4",
-        "--dir", str(work), "--json"])
+    outcome = CliRunner().invoke(
+        compare_mlx_lm.main,
+        [
+            "--model",
+            str(model_dir),
+            "--context-tokens",
+            "64",
+            "--turns",
+            "2",
+            "--new-tokens",
+            "4",
+            "--dir",
+            str(work),
+            "--json",
+        ],
+    )
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])
     for key in ("restart_ttft_ratio", "turn_ttft_ratio", "cold_ttft_ratio"):
         assert figures[key] > 0, key
     assert "decode_ratio" in figures and set(figures["targets_met"]) == {
-        "restart_ttft_ratio_le_0.02", "turn_ttft_ratio_le_1.0", "decode_ratio_ge_0.95"}
+        "restart_ttft_ratio_le_0.02",
+        "turn_ttft_ratio_le_1.0",
+        "decode_ratio_ge_0.95",
+    }
     for name in ("kvcellar", "mlx_lm"):
         server = figures["servers"][name]
         assert server["cold_ttft_s"] > 0 and server["restart_ttft_s"] > 0

@@ -13,7 +13,8 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
 
     outcome = CliRunner().invoke(
-        kvfile_io.main, ["--size-mib", "4", "--repeats", "1", "--json", "--dir", str(tmp_path)])
+        kvfile_io.main, ["--size-mib", "4", "--repeats", "1", "--json", "--dir", str(tmp_path)]
+    )
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])

@@ -9,8 +9,25 @@ from click.testing import CliRunner
 from kvcellar.bench import common, prompt_cache
 
 TINY_SETTINGS = [
-    "--lengths", "64", "--repeats", "1", "--entries", "20", "--queries", "30", "--turns", "4",
-    "--turns-per-conversation", "2", "--user-tokens", "16", "--reply-tokens", "4", "--cap-mib", "1", "--json",
+    "--lengths",
+    "64",
+    "--repeats",
+    "1",
+    "--entries",
+    "20",
+    "--queries",
+    "30",
+    "--turns",
+    "4",
+    "--turns-per-conversation",
+    "2",
+    "--user-tokens",
+    "16",
+    "--reply-tokens",
+    "4",
+    "--cap-mib",
+    "1",
+    "--json",
 ]
 
 

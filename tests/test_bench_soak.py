@@ -16,21 +16,44 @@ from click.testing import CliRunner
 
 from kvcellar.bench import common, soak
 
-SHORT_RUN = ("--duration-s", "20", "--prompts", "8", "--prefix-tokens", "32", "--suffix-tokens", "24",
-             "--new-tokens", "8", "--prompt-cache-gb", "0.001")
+SHORT_RUN = (
+    "--duration-s",
+    "20",
+    "--prompts",
+    "8",
+    "--prefix-tokens",
+    "32",
+    "--suffix-tokens",
+    "24",
+    "--new-tokens",
+    "8",
+    "--prompt-cache-gb",
+    "0.001",
+)
 
 
 def test_short_soak_loses_nothing_and_keeps_the_journal_sound(tmp_path, model_dir_factory):
     docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     work = tmp_path / "work"
 
-    outcome = CliRunner().invoke(soak.main, [
-        "--model", str(model_dir_factory("llama", "small")), *SHORT_RUN, "--dir", str(work), "--json"])
+    outcome = CliRunner().invoke(
+        soak.main, ["--model", str(model_dir_factory("llama", "small")), *SHORT_RUN, "--dir", str(work), "--json"]
+    )
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])
-    evidence = {key: figures[key] for key in ("status_codes", "failures_head", "log_warnings", "verify",
-                                              "journal_first_degraded", "unstable_example", "flush")}
+    evidence = {
+        key: figures[key]
+        for key in (
+            "status_codes",
+            "failures_head",
+            "log_warnings",
+            "verify",
+            "journal_first_degraded",
+            "unstable_example",
+            "flush",
+        )
+    }
     assert figures["requests"] > 0 and figures["status_codes"].get("200") == figures["requests"], evidence
     assert figures["five_xx"] == 0 and figures["transport_errors"] == 0, evidence
     assert figures["streams"] > 0 and figures["streams_without_done"] == 0, evidence
@@ -42,8 +65,14 @@ def test_short_soak_loses_nothing_and_keeps_the_journal_sound(tmp_path, model_di
     assert figures["flush"]["status"] == 200 and figures["flush"]["verdict"]["durable"] is True, evidence
     assert figures["exit_status"] == 0, evidence
     assert figures["health_probes"] > 0 and figures["health_worst_s"] is not None
-    assert set(figures["targets_met"]) == {"zero_5xx", "zero_streams_without_done", "journal_never_degraded",
-                                           "verify_clean", "greedy_outputs_stable", "health_on_restore_lt_50ms"}
+    assert set(figures["targets_met"]) == {
+        "zero_5xx",
+        "zero_streams_without_done",
+        "journal_never_degraded",
+        "verify_clean",
+        "greedy_outputs_stable",
+        "health_on_restore_lt_50ms",
+    }
     assert list(work.iterdir()) == []
     docs_after = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     assert docs_after == docs_before

@@ -11,9 +11,20 @@ from click.testing import CliRunner
 from kvcellar.bench import common, startup
 from kvcellar.engine.demo_models import build_weights
 
-EXPECTED_KEYS = {"model_bytes", "first_start_s", "second_start_s", "ratio", "first_bytes_hashed",
-                 "second_bytes_hashed", "first_fingerprint_s", "second_fingerprint_s", "same_digest", "runs",
-                 "machine", "model"}
+EXPECTED_KEYS = {
+    "model_bytes",
+    "first_start_s",
+    "second_start_s",
+    "ratio",
+    "first_bytes_hashed",
+    "second_bytes_hashed",
+    "first_fingerprint_s",
+    "second_fingerprint_s",
+    "same_digest",
+    "runs",
+    "machine",
+    "model",
+}
 
 
 def _docs_text() -> str | None:

@@ -11,8 +11,20 @@ from kvcellar.engine.demo_models import create_model
 
 TINY_SETTINGS = ["--context-tokens", "64", "--new-tokens", "8", "--repeats", "1", "--json"]
 EXPECTED_KEYS = {
-    "decode_ratio", "decode_tok_s_on", "decode_tok_s_off", "ttft_s_on", "ttft_s_off", "flush_s", "flush_bytes",
-    "flush_durable", "background_steps_during_decode", "repeats", "targets_met", "idle_flush_s", "runs", "machine",
+    "decode_ratio",
+    "decode_tok_s_on",
+    "decode_tok_s_off",
+    "ttft_s_on",
+    "ttft_s_off",
+    "flush_s",
+    "flush_bytes",
+    "flush_durable",
+    "background_steps_during_decode",
+    "repeats",
+    "targets_met",
+    "idle_flush_s",
+    "runs",
+    "machine",
 }
 
 
@@ -25,14 +37,20 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     bench_dir = tmp_path / "bench"
     docs_before = _docs_text()
 
-    outcome = CliRunner().invoke(
-        writebehind.main, ["--model", str(model_dir), "--dir", str(bench_dir), *TINY_SETTINGS])
+    outcome = CliRunner().invoke(writebehind.main, ["--model", str(model_dir), "--dir", str(bench_dir), *TINY_SETTINGS])
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])
     assert set(figures) >= EXPECTED_KEYS
-    for key in ("decode_ratio", "decode_tok_s_on", "decode_tok_s_off", "ttft_s_on", "ttft_s_off", "flush_s",
-                "flush_bytes"):
+    for key in (
+        "decode_ratio",
+        "decode_tok_s_on",
+        "decode_tok_s_off",
+        "ttft_s_on",
+        "ttft_s_off",
+        "flush_s",
+        "flush_bytes",
+    ):
         assert figures[key] > 0, key
     assert figures["flush_durable"] is True
     assert figures["repeats"] == 1

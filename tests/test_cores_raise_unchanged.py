@@ -61,9 +61,15 @@ def snapshot(value: Any) -> Any:
     raise TypeError(f"no snapshot for {value!r}")
 
 
-def run_core(core: Any, data: st.DataObject, blind: st.SearchStrategy[Any],
-             answers: Callable[[Any], list[st.SearchStrategy[Any]]], *, before_each: Callable[[], None] = lambda: None,
-             steps_max: int = 40) -> None:
+def run_core(
+    core: Any,
+    data: st.DataObject,
+    blind: st.SearchStrategy[Any],
+    answers: Callable[[Any], list[st.SearchStrategy[Any]]],
+    *,
+    before_each: Callable[[], None] = lambda: None,
+    steps_max: int = 40,
+) -> None:
     """Feed `core` messages drawn from `blind` or answering its earlier
     effects; check every raise leaves it unchanged."""
     answerable: list[st.SearchStrategy[Any]] = []
@@ -85,10 +91,18 @@ def run_core(core: Any, data: st.DataObject, blind: st.SearchStrategy[Any],
 # -- Gateway --------------------------------------------------------------------
 
 GATEWAY_BLIND = st.one_of(
-    st.builds(gw.Generate, request_id=IDS, prompt_tokens=SMALL,
-              lane=st.sampled_from([gw.LANE_SERIAL, gw.LANE_BATCH, "elsewhere"])),
-    st.builds(gw.GenerationFinished, request_id=IDS, completion_tokens=SMALL,
-              outcome=st.sampled_from(["completed", "cancelled"])),
+    st.builds(
+        gw.Generate,
+        request_id=IDS,
+        prompt_tokens=SMALL,
+        lane=st.sampled_from([gw.LANE_SERIAL, gw.LANE_BATCH, "elsewhere"]),
+    ),
+    st.builds(
+        gw.GenerationFinished,
+        request_id=IDS,
+        completion_tokens=SMALL,
+        outcome=st.sampled_from(["completed", "cancelled"]),
+    ),
     st.builds(gw.RunWhenIdle, step_id=IDS),
     st.builds(gw.StepFinished, step_id=IDS),
     st.just(gw.OtherLaneIdle()),
@@ -99,8 +113,14 @@ GATEWAY_BLIND = st.one_of(
 
 def gateway_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
     if isinstance(effect, gw.StartGeneration):
-        return [st.builds(gw.GenerationFinished, request_id=st.just(effect.request_id), completion_tokens=SMALL,
-                          outcome=st.just("completed"))]
+        return [
+            st.builds(
+                gw.GenerationFinished,
+                request_id=st.just(effect.request_id),
+                completion_tokens=SMALL,
+                outcome=st.just("completed"),
+            )
+        ]
     if isinstance(effect, gw.RunStep):
         return [st.just(gw.StepFinished(step_id=effect.step_id))]
     return []
@@ -123,8 +143,9 @@ def test_gateway_core_is_unchanged_when_it_raises(data: st.DataObject) -> None:
 SCHEDULER_BLIND = st.one_of(
     st.builds(sch.Submit, request_id=IDS, prompt_tokens=SMALL, kv_bytes=st.integers(min_value=0, max_value=120)),
     st.builds(sch.Cancel, request_id=IDS),
-    st.builds(sch.RowFinished, request_id=IDS, outcome=st.sampled_from([*sch.OUTCOMES, "lost"]),
-              completion_tokens=SMALL),
+    st.builds(
+        sch.RowFinished, request_id=IDS, outcome=st.sampled_from([*sch.OUTCOMES, "lost"]), completion_tokens=SMALL
+    ),
     st.builds(sch.BatchEnded, batch_id=SMALL, error=st.sampled_from(["", "boom"])),
     st.just(gw.StopAdmission()),
     st.builds(gw.AwaitDrained, waiter_id=IDS),
@@ -133,8 +154,14 @@ SCHEDULER_BLIND = st.one_of(
 
 def scheduler_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
     if isinstance(effect, sch.AdmitRow):
-        return [st.builds(sch.RowFinished, request_id=st.just(effect.request_id),
-                          outcome=st.sampled_from(sch.OUTCOMES), completion_tokens=SMALL)]
+        return [
+            st.builds(
+                sch.RowFinished,
+                request_id=st.just(effect.request_id),
+                outcome=st.sampled_from(sch.OUTCOMES),
+                completion_tokens=SMALL,
+            )
+        ]
     if isinstance(effect, (sch.StartBatch, sch.EndBatch)):
         return [st.just(sch.BatchEnded(batch_id=effect.batch_id))]
     return []
@@ -150,8 +177,7 @@ def test_scheduler_core_is_unchanged_when_it_raises(data: st.DataObject) -> None
 # -- SpillQueue -----------------------------------------------------------------
 
 SPILL_BLIND = st.one_of(
-    st.builds(spq.Enqueue, item_id=IDS, bytes=st.integers(min_value=0, max_value=50),
-              kind=st.sampled_from(spq.KINDS)),
+    st.builds(spq.Enqueue, item_id=IDS, bytes=st.integers(min_value=0, max_value=50), kind=st.sampled_from(spq.KINDS)),
     st.builds(spq.WriteResult, item_id=IDS, outcome=st.sampled_from(spq.WRITE_OUTCOMES)),
     st.builds(spq.AwaitIdle, waiter_id=IDS),
     st.just(spq.Shutdown()),
@@ -160,8 +186,9 @@ SPILL_BLIND = st.one_of(
 
 def spill_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
     if isinstance(effect, spq.Dispatch):
-        return [st.builds(spq.WriteResult, item_id=st.just(effect.item_id),
-                          outcome=st.sampled_from(spq.WRITE_OUTCOMES))]
+        return [
+            st.builds(spq.WriteResult, item_id=st.just(effect.item_id), outcome=st.sampled_from(spq.WRITE_OUTCOMES))
+        ]
     return []
 
 
@@ -193,14 +220,25 @@ DURABILITY_BLIND = st.one_of(
 def durability_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
     if isinstance(effect, dur.StartAttempt):
         # A deferral of a forced attempt is illegal: offered too, it must raise cleanly.
-        return [st.builds(dur.AttemptResult, key=st.just(effect.key), version=st.just(effect.version),
-                          outcome=st.sampled_from(dur.OUTCOMES)),
-                st.just(dur.AttemptDeferred(key=effect.key, version=effect.version))]
+        return [
+            st.builds(
+                dur.AttemptResult,
+                key=st.just(effect.key),
+                version=st.just(effect.version),
+                outcome=st.sampled_from(dur.OUTCOMES),
+            ),
+            st.just(dur.AttemptDeferred(key=effect.key, version=effect.version)),
+        ]
     if isinstance(effect, dur.DrainQueue):
         return [st.just(dur.QueueDrained(flush_id=effect.flush_id))]
     if isinstance(effect, dur.CheckCoverage):
-        return [st.builds(dur.CoverageChecked, flush_id=st.just(effect.flush_id),
-                          covered=st.frozensets(st.sampled_from(effect.keys)))]
+        return [
+            st.builds(
+                dur.CoverageChecked,
+                flush_id=st.just(effect.flush_id),
+                covered=st.frozensets(st.sampled_from(effect.keys)),
+            )
+        ]
     if isinstance(effect, ArmTimer):
         return [st.just(TimerFired(key=effect.key))]
     return []
@@ -247,11 +285,15 @@ SSD_BLIND = st.one_of(
 
 def ssd_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
     if isinstance(effect, ssw.WriteTensor):
-        return [st.just(ssw.TensorWritten(write_id=effect.write_id, index=effect.index)),
-                st.just(ssw.WriteFailed(write_id=effect.write_id, reason="disk"))]
+        return [
+            st.just(ssw.TensorWritten(write_id=effect.write_id, index=effect.index)),
+            st.just(ssw.WriteFailed(write_id=effect.write_id, reason="disk")),
+        ]
     if isinstance(effect, ssw.Commit):
-        return [st.just(ssw.Committed(write_id=effect.write_id)),
-                st.just(ssw.WriteFailed(write_id=effect.write_id, reason="fsync"))]
+        return [
+            st.just(ssw.Committed(write_id=effect.write_id)),
+            st.just(ssw.WriteFailed(write_id=effect.write_id, reason="fsync")),
+        ]
     return []
 
 

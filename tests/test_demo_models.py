@@ -38,9 +38,7 @@ from kvcellar.errors import ModelError, UsageError
 # sha256 of model.safetensors for llama, tiny, float32, seed 0 (mlx 0.32.4, Linux
 # CPU). A change means models are no longer byte-identical across machines or
 # MLX versions; re-record only after deciding that is acceptable.
-GOLDEN_LLAMA_TINY_FLOAT32_SEED0_SHA256 = (
-    "b491f6f038772abbad03b6d8faf910fa7f4679c8ca80f58521ac71af4bd3f9b2"
-)
+GOLDEN_LLAMA_TINY_FLOAT32_SEED0_SHA256 = "b491f6f038772abbad03b6d8faf910fa7f4679c8ca80f58521ac71af4bd3f9b2"
 DEMO_SMALL_PARAMETER_COUNT = 4_984_064
 
 
@@ -80,9 +78,7 @@ def llama_tokenizer(tiny_model_dirs: dict[str, Path]):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_tiny_model_loads_offline_and_gives_finite_logits(
-    arch: str, tiny_model_dirs: dict[str, Path]
-) -> None:
+def test_tiny_model_loads_offline_and_gives_finite_logits(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(tiny_model_dirs[arch]))
@@ -129,9 +125,7 @@ def test_safetensors_metadata_holds_only_the_constant_format_tag(
     assert header["__metadata__"] == {"format": "mlx"}
 
 
-def test_config_eos_token_id_is_the_tokenizer_eos_token(
-    tiny_model_dirs: dict[str, Path], llama_tokenizer
-) -> None:
+def test_config_eos_token_id_is_the_tokenizer_eos_token(tiny_model_dirs: dict[str, Path], llama_tokenizer) -> None:
     config = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
     assert llama_tokenizer.eos_token == EOS_TOKEN
     assert config["eos_token_id"] == llama_tokenizer.eos_token_id == EOS_TOKEN_ID
@@ -142,13 +136,9 @@ def test_chat_template_renders_chatml_with_generation_prompt(llama_tokenizer) ->
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi 🙂"},
     ]
-    rendered = llama_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
+    rendered = llama_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nHi 🙂<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n"
     )
     without_prompt = llama_tokenizer.apply_chat_template(messages[:1], tokenize=False)
     assert without_prompt == "<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -200,9 +190,7 @@ def test_create_model_rejects_unknown_choice_naming_the_valid_ones(
     assert not (tmp_path / "model").exists()
 
 
-def test_size_missing_for_an_arch_is_refused_naming_its_sizes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_size_missing_for_an_arch_is_refused_naming_its_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(demo_models.SIZE_OVERRIDES["mamba2"], "medium")
     with pytest.raises(UsageError, match="supports: tiny, small"):
         create_model("mamba2", tmp_path / "model", size="medium")
@@ -221,9 +209,7 @@ def test_create_model_refuses_non_empty_dir_unless_overwrite(tmp_path: Path) -> 
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
-def test_failed_write_leaves_no_model_and_no_temporary_dir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_failed_write_leaves_no_model_and_no_temporary_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def fail_to_write(*args: object) -> None:
         raise ModelError("disk full (simulated)")
 
@@ -254,9 +240,7 @@ def test_ensure_demo_model_replaces_incomplete_dir_and_cleans_abandoned_partial_
     assert progress_lines
 
 
-def test_cli_model_create_writes_model_and_prints_summary(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_model_create_writes_model_and_prints_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_dir = tmp_path / "gemma"
     exit_status = main(["model", "create", "--arch", "gemma3_text", "--seed", "3", str(out_dir)])
     printed = capsys.readouterr().out

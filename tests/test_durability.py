@@ -46,10 +46,16 @@ from kvcellar.store.prompt_cache import SpillSnapshot
 
 # -- the core against the spec's rules ----------------------------------------
 
-KEYS = [RecordKey(namespace=namespace, tokens=tokens)
-        for namespace, tokens in [("a", (1, 2, 3)), ("a", (1, 2, 4)), ("b", (1, 2, 3)), ("a", (1, 2))]]
-FLUSHING = {DurabilityState.FLUSH_SETTLING, DurabilityState.FLUSH_DRAINING, DurabilityState.FLUSH_FORCING,
-            DurabilityState.FLUSH_RECHECK}
+KEYS = [
+    RecordKey(namespace=namespace, tokens=tokens)
+    for namespace, tokens in [("a", (1, 2, 3)), ("a", (1, 2, 4)), ("b", (1, 2, 3)), ("a", (1, 2))]
+]
+FLUSHING = {
+    DurabilityState.FLUSH_SETTLING,
+    DurabilityState.FLUSH_DRAINING,
+    DurabilityState.FLUSH_FORCING,
+    DurabilityState.FLUSH_RECHECK,
+}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -69,9 +75,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.flush_ids = itertools.count(1)
         self.asked: set[int] = set()
         self.verdicts: dict[int, FlushVerdict] = {}
-        self.latest: dict[RecordKey, int] = {}       # the latest put version of each key
-        self.satisfied: dict[RecordKey, int] = {}    # the highest version a stored/covered answer was for
-        self.running: tuple[int, ...] = ()           # the flush ids of the run in progress
+        self.latest: dict[RecordKey, int] = {}  # the latest put version of each key
+        self.satisfied: dict[RecordKey, int] = {}  # the highest version a stored/covered answer was for
+        self.running: tuple[int, ...] = ()  # the flush ids of the run in progress
         self.owed: dict[int, dict[RecordKey, int]] = {}  # per flush: the latest versions put before its run began
         self.faults: dict[int, dict[str, int]] = {}  # per flush: dropped/failed answers since its run began
         self.scope: dict[int, frozenset[RecordKey]] = {}  # per flush: the keys with a record at its run's begin
@@ -321,8 +327,9 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 TestCoreMachine = CoreMachine.TestCase
-TestCoreMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestCoreMachine.settings = settings(
+    max_examples=300, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def test_illegal_messages_name_the_state() -> None:
@@ -397,7 +404,7 @@ class FakePorts:
         return SpillSnapshot(namespace=namespace, tokens=tokens, caches=[], bytes=len(tokens), reason="write-behind")
 
     def covers(self, tokens: tuple[int, ...], namespace: str) -> bool:
-        return any(n == namespace and t[:len(tokens)] == tokens for n, t in self.ssd)
+        return any(n == namespace and t[: len(tokens)] == tokens for n, t in self.ssd)
 
     async def submit(self, snapshot: SpillSnapshot) -> str:
         assert not self.in_turn, "the write waits outside the engine turn"
@@ -740,10 +747,24 @@ def test_journal_events_are_registered_and_round_trip() -> None:
         await coordinator.flush()
 
     _, journal = run_shell(body)
-    assert set(journal.kinds()) == {"durability.dirty", "durability.attempt", "durability.settled", "flush.begin",
-                                    "flush.verdict"}
-    timeout = FlushTimedOutRecorded(flush_id=1, begun=True, pending=1, dropped=0, failed=0, missing_uncovered=0,
-                                    dirty_keys_count=1, forced=0, elapsed_s=0.5)
+    assert set(journal.kinds()) == {
+        "durability.dirty",
+        "durability.attempt",
+        "durability.settled",
+        "flush.begin",
+        "flush.verdict",
+    }
+    timeout = FlushTimedOutRecorded(
+        flush_id=1,
+        begun=True,
+        pending=1,
+        dropped=0,
+        failed=0,
+        missing_uncovered=0,
+        dirty_keys_count=1,
+        forced=0,
+        elapsed_s=0.5,
+    )
     assert EVENT_TYPES["flush.timeout"] is FlushTimedOutRecorded
     assert from_cbor(to_cbor(timeout), FlushTimedOutRecorded) == timeout
     for event in journal.events:

@@ -59,8 +59,9 @@ def _sha256_file(path: Path) -> str:
 
 def _hashed_bytes(model_dir: Path) -> int:
     """What a cold memo reads: every shard and every tokenizer file."""
-    return (sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
-            + sum(path.stat().st_size for _, path in tokenizer_files(model_dir)))
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors")) + sum(
+        path.stat().st_size for _, path in tokenizer_files(model_dir)
+    )
 
 
 def test_digest_is_stable_and_fields_are_plain_strings(model_dir):
@@ -81,8 +82,9 @@ def test_fingerprint_names_the_mlx_lm_version_and_the_device_architecture(model_
     assert fingerprint.device_architecture == describe_device_architecture() != ""
     other_chip = compute_fingerprint(model_dir, device_architecture="Another Chip (arm64)")
     assert other_chip.digest != fingerprint.digest
-    assert {name for name, value in other_chip.as_dict().items()
-            if fingerprint.as_dict()[name] != value} == {"device_architecture"}
+    assert {name for name, value in other_chip.as_dict().items() if fingerprint.as_dict()[name] != value} == {
+        "device_architecture"
+    }
 
 
 def test_device_architecture_names_the_cpu_model_or_the_gpu(tmp_path):
@@ -247,8 +249,13 @@ def test_changed_symlink_target_invalidates(model_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"\xff\x00garbage", b'{"json": true}', to_cbor({"format": "someone-else", "version": 1, "entries": {}}),
-     to_cbor({"format": "kvcellar-shard-digest-memo", "version": 1, "entries": {"/x": {"sha256": 5}}})],
+    [
+        b"",
+        b"\xff\x00garbage",
+        b'{"json": true}',
+        to_cbor({"format": "someone-else", "version": 1, "entries": {}}),
+        to_cbor({"format": "kvcellar-shard-digest-memo", "version": 1, "entries": {"/x": {"sha256": 5}}}),
+    ],
     ids=["empty", "garbage", "json", "foreign", "malformed-entry"],
 )
 def test_corrupt_or_foreign_memo_is_ignored(model_dir, tmp_path, content):
@@ -342,8 +349,15 @@ def test_canonical_config_bytes_ignores_key_order(config, seed):
 
 
 def _system_config(model_dir: Path, tmp_path: Path, memo: ShardDigestMemo) -> SystemConfig:
-    return SystemConfig(model_dir=model_dir, ssd_dir=tmp_path / "ssd", shard_digest_memo=memo, debounce_s=0.05,
-                        busy_rearm_s=0.05, demote_idle_s=0, shutdown_timeout_s=60)
+    return SystemConfig(
+        model_dir=model_dir,
+        ssd_dir=tmp_path / "ssd",
+        shard_digest_memo=memo,
+        debounce_s=0.05,
+        busy_rearm_s=0.05,
+        demote_idle_s=0,
+        shutdown_timeout_s=60,
+    )
 
 
 async def _generate(system, prompt: tuple[int, ...]) -> None:

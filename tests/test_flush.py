@@ -50,15 +50,23 @@ class WriteGate:
 
 
 def _config(model_dir, tmp_path, **overrides: Any) -> SystemConfig:
-    values: dict[str, Any] = dict(model_dir=model_dir, ssd_dir=tmp_path / "ssd", debounce_s=0.05, busy_rearm_s=0.05,
-                                  demote_idle_s=0, shutdown_timeout_s=60)
+    values: dict[str, Any] = dict(
+        model_dir=model_dir,
+        ssd_dir=tmp_path / "ssd",
+        debounce_s=0.05,
+        busy_rearm_s=0.05,
+        demote_idle_s=0,
+        shutdown_timeout_s=60,
+    )
     values.update(overrides)
     return SystemConfig(**values)
 
 
 @asynccontextmanager
-async def serving(config: SystemConfig, gate: WriteGate | None = None,
-                  ) -> AsyncIterator[tuple[System, httpx.AsyncClient]]:
+async def serving(
+    config: SystemConfig,
+    gate: WriteGate | None = None,
+) -> AsyncIterator[tuple[System, httpx.AsyncClient]]:
     """The system and hypercorn serving its app on 127.0.0.1, in this Trio
     run; `gate` holds the system's blocking calls (the writer's file I/O)."""
     port = _free_port()
@@ -104,9 +112,14 @@ def test_flush_past_its_timeout_answers_with_the_pending_evidence(model_dir_fact
 
 
 BAD_TIMEOUTS = [
-    ({"timeout_s": "soon"}, None), ({"timeout_s": "-1"}, None), ({"timeout_s": "0"}, None),
-    ({"timeout_s": "nan"}, None), ({"timeout_s": "inf"}, None), (None, {"timeout_s": "5"}),
-    (None, {"timeout_s": True}), ({"timeout_s": "5"}, {"timeout_s": 5}),
+    ({"timeout_s": "soon"}, None),
+    ({"timeout_s": "-1"}, None),
+    ({"timeout_s": "0"}, None),
+    ({"timeout_s": "nan"}, None),
+    ({"timeout_s": "inf"}, None),
+    (None, {"timeout_s": "5"}),
+    (None, {"timeout_s": True}),
+    ({"timeout_s": "5"}, {"timeout_s": 5}),
 ]
 
 
@@ -128,8 +141,7 @@ def test_a_bad_timeout_is_a_400_naming_it(model_dir_factory, tmp_path):
     trio.run(main)
 
 
-def test_write_behind_off_drains_the_spill_queue_and_says_what_it_vouches_for(model_dir_factory, tmp_path,
-                                                                              monkeypatch):
+def test_write_behind_off_drains_the_spill_queue_and_says_what_it_vouches_for(model_dir_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCELLAR_SSD_WRITEBEHIND", "0")
     gate = WriteGate()
 

@@ -67,7 +67,8 @@ def test_stopped_admission_rejects_and_drain_wakes_when_nothing_is_active():
     core.handle(Generate(request_id=1, prompt_tokens=5), 0)
     core.handle(StopAdmission(), 0)
     assert core.handle(Generate(request_id=2, prompt_tokens=5), 0) == [
-        Rejected(request_id=2, reason="the server is shutting down")]
+        Rejected(request_id=2, reason="the server is shutting down")
+    ]
     assert not [e for e in core.handle(AwaitDrained(waiter_id=7), 0) if isinstance(e, Drained)]
     done = core.handle(GenerationFinished(request_id=1, completion_tokens=1, outcome="cancelled"), 0)
     assert Drained(waiter_id=7) in done
@@ -118,8 +119,11 @@ def test_the_lane_never_runs_two_things_and_steps_never_run_while_busy(actions):
             continue
         else:
             kind, ident = running
-            message = (GenerationFinished(request_id=ident, completion_tokens=1, outcome="completed")
-                       if kind == "generate" else StepFinished(step_id=ident))
+            message = (
+                GenerationFinished(request_id=ident, completion_tokens=1, outcome="completed")
+                if kind == "generate"
+                else StepFinished(step_id=ident)
+            )
             running = None
             effects = core.handle(message, 0)
         for effect in _starts(effects):

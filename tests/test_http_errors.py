@@ -29,8 +29,10 @@ from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.http.app import build_app
 
-REFUSE_SYSTEM_ROLE = ("{%- for message in messages %}{%- if message['role'] == 'system' %}"
-                      "{{- raise_exception('System role not supported') }}{%- endif %}{%- endfor %}")
+REFUSE_SYSTEM_ROLE = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{{- raise_exception('System role not supported') }}{%- endif %}{%- endfor %}"
+)
 
 
 class InProcessServer:
@@ -157,27 +159,37 @@ def refusing_server(model_dir_factory, tmp_path_factory):
 def test_a_chat_template_that_raises_is_a_400_naming_messages(refusing_server):
     client = _client(refusing_server.base)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=refusing_server.model_id, max_tokens=4, temperature=0, messages=[
-            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+        client.chat.completions.create(
+            model=refusing_server.model_id,
+            max_tokens=4,
+            temperature=0,
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        )
     assert refused.value.status_code == 400
     error = refused.value.body
     assert error["param"] == "messages" and error["type"] == "invalid_request_error"
     assert "System role not supported" in error["message"]
-    reply = client.chat.completions.create(model=refusing_server.model_id, max_tokens=4, temperature=0,
-                                           messages=[{"role": "user", "content": "hi"}])
+    reply = client.chat.completions.create(
+        model=refusing_server.model_id, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "hi"}]
+    )
     assert reply.choices[0].message.content is not None and reply.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
-    {"type": "image", "image": "x"},
-    {"type": "audio", "audio": "x"},
-])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "image", "image": "x"},
+        {"type": "audio", "audio": "x"},
+    ],
+)
 def test_an_image_or_audio_part_is_a_400_naming_the_part(refusing_server, part):
     client = _client(refusing_server.base)
-    messages = [{"role": "user", "content": "first turn"},
-                {"role": "user", "content": [part, {"type": "text", "text": "what is this?"}]}]
+    messages = [
+        {"role": "user", "content": "first turn"},
+        {"role": "user", "content": [part, {"type": "text", "text": "what is this?"}]},
+    ]
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=refusing_server.model_id, max_tokens=4, messages=messages)
     error = refused.value.body
@@ -188,10 +200,17 @@ def test_an_image_or_audio_part_is_a_400_naming_the_part(refusing_server, part):
 def test_content_as_a_list_of_text_parts_keeps_working(refusing_server):
     client = _client(refusing_server.base)
     parts = client.chat.completions.create(
-        model=refusing_server.model_id, max_tokens=4, temperature=0,
-        messages=[{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}])
-    joined = client.chat.completions.create(model=refusing_server.model_id, max_tokens=4, temperature=0,
-                                            messages=[{"role": "user", "content": "hello there"}])
+        model=refusing_server.model_id,
+        max_tokens=4,
+        temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}],
+    )
+    joined = client.chat.completions.create(
+        model=refusing_server.model_id,
+        max_tokens=4,
+        temperature=0,
+        messages=[{"role": "user", "content": "hello there"}],
+    )
     assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
     assert parts.choices[0].message.content == joined.choices[0].message.content
 
@@ -214,8 +233,13 @@ def test_a_batch_aborted_mid_stream_ends_with_an_error_event_and_done(model_dir_
 
         client = _client(server.base)
         with pytest.raises(openai.APIError) as streamed:
-            for _ in client.chat.completions.create(model=model_dir.name, max_tokens=40, temperature=0,
-                                                    stream=True, messages=[{"role": "user", "content": "hi"}]):
+            for _ in client.chat.completions.create(
+                model=model_dir.name,
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+                messages=[{"role": "user", "content": "hi"}],
+            ):
                 pass
         assert "the batch job failed" in streamed.value.message
 
@@ -254,17 +278,25 @@ async def _journaled_completion_tokens(system):
 @pytest.mark.parametrize("batch_rows_max", [1, 4], ids=["serial", "batch"])
 def test_completion_tokens_count_exactly_the_emitted_tokens(model_dir_factory, tmp_path, batch_rows_max):
     model_dir = model_dir_factory("llama")
-    config = SystemConfig(model_dir=model_dir, ssd_dir=tmp_path, demote_idle_s=0, shutdown_timeout_s=60,
-                          batch_rows_max=batch_rows_max)
+    config = SystemConfig(
+        model_dir=model_dir, ssd_dir=tmp_path, demote_idle_s=0, shutdown_timeout_s=60, batch_rows_max=batch_rows_max
+    )
     with InProcessServer(config) as server:
         lane = server.run(_lane)
         assert lane == ("serial" if batch_rows_max == 1 else "batch")
         client = _client(server.base)
-        reply = client.completions.create(model=model_dir.name, prompt="The cellar keeps", max_tokens=8,
-                                          temperature=0)
+        reply = client.completions.create(model=model_dir.name, prompt="The cellar keeps", max_tokens=8, temperature=0)
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
-        chunks = list(client.completions.create(model=model_dir.name, prompt="The cellar keeps", max_tokens=8,
-                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=model_dir.name,
+                prompt="The cellar keeps",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
         assert chunks[-1].usage.completion_tokens == 8
 
@@ -298,10 +330,12 @@ def test_rendering_and_tokenizing_run_on_a_worker_thread_not_the_trio_thread(mod
         client = _client(server.base)
         long_prompt = "many cellars keep many casks " * 3500  # ~100k characters, past the tiny model's context
         with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model=model_dir.name, max_tokens=2, temperature=0,
-                                           messages=[{"role": "user", "content": long_prompt}])
+            client.chat.completions.create(
+                model=model_dir.name, max_tokens=2, temperature=0, messages=[{"role": "user", "content": long_prompt}]
+            )
         assert refused.value.body["param"] == "messages" and "context" in refused.value.body["message"]
-        reply = client.chat.completions.create(model=model_dir.name, max_tokens=2, temperature=0,
-                                               messages=[{"role": "user", "content": "a short one"}])
+        reply = client.chat.completions.create(
+            model=model_dir.name, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "a short one"}]
+        )
         assert reply.usage.completion_tokens >= 1
         assert len(threads) == 4 and trio_thread not in threads, (trio_thread, threads)

@@ -38,7 +38,10 @@ def test_bare_import_http_in_the_test_process_is_the_standard_library():
 def test_bare_import_http_under_python_c_from_repo_root_is_the_standard_library():
     result = subprocess.run(
         [sys.executable, "-c", "import http, kvcellar.http; print(http.__file__)"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert not _is_repo_http(result.stdout.strip())
@@ -60,7 +63,10 @@ def test_bare_import_http_under_pytest_from_repo_root_is_the_standard_library(la
     probe.write_text(PROBE_TEST.format(root=str(REPO_ROOT)))
     result = subprocess.run(
         [*launcher, "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(probe)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout

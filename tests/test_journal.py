@@ -11,9 +11,18 @@ from kvcellar.store.journal import SCHEMA_VERSION, Journal, JournalError
 
 
 def _fields(entry_id: str, tokens: int = 10) -> ev.EntryFields:
-    return ev.EntryFields(entry_id=entry_id, namespace="", path=f"ns/{entry_id}.kvc", token_count=tokens,
-                          tokens_digest="ab" * 16, token_ids=bytes(4 * tokens), bytes=100 * tokens, mtime_ns=tokens, trimmable=True,
-                          minimum_reusable_offset=0)
+    return ev.EntryFields(
+        entry_id=entry_id,
+        namespace="",
+        path=f"ns/{entry_id}.kvc",
+        token_count=tokens,
+        tokens_digest="ab" * 16,
+        token_ids=bytes(4 * tokens),
+        bytes=100 * tokens,
+        mtime_ns=tokens,
+        trimmable=True,
+        minimum_reusable_offset=0,
+    )
 
 
 def test_append_updates_projection_in_the_same_transaction_and_replay_matches(tmp_path):

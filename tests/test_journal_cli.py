@@ -77,7 +77,12 @@ def test_export_writes_every_event_as_a_json_line(cache_dir):
     assert result.exit_code == 0, result.output
     events = [json.loads(line) for line in result.output.splitlines()]
     assert [e["kind"] for e in events] == [
-        "entry.stored", "entry.stored", "entry.superseded", "entry.stored", "entry.hit", "entry.restored",
+        "entry.stored",
+        "entry.stored",
+        "entry.superseded",
+        "entry.stored",
+        "entry.hit",
+        "entry.restored",
         "entry.evicted",
     ]
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
@@ -112,8 +117,20 @@ def test_tail_follow_sees_an_append_by_the_running_store(cache_dir, monkeypatch)
     monkeypatch.setattr(journal_cli, "_follow", signalling_follow)
 
     def follow():
-        outcome["result"] = _run("tail", "-f", "--json", "-n", "0", "--interval-seconds", "0.05",
-                                 "--max-seconds", "10", "--max-events", "1", str(root))
+        outcome["result"] = _run(
+            "tail",
+            "-f",
+            "--json",
+            "-n",
+            "0",
+            "--interval-seconds",
+            "0.05",
+            "--max-seconds",
+            "10",
+            "--max-events",
+            "1",
+            str(root),
+        )
 
     follower = threading.Thread(target=follow)
     started = time.monotonic()
@@ -163,8 +180,13 @@ def test_entries_lists_the_index_with_namespace_filter_and_sort(cache_dir):
 def test_stats_counts_kinds_and_traffic(cache_dir):
     root, store, ids = cache_dir
     stats = _json("stats", str(root))
-    assert stats["counts_by_kind"] == {"entry.evicted": 1, "entry.hit": 1, "entry.restored": 1,
-                                       "entry.stored": 3, "entry.superseded": 1}
+    assert stats["counts_by_kind"] == {
+        "entry.evicted": 1,
+        "entry.hit": 1,
+        "entry.restored": 1,
+        "entry.stored": 3,
+        "entry.superseded": 1,
+    }
     long_bytes = store.entry(ids["long"]).bytes
     assert stats["bytes_restored"] == long_bytes
     assert stats["bytes_written"] > 2 * long_bytes
@@ -208,8 +230,15 @@ def test_verify_catches_a_file_deleted_behind_its_back(cache_dir):
     report = _run("verify", "--json", str(root))
     assert report.exit_code == 1
     mismatches = json.loads(report.output)["mismatches"]
-    assert mismatches == [{"check": "projection vs files", "entry_id": ids["long"], "field": "entry",
-                           "left": "present", "right": "missing"}]
+    assert mismatches == [
+        {
+            "check": "projection vs files",
+            "entry_id": ids["long"],
+            "field": "entry",
+            "left": "present",
+            "right": "missing",
+        }
+    ]
 
 
 def test_verify_catches_a_file_added_behind_its_back(cache_dir):
@@ -228,7 +257,9 @@ def test_verify_catches_a_tampered_projection_row(cache_dir):
         connection.execute("UPDATE entries SET bytes = 12345 WHERE entry_id = ?", [ids["long"]])
     mismatches = json.loads(_run("verify", "--json", str(root)).output)["mismatches"]
     assert {(m["check"], m["field"], m["left"]) for m in mismatches} == {
-        ("projection vs replay", "bytes", 12345), ("projection vs files", "bytes", 12345)}
+        ("projection vs replay", "bytes", 12345),
+        ("projection vs files", "bytes", 12345),
+    }
     assert _run("verify", str(root)).exit_code == 1
 
 

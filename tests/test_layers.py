@@ -99,8 +99,7 @@ def test_every_component_has_a_layer():
 
 
 def test_every_module_imports_only_its_own_component_and_lower_layers():
-    violations = [line for module, imports in import_graph().items()
-                  for line in layering_violations(module, imports)]
+    violations = [line for module, imports in import_graph().items() for line in layering_violations(module, imports)]
     assert not violations, "\n".join(violations)
 
 
@@ -114,7 +113,7 @@ def test_modules_import_each_other_without_a_cycle():
         stack.append(module)
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:
@@ -129,13 +128,16 @@ def test_modules_import_each_other_without_a_cycle():
             assert cycle is None, " -> ".join(cycle)
 
 
-@pytest.mark.parametrize(("module", "source", "offender"), [
-    ("kvcellar.store.journal_cli", "import kvcellar.actors.durability\n", "kvcellar.actors.durability"),
-    ("kvcellar.store.ssd", "def f():\n    from kvcellar.actors import system\n", "kvcellar.actors.system"),
-    ("kvcellar.http.app", "from kvcellar.simulations.harness import simulate\n", "kvcellar.simulations.harness"),
-    ("kvcellar.errors", "from kvcellar.serialization import to_cbor\n", "kvcellar.serialization"),
-    ("kvcellar.store.kvfile", "from ..engine import engine\n", "kvcellar.engine.engine"),
-])
+@pytest.mark.parametrize(
+    ("module", "source", "offender"),
+    [
+        ("kvcellar.store.journal_cli", "import kvcellar.actors.durability\n", "kvcellar.actors.durability"),
+        ("kvcellar.store.ssd", "def f():\n    from kvcellar.actors import system\n", "kvcellar.actors.system"),
+        ("kvcellar.http.app", "from kvcellar.simulations.harness import simulate\n", "kvcellar.simulations.harness"),
+        ("kvcellar.errors", "from kvcellar.serialization import to_cbor\n", "kvcellar.serialization"),
+        ("kvcellar.store.kvfile", "from ..engine import engine\n", "kvcellar.engine.engine"),
+    ],
+)
 def test_the_check_catches_an_import_that_reaches_up_or_sideways(module, source, offender):
     imports = imported_modules(source, module, is_package=False)
     violations = layering_violations(module, imports)
@@ -143,8 +145,10 @@ def test_the_check_catches_an_import_that_reaches_up_or_sideways(module, source,
 
 
 def test_the_check_allows_own_component_and_lower_layers():
-    source = ("from kvcellar.store import kvfile\nfrom kvcellar.errors import UsageError\n"
-              "import kvcellar.engine.engine\nfrom . import gateway\n")
+    source = (
+        "from kvcellar.store import kvfile\nfrom kvcellar.errors import UsageError\n"
+        "import kvcellar.engine.engine\nfrom . import gateway\n"
+    )
     imports = imported_modules(source, "kvcellar.actors.system", is_package=False)
     assert {"kvcellar.store.kvfile", "kvcellar.engine.engine", "kvcellar.actors.gateway"} <= imports
     assert layering_violations("kvcellar.actors.system", imports) == []

@@ -17,28 +17,85 @@ from kvcellar.http.metrics import SPECS, UNDESCRIBED_HELP, metrics_registry, ren
 
 # The shape `System.stats()` returns on the batch lane with an SSD tier.
 STATS = {
-    "prompt_cache": {"entries": 3, "bytes": 31232, "max_bytes": 8_000_000_000, "hits": 5, "misses": 2,
-                     "cold_hits": 1, "cold_refused": 0, "puts": 7, "evictions": 4, "supersessions": 2, "spills": 6,
-                     "spill_failures": 0, "demotions": 1, "oversize": 0},
+    "prompt_cache": {
+        "entries": 3,
+        "bytes": 31232,
+        "max_bytes": 8_000_000_000,
+        "hits": 5,
+        "misses": 2,
+        "cold_hits": 1,
+        "cold_refused": 0,
+        "puts": 7,
+        "evictions": 4,
+        "supersessions": 2,
+        "spills": 6,
+        "spill_failures": 0,
+        "demotions": 1,
+        "oversize": 0,
+    },
     "gateway": {"busy": True, "lane": "batching", "waiting": 2, "background_waiting": 1, "admitting": True},
-    "ssd_cache": {"entries": 4, "bytes": 73344, "max_bytes": None, "restores": 2, "spills": 5,
-                  "restore_ms_last": 12.5, "demotions": 1, "pending_snapshots": 3, "pending_spills": 2,
-                  "pending_spill_bytes": 4096, "dropped_spills": 0, "failed_spills": 1,
-                  "longest_durable_prefix_tokens": 61, "quarantined": 0, "journal": "ok"},
+    "ssd_cache": {
+        "entries": 4,
+        "bytes": 73344,
+        "max_bytes": None,
+        "restores": 2,
+        "spills": 5,
+        "restore_ms_last": 12.5,
+        "demotions": 1,
+        "pending_snapshots": 3,
+        "pending_spills": 2,
+        "pending_spill_bytes": 4096,
+        "dropped_spills": 0,
+        "failed_spills": 1,
+        "longest_durable_prefix_tokens": 61,
+        "quarantined": 0,
+        "journal": "ok",
+    },
     "kv_scheme": "bf16",
-    "scheduler": {"lane": "batch", "reason": "", "batch_size": 4, "kv_budget_bytes": 4_000_000_000, "state": "idle",
-                  "rows_active": 3, "waiting": 1, "kv_bytes_active": 2048, "kv_bytes_peak": 31232, "admitting": True,
-                  "batches": 2, "admitted": 9, "rejected": 0, "completed": 8, "cancelled": 1, "failed": 0,
-                  "batch_size_history": {"1": 40, "4": 120, "10": 3}},
+    "scheduler": {
+        "lane": "batch",
+        "reason": "",
+        "batch_size": 4,
+        "kv_budget_bytes": 4_000_000_000,
+        "state": "idle",
+        "rows_active": 3,
+        "waiting": 1,
+        "kv_bytes_active": 2048,
+        "kv_bytes_peak": 31232,
+        "admitting": True,
+        "batches": 2,
+        "admitted": 9,
+        "rejected": 0,
+        "completed": 8,
+        "cancelled": 1,
+        "failed": 0,
+        "batch_size_history": {"1": 40, "4": 120, "10": 3},
+    },
 }
 
-COUNTERS = ("kvcellar_prompt_cache_hits", "kvcellar_prompt_cache_misses", "kvcellar_prompt_cache_puts",
-            "kvcellar_prompt_cache_evictions", "kvcellar_ssd_cache_restores", "kvcellar_ssd_cache_spills",
-            "kvcellar_scheduler_completed", "kvcellar_scheduler_decode_steps")
-GAUGES = ("kvcellar_prompt_cache_entries", "kvcellar_prompt_cache_bytes", "kvcellar_ssd_cache_entries",
-          "kvcellar_ssd_cache_bytes", "kvcellar_ssd_cache_pending_spills", "kvcellar_ssd_cache_pending_spill_bytes",
-          "kvcellar_ssd_cache_pending_snapshots", "kvcellar_scheduler_waiting", "kvcellar_scheduler_rows_active",
-          "kvcellar_gateway_waiting", "kvcellar_journal_degraded")
+COUNTERS = (
+    "kvcellar_prompt_cache_hits",
+    "kvcellar_prompt_cache_misses",
+    "kvcellar_prompt_cache_puts",
+    "kvcellar_prompt_cache_evictions",
+    "kvcellar_ssd_cache_restores",
+    "kvcellar_ssd_cache_spills",
+    "kvcellar_scheduler_completed",
+    "kvcellar_scheduler_decode_steps",
+)
+GAUGES = (
+    "kvcellar_prompt_cache_entries",
+    "kvcellar_prompt_cache_bytes",
+    "kvcellar_ssd_cache_entries",
+    "kvcellar_ssd_cache_bytes",
+    "kvcellar_ssd_cache_pending_spills",
+    "kvcellar_ssd_cache_pending_spill_bytes",
+    "kvcellar_ssd_cache_pending_snapshots",
+    "kvcellar_scheduler_waiting",
+    "kvcellar_scheduler_rows_active",
+    "kvcellar_gateway_waiting",
+    "kvcellar_journal_degraded",
+)
 
 
 def _families(stats):
@@ -97,16 +154,21 @@ def test_batch_sizes_are_one_counter_family_labelled_by_rows():
     assert [(s.name, s.labels, s.value) for s in steps.samples] == [
         ("kvcellar_scheduler_decode_steps_total", {"rows": "1"}, 40.0),
         ("kvcellar_scheduler_decode_steps_total", {"rows": "4"}, 120.0),
-        ("kvcellar_scheduler_decode_steps_total", {"rows": "10"}, 3.0)]
+        ("kvcellar_scheduler_decode_steps_total", {"rows": "10"}, 3.0),
+    ]
     assert not [name for name in families if "history" in name or name[-1].isdigit()]
 
 
-@pytest.mark.parametrize(("journal", "degraded"), [
-    ("ok", 0.0), ("degraded", 1.0),
-    ({"state": "ok", "reason": None}, 0.0),
-    ({"state": "degraded", "reason": "disk I/O error"}, 1.0),
-    ({"state": "off", "reason": "the journal could not be opened"}, 0.0),
-])
+@pytest.mark.parametrize(
+    ("journal", "degraded"),
+    [
+        ("ok", 0.0),
+        ("degraded", 1.0),
+        ({"state": "ok", "reason": None}, 0.0),
+        ({"state": "degraded", "reason": "disk I/O error"}, 1.0),
+        ({"state": "off", "reason": "the journal could not be opened"}, 0.0),
+    ],
+)
 def test_both_journal_shapes_map_to_the_degraded_gauge(journal, degraded):
     stats = copy.deepcopy(STATS)
     stats["ssd_cache"]["journal"] = journal
@@ -178,9 +240,15 @@ def _scrape(system):
 def test_a_real_system_exports_every_stats_number_typed_and_described(model_dir_factory, tmp_path, lane):
     model_dir = model_dir_factory("llama")
     prompts = [tuple((11 * i + 7 * k) % 1000 + 3 for i in range(48)) for k in range(3)]
-    config = SystemConfig(model_dir=model_dir, ssd_dir=tmp_path / "ssd" if lane == "batch" else None,
-                          debounce_s=0.05, busy_rearm_s=0.05, demote_idle_s=0, shutdown_timeout_s=60,
-                          batch_rows_max=4 if lane == "batch" else 1)
+    config = SystemConfig(
+        model_dir=model_dir,
+        ssd_dir=tmp_path / "ssd" if lane == "batch" else None,
+        debounce_s=0.05,
+        busy_rearm_s=0.05,
+        demote_idle_s=0,
+        shutdown_timeout_s=60,
+        batch_rows_max=4 if lane == "batch" else 1,
+    )
 
     async def main():
         async with open_system(config) as system:
@@ -194,8 +262,9 @@ def test_a_real_system_exports_every_stats_number_typed_and_described(model_dir_
 
     families, stats = trio.run(main)
     assert all(family.documentation.strip() for family in families.values())
-    assert not [f.name for f in families.values() if UNDESCRIBED_HELP in f.documentation], \
+    assert not [f.name for f in families.values() if UNDESCRIBED_HELP in f.documentation], (
         "every /stats number needs a MetricSpec in http/metrics.py"
+    )
     _assert_matches_stats(families, stats)
     assert _value(families["kvcellar_prompt_cache_misses"]) >= 3.0
     assert _value(families["kvcellar_journal_degraded"]) == 0.0

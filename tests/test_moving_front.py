@@ -226,8 +226,14 @@ def test_an_ssd_header_that_understates_the_bound_is_refused_at_restore(llama4, 
 
 
 def _config(model_dir, tmp_path, **overrides):
-    values = dict(model_dir=model_dir, ssd_dir=tmp_path / "ssd", debounce_s=0.05, busy_rearm_s=0.05,
-                  demote_idle_s=0, shutdown_timeout_s=60)
+    values = dict(
+        model_dir=model_dir,
+        ssd_dir=tmp_path / "ssd",
+        debounce_s=0.05,
+        busy_rearm_s=0.05,
+        demote_idle_s=0,
+        shutdown_timeout_s=60,
+    )
     values.update(overrides)
     return SystemConfig(**values)
 
@@ -243,7 +249,8 @@ async def _run(system, prompt):
 
 
 def test_a_system_serves_branches_below_and_above_the_bound_from_ram_and_after_a_restart_from_ssd(
-        llama4, model_dir_factory, tmp_path):
+    llama4, model_dir_factory, tmp_path
+):
     model_dir = model_dir_factory("llama4")
     probe = PromptCache(bytes_max=10**9)
     first, _ = _generate(llama4, probe, PROMPT)
@@ -252,8 +259,8 @@ def test_a_system_serves_branches_below_and_above_the_bound_from_ram_and_after_a
     start = _chunked(entry.caches)[0].start_position
     below, above = _branch(entry_tokens, start + 1), _branch(entry_tokens, bound + 2)
     # After the restart: new branches, so the entries the first branches left are only shorter hits.
-    below_again = tuple(entry_tokens[:start + 2]) + (9, 9, 9)
-    above_again = tuple(entry_tokens[:bound + 3]) + (9, 9, 9)
+    below_again = tuple(entry_tokens[: start + 2]) + (9, 9, 9)
+    above_again = tuple(entry_tokens[: bound + 3]) + (9, 9, 9)
     cold = {prompt: _generate(llama4, None, prompt)[0] for prompt in (below, above, below_again, above_again)}
 
     async def main():

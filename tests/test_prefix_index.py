@@ -34,12 +34,12 @@ def _common_prefix_length(left: list[int], right: list[int]) -> int:
 
 def _reference_usable(entry: tuple[list[int], bool, int], query: list[int]) -> int:
     tokens, trimmable, minimum_reusable = entry
-    return usable_prefix_length(_common_prefix_length(tokens, query), len(tokens), len(query),
-                                trimmable, minimum_reusable)
+    return usable_prefix_length(
+        _common_prefix_length(tokens, query), len(tokens), len(query), trimmable, minimum_reusable
+    )
 
 
-def _reference_best(entries: dict[str, tuple[list[int], bool, int]],
-                    query: list[int]) -> IndexMatch | None:
+def _reference_best(entries: dict[str, tuple[list[int], bool, int]], query: list[int]) -> IndexMatch | None:
     keys = []
     for entry_id, entry in entries.items():
         usable = _reference_usable(entry, query)
@@ -60,8 +60,14 @@ class PrefixIndexAgainstReference(RuleBasedStateMachine):
         self.index = PrefixIndex()
         self.reference: dict[str, tuple[list[int], bool, int]] = {}
 
-    @rule(target=stored_ids, entry_id=entry_ids, tokens=token_lists, trimmable=st.booleans(),
-          extra_offset=st.integers(min_value=0, max_value=3), untrimmable_style=st.booleans())
+    @rule(
+        target=stored_ids,
+        entry_id=entry_ids,
+        tokens=token_lists,
+        trimmable=st.booleans(),
+        extra_offset=st.integers(min_value=0, max_value=3),
+        untrimmable_style=st.booleans(),
+    )
     def add(self, entry_id, tokens, trimmable, extra_offset, untrimmable_style):
         # Mostly the offsets real caches declare (0 trimmable, full length untrimmable),
         # sometimes an arbitrary bound, possibly past the entry's end.
@@ -97,10 +103,12 @@ class PrefixIndexAgainstReference(RuleBasedStateMachine):
 
     @rule(tokens=token_lists)
     def ancestors_and_exact_match_reference(self, tokens):
-        ancestors = sorted(entry_id for entry_id, (stored, _, _) in self.reference.items()
-                           if len(stored) < len(tokens) and tokens[:len(stored)] == stored)
-        exact = sorted(entry_id for entry_id, (stored, _, _) in self.reference.items()
-                       if stored == tokens)
+        ancestors = sorted(
+            entry_id
+            for entry_id, (stored, _, _) in self.reference.items()
+            if len(stored) < len(tokens) and tokens[: len(stored)] == stored
+        )
+        exact = sorted(entry_id for entry_id, (stored, _, _) in self.reference.items() if stored == tokens)
         assert self.index.strict_prefix_ancestors(tokens) == ancestors
         assert self.index.exact(tokens) == exact
 
@@ -114,8 +122,8 @@ class PrefixIndexAgainstReference(RuleBasedStateMachine):
 
 
 PrefixIndexAgainstReference.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_index_agrees_with_brute_force_reference = PrefixIndexAgainstReference.TestCase
 
 
@@ -134,16 +142,14 @@ def test_untrimmable_longer_entry_is_skipped_on_a_partial_match():
 
 def test_untrimmable_entry_is_served_when_it_is_a_strict_prefix_of_the_query():
     index = _index(("ssm", [1, 2, 3, 4], False, 4))
-    assert index.best([1, 2, 3, 4, 5]) == IndexMatch(entry_id="ssm", usable_tokens=4,
-                                                     entry_tokens=4)
+    assert index.best([1, 2, 3, 4, 5]) == IndexMatch(entry_id="ssm", usable_tokens=4, entry_tokens=4)
 
 
 def test_entry_equal_to_the_query_needs_a_trim_of_one_token():
     untrimmable = _index(("ssm", [1, 2, 3], False, 3))
     trimmable = _index(("kv", [1, 2, 3], True, 0))
     assert untrimmable.best([1, 2, 3]) is None
-    assert trimmable.best([1, 2, 3]) == IndexMatch(entry_id="kv", usable_tokens=2,
-                                                   entry_tokens=3)
+    assert trimmable.best([1, 2, 3]) == IndexMatch(entry_id="kv", usable_tokens=2, entry_tokens=3)
 
 
 def test_minimum_reusable_offset_bounds_how_short_a_trim_may_go():
@@ -165,7 +171,6 @@ def test_ties_prefer_no_trim_then_the_shorter_entry_then_the_smaller_id():
     assert shorter.best([1, 2, 3, 4]).entry_id == "c-short"
     same = _index(("b", [1, 2, 5], True, 0), ("a", [1, 2, 6], True, 0))
     assert same.best([1, 2, 7]).entry_id == "a"
-
 
 
 def test_tie_break_by_id_holds_among_trimmable_entries_with_different_offsets():

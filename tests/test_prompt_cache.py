@@ -65,10 +65,18 @@ class PromptCacheMachine(RuleBasedStateMachine):
             ancestor = len(entry["tokens"]) < len(tokens) and tokens[: len(entry["tokens"])] == entry["tokens"]
             if same or (trimmable and ancestor):
                 del self.model[key]
-        new_id = next(e.entry_id for e in self.cache._entries.values()
-                      if e.tokens.tolist() == tokens and e.namespace == namespace and e.entry_id not in self.model)
-        self.model[new_id] = {"namespace": namespace, "tokens": list(tokens), "trimmable": trimmable, "bytes": size,
-                              "tick": self.cache._entries[new_id].last_used_tick}
+        new_id = next(
+            e.entry_id
+            for e in self.cache._entries.values()
+            if e.tokens.tolist() == tokens and e.namespace == namespace and e.entry_id not in self.model
+        )
+        self.model[new_id] = {
+            "namespace": namespace,
+            "tokens": list(tokens),
+            "trimmable": trimmable,
+            "bytes": size,
+            "tick": self.cache._entries[new_id].last_used_tick,
+        }
         while sum(e["bytes"] for e in self.model.values()) > self.cap:
             victim = min((k for k in self.model if k != new_id), key=lambda k: self.model[k]["tick"])
             del self.model[victim]
@@ -86,8 +94,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
                     break
                 common += 1
             minimum = 0 if entry["trimmable"] else len(entry["tokens"])
-            best = max(best, usable_prefix_length(common, len(entry["tokens"]), len(prompt),
-                                                  entry["trimmable"], minimum))
+            best = max(
+                best, usable_prefix_length(common, len(entry["tokens"]), len(prompt), entry["trimmable"], minimum)
+            )
         assert result.reused_tokens == best
         assert result.reused_tokens <= max(len(prompt) - 1, 0)
         if best:
@@ -227,8 +236,11 @@ def test_untrimmable_cold_entry_needing_a_trim_is_refused(loaded_model_factory, 
 def test_demote_idle_spills_frees_and_the_restored_prefix_continues_bit_identically(llama, tmp_path):
     store = SsdStore.open(tmp_path, "f" * 32)
     now = [0.0]
-    cache = PromptCache(cold_tier=store, clock_s=lambda: now[0],
-                        spill_sink=lambda snap: store.store(snap.tokens, snap.caches, snap.namespace))
+    cache = PromptCache(
+        cold_tier=store,
+        clock_s=lambda: now[0],
+        spill_sink=lambda snap: store.store(snap.tokens, snap.caches, snap.namespace),
+    )
     live, _ = _prefill(llama, PROMPT)
     cache.put(PROMPT, _prefill(llama, PROMPT)[0])
     assert cache.demote_idle(300) == 0

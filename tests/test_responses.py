@@ -24,11 +24,19 @@ from kvcellar.actors.system import SystemConfig, SystemSeams
 from kvcellar.engine.demo_models import create_model
 from kvcellar.http.tools import ToolPlan, render_prompt
 
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city now.",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-                "strict": False}
-TIME_TOOL = {"type": "function", "name": "get_time", "description": "The time in a city.",
-             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "strict": False,
+}
+TIME_TOOL = {
+    "type": "function",
+    "name": "get_time",
+    "description": "The time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 MODEL = "llama-tools"
 REASONING = "The user wants the weather; I should call the tool."
@@ -86,10 +94,18 @@ def test_streaming_text_events(served):
     events = list(_create(client, [{"role": "user", "content": "Stream?"}], stream=True))
     _sequence_is_whole(events)
     kinds = [event.type for event in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert text == "Streaming words arrive one by one."
@@ -132,14 +148,19 @@ def test_function_call_round_trip(served):
 def test_function_call_streams_with_the_sdk_helper(served):
     _, client, script = served
     script.push(CALL_PARIS)
-    with client.responses.stream(model=MODEL, input="Paris weather?", tools=TOOLS, max_output_tokens=96,
-                                 temperature=0) as stream:
+    with client.responses.stream(
+        model=MODEL, input="Paris weather?", tools=TOOLS, max_output_tokens=96, temperature=0
+    ) as stream:
         events = list(stream)
         final = stream.get_final_response()
     _sequence_is_whole(events)
     kinds = [event.type for event in events]
-    for kind in ("response.reasoning_text.delta", "response.reasoning_text.done",
-                 "response.function_call_arguments.delta", "response.function_call_arguments.done"):
+    for kind in (
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+    ):
         assert kind in kinds
     assert "response.output_text.delta" not in kinds
     _assert_paris_call(final.output)
@@ -166,8 +187,10 @@ def test_function_call_output_turn_renders_like_the_chat_api(served, tokenizer):
     script.push(ANSWER_PARIS)
     items = [
         {"role": "developer", "content": "Answer in one sentence."},
-        {"role": "user", "content": [{"type": "input_text", "text": "Paris "},
-                                     {"type": "input_text", "text": "weather?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Paris "}, {"type": "input_text", "text": "weather?"}],
+        },
         {"type": "function_call", "call_id": "call_abc", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_abc", "output": "sunny, 24 C"},
     ]
@@ -180,14 +203,23 @@ def test_function_call_output_turn_renders_like_the_chat_api(served, tokenizer):
     chat_messages = [
         {"role": "system", "content": f"{SYSTEM}\n\nAnswer in one sentence."},
         {"role": "user", "content": "Paris weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_abc", "type": "function",
-             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 24 C"},
     ]
-    chat_tools = tuple({"type": "function",
-                        "function": {key: tool[key] for key in ("name", "description", "parameters")}}
-                       for tool in TOOLS)
+    chat_tools = tuple(
+        {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
+        for tool in TOOLS
+    )
     rendered = render_prompt(tokenizer, chat_messages, ToolPlan(tools=chat_tools))
     assert response.usage.input_tokens == len(rendered.prompt_ids)
 
@@ -199,19 +231,26 @@ def test_max_output_tokens_is_incomplete(served):
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 3 and response.output[0].status == "incomplete"
     assert response.output_text
-    events = list(client.responses.create(model=MODEL, input="Count.", max_output_tokens=3, temperature=0,
-                                          stream=True))
+    events = list(client.responses.create(model=MODEL, input="Count.", max_output_tokens=3, temperature=0, stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
 
 
 def test_structured_output_through_text_format(served):
     _, client, _ = served
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     response = client.responses.create(
-        model=MODEL, input="A city as JSON.", max_output_tokens=64, temperature=0,
-        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})
+        model=MODEL,
+        input="A city as JSON.",
+        max_output_tokens=64,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
+    )
     assert response.status == "completed", response.output_text
     assert set(json.loads(response.output_text)) == {"city"}
     assert response.text.format.type == "json_schema"
@@ -235,39 +274,50 @@ def test_unsupported_tool_type_is_refused_naming_it(served):
     assert "'web_search'" in refused.value.message
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"input": []}, "input"),
-    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-     "input[0].content[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
-    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": "hi"},
-                {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{bad"}]},
-     "input[1].arguments"),
-    ({"input": [{"type": "function_call_output", "output": "sunny"}]}, "input[0].call_id"),
-    ({"input": [{"type": "reasoning", "summary": "thinking"}]}, "input[0].summary"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"temperature": 5}, "temperature"),
-    ({"top_p": "high"}, "top_p"),
-    ({"instructions": ["be brief"]}, "instructions"),
-    ({"stream": "yes"}, "stream"),
-    ({"store": "no"}, "store"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"background": True}, "background"),
-    ({"tools": [{"type": "function"}]}, "tools[0].name"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"text": {"format": {"type": "xml"}}}, "text.format"),
-    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format"),
-    ({"model": "gpt-nope"}, "model"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": []}, "input"),
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{bad"},
+                ]
+            },
+            "input[1].arguments",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "sunny"}]}, "input[0].call_id"),
+        ({"input": [{"type": "reasoning", "summary": "thinking"}]}, "input[0].summary"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 5}, "temperature"),
+        ({"top_p": "high"}, "top_p"),
+        ({"instructions": ["be brief"]}, "instructions"),
+        ({"stream": "yes"}, "stream"),
+        ({"store": "no"}, "store"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "function"}]}, "tools[0].name"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format"),
+        ({"model": "gpt-nope"}, "model"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+    ],
+)
 def test_bad_fields_are_400s_naming_them(served, fields, param):
     server, _, _ = served
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
@@ -280,8 +330,9 @@ def test_bad_fields_are_400s_naming_them(served, fields, param):
 
 def _next_input(response, *, echo_reasoning: bool) -> list[dict]:
     """What a stateless client sends back of a response: its output items."""
-    return [item.model_dump(exclude_none=True) for item in response.output
-            if echo_reasoning or item.type != "reasoning"]
+    return [
+        item.model_dump(exclude_none=True) for item in response.output if echo_reasoning or item.type != "reasoning"
+    ]
 
 
 @pytest.mark.parametrize("echo_reasoning", [False, True], ids=["reasoning-dropped", "reasoning-echoed"])
@@ -308,8 +359,10 @@ def test_agent_loop_turns_are_prefix_hits(served, echo_reasoning, capsys):
         elif turn == 1:
             items.append({"role": "user", "content": "And tomorrow?"})
     with capsys.disabled():
-        print(f"\nresponses agent loop ({'echoing' if echo_reasoning else 'dropping'} reasoning): "
-              f"(input_tokens, cached_tokens, ratio) per turn: {ratios}")
+        print(
+            f"\nresponses agent loop ({'echoing' if echo_reasoning else 'dropping'} reasoning): "
+            f"(input_tokens, cached_tokens, ratio) per turn: {ratios}"
+        )
     assert ratios[0][2] < 0.1, ratios
     for _input_tokens, cached, ratio in ratios[1:]:
         assert cached > 0 and ratio >= 0.75, ratios
@@ -322,8 +375,11 @@ def test_a_failure_mid_stream_ends_with_error_and_failed_events(model_dir_factor
     config = SystemConfig(model_dir=model_dir, batch_rows_max=4)
     with InProcessServer(config, SystemSeams(engine=FailingBatchEngine(model_dir, batches_failing=2))) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
-        events = list(client.responses.create(model=model_dir.name, input="The cellar keeps", max_output_tokens=40,
-                                              temperature=0, stream=True))
+        events = list(
+            client.responses.create(
+                model=model_dir.name, input="The cellar keeps", max_output_tokens=40, temperature=0, stream=True
+            )
+        )
         _sequence_is_whole(events)
         assert [event.type for event in events[-2:]] == ["error", "response.failed"]
         assert "the batch job failed" in events[-2].message

@@ -22,8 +22,10 @@ MESSAGES = [{"role": "user", "content": PROMPT}]
 
 @pytest.fixture(scope="module")
 def servers(model_dir_factory):
-    running = {"serial": Server(model_dir_factory("llama"), "--batch", "1"),
-               "batch": Server(model_dir_factory("llama"))}
+    running = {
+        "serial": Server(model_dir_factory("llama"), "--batch", "1"),
+        "batch": Server(model_dir_factory("llama")),
+    }
     for lane, server in running.items():
         assert _stats(server)["scheduler"]["lane"] == lane
     yield running
@@ -48,16 +50,16 @@ def _chat(server, **fields):
     fields = {"max_tokens": 8, "temperature": 0, **fields}
     extra = fields.pop("extra_body", {})
     extra.update({name: fields.pop(name) for name in ("top_k", "min_p", "repetition_penalty") if name in fields})
-    return _client(server).chat.completions.create(model=server.model_id, messages=MESSAGES, extra_body=extra,
-                                                   **fields)
+    return _client(server).chat.completions.create(model=server.model_id, messages=MESSAGES, extra_body=extra, **fields)
 
 
 def _completion_tokens(server, **fields) -> list[str]:
     """The completion's tokens, as the completions API's `logprobs` lists them."""
     fields = {"max_tokens": 12, "temperature": 0, **fields}
     extra = {name: fields.pop(name) for name in ("top_k", "min_p", "repetition_penalty") if name in fields}
-    reply = _client(server).completions.create(model=server.model_id, prompt=PROMPT, logprobs=0,
-                                               extra_body=extra, **fields)
+    reply = _client(server).completions.create(
+        model=server.model_id, prompt=PROMPT, logprobs=0, extra_body=extra, **fields
+    )
     return reply.choices[0].logprobs.tokens
 
 
@@ -100,7 +102,7 @@ def test_chat_logprobs_equal_the_models_log_softmax(servers, lane, reference):
     prompt_ids = _chat_prompt_ids(tokenizer)
     generated = _reference_tokens(reference, prompt_ids, len(content))
     # One forward pass over the prompt and the generated tokens gives every step's distribution.
-    logits = model(mx.array([prompt_ids + generated]))[0, len(prompt_ids) - 1:]
+    logits = model(mx.array([prompt_ids + generated]))[0, len(prompt_ids) - 1 :]
     expected = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     for step, entry in enumerate(content):
         row = expected[step]
@@ -117,16 +119,23 @@ def test_chat_logprobs_equal_the_models_log_softmax(servers, lane, reference):
 @pytest.mark.parametrize("lane", LANES)
 def test_completion_logprobs_have_the_legacy_shape_and_stream_the_same(servers, lane):
     client = _client(servers[lane])
-    reply = client.completions.create(model=servers[lane].model_id, prompt=PROMPT, max_tokens=6, temperature=0,
-                                      logprobs=3)
+    reply = client.completions.create(
+        model=servers[lane].model_id, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
-    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(value, abs=1e-6)
-               for top, value in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True))
+    assert all(
+        len(top) <= 3 and max(top.values()) == pytest.approx(value, abs=1e-6)
+        for top, value in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True)
+    )
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
-    streamed = [chunk.choices[0].logprobs for chunk in client.completions.create(
-        model=servers[lane].model_id, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, stream=True)
-        if chunk.choices and chunk.choices[0].logprobs]
+    streamed = [
+        chunk.choices[0].logprobs
+        for chunk in client.completions.create(
+            model=servers[lane].model_id, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+    ]
     assert [token for part in streamed for token in part.tokens] == logprobs.tokens
     assert [offset for part in streamed for offset in part.text_offset] == logprobs.text_offset
 
@@ -135,10 +144,20 @@ def test_completion_logprobs_have_the_legacy_shape_and_stream_the_same(servers, 
 def test_chat_logprobs_stream_like_the_plain_reply(servers, lane):
     plain = _chat(servers[lane], logprobs=True, top_logprobs=2).choices[0].logprobs.content
     stream = _client(servers[lane]).chat.completions.create(
-        model=servers[lane].model_id, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
-        top_logprobs=2, stream=True)
-    streamed = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                for entry in chunk.choices[0].logprobs.content]
+        model=servers[lane].model_id,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    streamed = [
+        entry
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in plain]
 
 
@@ -162,9 +181,17 @@ def test_penalties_match_mlx_lm_and_change_the_output(servers, lane, reference, 
 
 
 def test_seeded_sampling_with_the_new_fields_is_the_same_on_both_lanes(servers):
-    fields = {"temperature": 1.0, "seed": 7, "max_tokens": 16, "top_k": 40, "min_p": 0.01,
-              "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2,
-              "logit_bias": {"300": 3}}
+    fields = {
+        "temperature": 1.0,
+        "seed": 7,
+        "max_tokens": 16,
+        "top_k": 40,
+        "min_p": 0.01,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"300": 3},
+    }
     replies = [_chat(servers[lane], **fields).choices[0].message.content for lane in LANES]
     assert replies[0] == replies[1]
     assert replies[0] == _chat(servers["batch"], **fields).choices[0].message.content
@@ -173,10 +200,10 @@ def test_seeded_sampling_with_the_new_fields_is_the_same_on_both_lanes(servers):
 @pytest.mark.parametrize("lane", LANES)
 def test_stop_takes_four_strings_and_cuts_the_text(servers, lane):
     text = _chat(servers[lane], max_tokens=12).choices[0].message.content
-    cut = text[len(text) // 2:][:3]
+    cut = text[len(text) // 2 :][:3]
     stops = ["\x01never", "\x02never", cut, "\x03never"]
     reply = _chat(servers[lane], max_tokens=12, stop=stops, user="someone")
-    assert reply.choices[0].message.content == text[:text.index(cut)]
+    assert reply.choices[0].message.content == text[: text.index(cut)]
     assert reply.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as caught:
         _chat(servers[lane], stop=[*stops, "\x04never"])
@@ -201,8 +228,10 @@ BAD_FIELDS = [
     ({"user": 5}, "user"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-     "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+        "response_format",
+    ),
 ]
 
 
@@ -210,7 +239,8 @@ BAD_FIELDS = [
 def test_bad_values_are_a_400_naming_the_field(servers, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
         _client(servers["batch"]).chat.completions.create(
-            model=servers["batch"].model_id, messages=MESSAGES, max_tokens=2, extra_body=fields)
+            model=servers["batch"].model_id, messages=MESSAGES, max_tokens=2, extra_body=fields
+        )
     assert caught.value.param == param
 
 
@@ -218,7 +248,8 @@ def test_completions_logprobs_out_of_range_is_a_400(servers):
     for value in (-1, 6, True):
         with pytest.raises(openai.BadRequestError) as caught:
             _client(servers["serial"]).completions.create(
-                model=servers["serial"].model_id, prompt=PROMPT, max_tokens=2, extra_body={"logprobs": value})
+                model=servers["serial"].model_id, prompt=PROMPT, max_tokens=2, extra_body={"logprobs": value}
+            )
         assert caught.value.param == "logprobs"
 
 
@@ -245,8 +276,14 @@ def test_json_schema_output_is_valid_against_the_schema(servers, lane, stream):
     response_format = {"type": "json_schema", "json_schema": {"name": "sea", "schema": PERSON_SCHEMA, "strict": True}}
     client = _client(servers[lane])
     for temperature in (0.0, 1.0):
-        kwargs = {"model": servers[lane].model_id, "messages": MESSAGES, "max_tokens": 64,
-                  "temperature": temperature, "seed": 3, "response_format": response_format}
+        kwargs = {
+            "model": servers[lane].model_id,
+            "messages": MESSAGES,
+            "max_tokens": 64,
+            "temperature": temperature,
+            "seed": 3,
+            "response_format": response_format,
+        }
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kwargs))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -267,8 +304,7 @@ def test_json_object_output_is_a_json_object(servers, lane, reference):
     # A bias towards "}" lets the random model close its object within the budget.
     _, tokenizer = reference
     close = tokenizer.encode("}", add_special_tokens=False)
-    reply = _chat(servers[lane], max_tokens=64, response_format={"type": "json_object"},
-                  logit_bias={str(close[0]): 5})
+    reply = _chat(servers[lane], max_tokens=64, response_format={"type": "json_object"}, logit_bias={str(close[0]): 5})
     value = json.loads(reply.choices[0].message.content)
     assert isinstance(value, dict)
     assert reply.choices[0].finish_reason == "stop"
@@ -279,17 +315,21 @@ def test_rows_with_their_own_processors_share_one_batch(servers):
     each gets what it gets alone."""
     server = servers["batch"]
     schema_format = {"type": "json_schema", "json_schema": {"name": "sea", "schema": PERSON_SCHEMA}}
-    alone = [_chat(server, max_tokens=40, response_format=schema_format).choices[0].message.content,
-             _chat(server, max_tokens=12, frequency_penalty=2.0).choices[0].message.content]
+    alone = [
+        _chat(server, max_tokens=40, response_format=schema_format).choices[0].message.content,
+        _chat(server, max_tokens=12, frequency_penalty=2.0).choices[0].message.content,
+    ]
     before = _stats(server)["scheduler"]["batch_size_history"]
     forced = _client(server).chat.completions.create(
-        model=server.model_id, messages=MESSAGES, max_tokens=4000, temperature=0, logit_bias={"300": 100},
-        stream=True)
+        model=server.model_id, messages=MESSAGES, max_tokens=4000, temperature=0, logit_bias={"300": 100}, stream=True
+    )
     with forced:
         first = next(chunk for chunk in forced if chunk.choices and chunk.choices[0].delta.content)
         # The forced row runs for thousands of steps: these two join its batch.
-        together = [_chat(server, max_tokens=40, response_format=schema_format).choices[0].message.content,
-                    _chat(server, max_tokens=12, frequency_penalty=2.0).choices[0].message.content]
+        together = [
+            _chat(server, max_tokens=40, response_format=schema_format).choices[0].message.content,
+            _chat(server, max_tokens=12, frequency_penalty=2.0).choices[0].message.content,
+        ]
         later = next(chunk for chunk in forced if chunk.choices and chunk.choices[0].delta.content)
     assert first.choices[0].delta.content.strip() == later.choices[0].delta.content.strip() == "o"
     assert together == alone

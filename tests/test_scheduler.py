@@ -136,10 +136,13 @@ def test_admission_and_ends_are_journaled():
     assert kinds == ["request.admitted", "request.finished"]
 
 
-@pytest.mark.parametrize("message", [
-    RowFinished(request_id=1, outcome="completed", completion_tokens=1),
-    BatchEnded(batch_id=1),
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        RowFinished(request_id=1, outcome="completed", completion_tokens=1),
+        BatchEnded(batch_id=1),
+    ],
+)
 def test_results_in_the_idle_state_are_illegal_transitions(message):
     core = SchedulerCore(rows_max=2, kv_budget_bytes=1000)
     with pytest.raises(IllegalTransition, match="IDLE"):
@@ -184,7 +187,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         was_busy = self.core.busy
         effects = self.core.handle(message, 0)
         assert any(isinstance(e, WentIdle) for e in effects) == (was_busy and not self.core.busy), (
-            "the Gateway hears exactly when the lane stops being busy, or its held-back steps never start")
+            "the Gateway hears exactly when the lane stops being busy, or its held-back steps never start"
+        )
         for effect in effects:
             if isinstance(effect, AdmitRow):
                 assert effect.batch_id == self.core.batch_id

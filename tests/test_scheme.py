@@ -58,8 +58,18 @@ def greedy_generate(model, prompt: mx.array, scheme: KvScheme, max_tokens: int, 
 
 
 def mlx_lm_generate(model, bits: int | None, step_size: int):
-    return list(generate_step(PROMPT, model, max_tokens=16, sampler=greedy, prefill_step_size=step_size,
-                              kv_bits=bits, kv_group_size=GROUP_32, quantized_kv_start=0))
+    return list(
+        generate_step(
+            PROMPT,
+            model,
+            max_tokens=16,
+            sampler=greedy,
+            prefill_step_size=step_size,
+            kv_bits=bits,
+            kv_group_size=GROUP_32,
+            quantized_kv_start=0,
+        )
+    )
 
 
 def reference_bytes(caches) -> int:
@@ -71,7 +81,7 @@ def reference_bytes(caches) -> int:
         elif isinstance(cache, mlx_cache.ArraysCache):
             total += sum(array.nbytes for array in cache.cache if array is not None)
         elif isinstance(cache, mlx_cache.QuantizedKVCache):
-            total += sum(array[..., :cache.offset, :].nbytes for array in (*cache.keys, *cache.values))
+            total += sum(array[..., : cache.offset, :].nbytes for array in (*cache.keys, *cache.values))
         else:
             rows = cache.offset - getattr(cache, "start_position", 0)
             total += cache.keys[..., :rows, :].nbytes + cache.values[..., :rows, :].nbytes
@@ -131,6 +141,7 @@ def test_sliding_layers_are_billed_at_most_their_window(loaded_model_factory):
     caches, _ = prefill_like_mlx_lm(model, PROMPT, KvScheme.bf16())
     rings = [cache for cache in caches if isinstance(cache, mlx_cache.RotatingKVCache)]
     assert rings and all(ring.offset == len(PROMPT) > window for ring in rings)
+
     def row_bytes(cache) -> int:
         return (cache.keys.nbytes + cache.values.nbytes) // cache.keys.shape[2]
 
@@ -266,8 +277,9 @@ def test_batchable_needs_the_capability_probe_for_quantized_schemes():
         assert not scheme.batchable(can_convert=False)
 
 
-@pytest.mark.parametrize(("value", "key"), [("off", "bf16"), ("bf16", "bf16"), ("4", "kv4"), ("kv4", "kv4"),
-                                            ("8", "kv8"), ("KV8", "kv8")])
+@pytest.mark.parametrize(
+    ("value", "key"), [("off", "bf16"), ("bf16", "bf16"), ("4", "kv4"), ("kv4", "kv4"), ("8", "kv8"), ("KV8", "kv8")]
+)
 def test_resolve_maps_cli_values_to_schemes(value, key):
     assert resolve_kv_scheme(value).cache_key == key
 
@@ -300,16 +312,19 @@ def test_resolve_config_without_kv_config_json_is_a_usage_error(tmp_path):
         resolve_kv_scheme("config")
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("{not json", "not valid JSON"),
-    ("[4, 8]", "must be an object"),
-    ('{"layers": []}', "non-empty list"),
-    ('{"layers": "4,8"}', "non-empty list"),
-    ('{"layers": [4, 3]}', "layer 1: KV bits 3"),
-    ('{"layers": [4, true]}', "KV bits True"),
-    ('{"layers": [4], "group_size": 48}', "group size 48"),
-    ('{"layers": [4], "bits": 8}', "unknown keys"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[4, 8]", "must be an object"),
+        ('{"layers": []}', "non-empty list"),
+        ('{"layers": "4,8"}', "non-empty list"),
+        ('{"layers": [4, 3]}', "layer 1: KV bits 3"),
+        ('{"layers": [4, true]}', "KV bits True"),
+        ('{"layers": [4], "group_size": 48}', "group size 48"),
+        ('{"layers": [4], "bits": 8}', "unknown keys"),
+    ],
+)
 def test_resolve_rejects_malformed_kv_config_json(tmp_path, content, message):
     (tmp_path / "kv_config.json").write_text(content)
     with pytest.raises(UsageError, match=message):
@@ -317,9 +332,13 @@ def test_resolve_rejects_malformed_kv_config_json(tmp_path, content, message):
 
 
 def test_invalid_scheme_declarations_are_usage_errors():
-    for build in (lambda: KvScheme.uniform(3), lambda: KvScheme.uniform(4, 48),
-                  lambda: KvScheme(kind="turbo"), lambda: KvScheme.per_layer([]),
-                  lambda: KvScheme(kind="bf16", bits=4)):
+    for build in (
+        lambda: KvScheme.uniform(3),
+        lambda: KvScheme.uniform(4, 48),
+        lambda: KvScheme(kind="turbo"),
+        lambda: KvScheme.per_layer([]),
+        lambda: KvScheme(kind="bf16", bits=4),
+    ):
         with pytest.raises(UsageError) as caught:
             build()
         assert isinstance(caught.value, KvCellarError)

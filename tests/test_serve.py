@@ -30,9 +30,10 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.model_id = model_dir.name
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvcellar.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
-             *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "kvcellar.cli", "serve", "--model", str(model_dir), "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
         deadline = time.monotonic() + 120
@@ -61,15 +62,21 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir_factory, tmp_path_factory):
-    running = Server(model_dir_factory("llama"), "--ssd-cache", str(tmp_path_factory.mktemp("ssd")),
-                     "--kv-budget", "0.5")
+    running = Server(
+        model_dir_factory("llama"), "--ssd-cache", str(tmp_path_factory.mktemp("ssd")), "--kv-budget", "0.5"
+    )
     yield running
     running.kill()
 
 
 def _chat(server, content, **extra):
-    body = {"model": server.model_id, "messages": [{"role": "user", "content": content}], "max_tokens": 6,
-            "temperature": 0, **extra}
+    body = {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+        **extra,
+    }
     return httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -87,10 +94,16 @@ def test_second_request_sharing_a_prefix_reports_cached_tokens(server):
     history = "a long shared system prompt about cellars and caches " * 4
     first = _chat(server, history + "first question").json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < 10, "only the template header is shared"
-    body = {"model": server.model_id, "temperature": 0, "max_tokens": 4,
-            "messages": [{"role": "user", "content": history + "first question"},
-                         {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": "and a follow-up"}]}
+    body = {
+        "model": server.model_id,
+        "temperature": 0,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": history + "first question"},
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "and a follow-up"},
+        ],
+    }
     second = httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=120).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
 
@@ -100,8 +113,12 @@ def test_greedy_completion_is_repeatable_and_streaming_matches_it(server):
     first = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
     second = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
-    with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+    with httpx.stream(
+        "POST",
+        f"{server.base}/v1/completions",
+        timeout=60,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -112,9 +129,12 @@ def test_greedy_completion_is_repeatable_and_streaming_matches_it(server):
 
 
 def test_streaming_chat_sends_deltas_and_done(server):
-    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
-                            "temperature": 0}) as response:
+    with httpx.stream(
+        "POST",
+        f"{server.base}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "temperature": 0},
+    ) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -155,9 +175,21 @@ def test_models_lists_the_served_model(server):
 def test_stats_and_metrics_expose_the_tiers(server):
     _chat(server, "warm the caches")
     stats = httpx.get(f"{server.base}/stats", timeout=5).json()
-    for field in ("entries", "bytes", "max_bytes", "restores", "spills", "restore_ms_last", "demotions",
-                  "pending_snapshots", "pending_spills", "pending_spill_bytes", "dropped_spills", "failed_spills",
-                  "longest_durable_prefix_tokens"):
+    for field in (
+        "entries",
+        "bytes",
+        "max_bytes",
+        "restores",
+        "spills",
+        "restore_ms_last",
+        "demotions",
+        "pending_snapshots",
+        "pending_spills",
+        "pending_spill_bytes",
+        "dropped_spills",
+        "failed_spills",
+        "longest_durable_prefix_tokens",
+    ):
         assert field in stats["ssd_cache"], field
     assert stats["prompt_cache"]["entries"] >= 1 and "busy" in stats["gateway"]
     scheduler = stats["scheduler"]
@@ -204,8 +236,10 @@ def test_requests_arriving_during_a_long_generation_join_its_batch(server):
                 replies = [None] * 3
 
                 async def one(i):
-                    reply = await client.post(f"{server.base}/v1/completions",
-                                              json={"prompt": f"joiner {i}", "max_tokens": 4, "temperature": 0})
+                    reply = await client.post(
+                        f"{server.base}/v1/completions",
+                        json={"prompt": f"joiner {i}", "max_tokens": 4, "temperature": 0},
+                    )
                     replies[i] = reply.json()
 
                 async with trio.open_nursery() as nursery:
@@ -263,8 +297,12 @@ def test_flush_then_restart_restores_the_prefix_and_the_same_output(model_dir_fa
 def test_sigterm_during_a_generation_finishes_cleanly_and_flushes(model_dir_factory, tmp_path):
     running = Server(model_dir_factory("llama"), "--ssd-cache", str(tmp_path))
     try:
-        with httpx.stream("POST", f"{running.base}/v1/completions", timeout=60,
-                          json={"prompt": "long one", "max_tokens": 400, "stream": True}) as response:
+        with httpx.stream(
+            "POST",
+            f"{running.base}/v1/completions",
+            timeout=60,
+            json={"prompt": "long one", "max_tokens": 400, "stream": True},
+        ) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             running.process.send_signal(signal.SIGTERM)
@@ -279,19 +317,23 @@ def test_sigterm_during_a_generation_finishes_cleanly_and_flushes(model_dir_fact
 
 
 def test_admin_token_and_api_key_are_enforced(model_dir_factory, tmp_path):
-    running = Server(model_dir_factory("llama"), "--api-key", "k1", "--batch", "1",
-                     env={"KVCELLAR_ADMIN_TOKEN": "a1"})
+    running = Server(model_dir_factory("llama"), "--api-key", "k1", "--batch", "1", env={"KVCELLAR_ADMIN_TOKEN": "a1"})
     try:
         assert _chat(running, "no key").status_code == 401
-        keyed = httpx.post(f"{running.base}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
-                           json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, timeout=60)
+        keyed = httpx.post(
+            f"{running.base}/v1/chat/completions",
+            headers={"Authorization": "Bearer k1"},
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            timeout=60,
+        )
         assert keyed.status_code == 200
         assert httpx.get(f"{running.base}/stats", timeout=5).status_code == 401
         assert httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer k1"}, timeout=5).status_code == 401
         assert httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer a1"}, timeout=5).status_code == 200
         assert httpx.post(f"{running.base}/admin/cache/flush", timeout=5).status_code == 401
         scheduler = httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer a1"}, timeout=5).json()[
-            "scheduler"]
+            "scheduler"
+        ]
         assert scheduler["lane"] == "serial" and "--batch 1" in scheduler["reason"]
     finally:
         running.kill()
@@ -299,8 +341,21 @@ def test_admin_token_and_api_key_are_enforced(model_dir_factory, tmp_path):
 
 def test_invalid_flag_combinations_fail_at_start_with_a_clear_message(model_dir_factory, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "kvcellar.cli", "serve", "--model", str(model_dir_factory("llama")),
-         "--prompt-cache", "0", "--ssd-cache", str(tmp_path)],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "kvcellar.cli",
+            "serve",
+            "--model",
+            str(model_dir_factory("llama")),
+            "--prompt-cache",
+            "0",
+            "--ssd-cache",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "--prompt-cache 0" in result.stderr

@@ -85,8 +85,11 @@ def test_declared_minimum_reusable_offset_raises_the_bound():
 
 
 @given(
-    common=st.integers(0, 50), entry=st.integers(1, 50), prompt=st.integers(1, 60),
-    trimmable=st.booleans(), minimum=st.integers(0, 50),
+    common=st.integers(0, 50),
+    entry=st.integers(1, 50),
+    prompt=st.integers(1, 60),
+    trimmable=st.booleans(),
+    minimum=st.integers(0, 50),
 )
 def test_usable_prefix_obeys_every_rule(common, entry, prompt, trimmable, minimum):
     common = min(common, entry, prompt)

@@ -46,8 +46,12 @@ def _batched(model: FakeModel, seeded_caches: dict[int, list]) -> tuple[dict, di
     for index, prompt in enumerate(PROMPTS):
         seed = seeded_caches.get(index)
         cached = 0 if seed is None else seed[1]
-        (uid,) = generator.insert([list(prompt[cached:])], max_tokens=[MAX_TOKENS[index]],
-                                  caches=[None if seed is None else seed[0]], all_tokens=[list(prompt[:cached])])
+        (uid,) = generator.insert(
+            [list(prompt[cached:])],
+            max_tokens=[MAX_TOKENS[index]],
+            caches=[None if seed is None else seed[0]],
+            all_tokens=[list(prompt[:cached])],
+        )
         uids.append(uid)
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
     extracted: dict[int, tuple[list, list[int]]] = {}
@@ -84,8 +88,9 @@ def test_fake_model_rows_of_a_batch_generate_the_serial_tokens_and_extract_the_e
 def test_rows_removed_mid_prefill_and_mid_decode_hand_back_exactly_the_tokens_they_ran():
     model = FakeModel(recurrent=True)
     generator = BatchGenerator(model, completion_batch_size=3, prefill_batch_size=3, prefill_step_size=8)
-    prefilling, decoding, _ = generator.insert([list(PROMPTS[1]), list(PROMPTS[3]), list(PROMPTS[0])],
-                                               max_tokens=[50, 50, 50])
+    prefilling, decoding, _ = generator.insert(
+        [list(PROMPTS[1]), list(PROMPTS[3]), list(PROMPTS[0])], max_tokens=[50, 50, 50]
+    )
     removed = {}
     for step in range(8):
         generator.next()

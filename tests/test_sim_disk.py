@@ -67,7 +67,7 @@ def _durable_file_open(disk: SimDisk, path: PurePosixPath, data: bytes):
 
 
 def _sectors(data: bytes) -> list[bytes]:
-    return [data[i:i + SECTOR] for i in range(0, len(data), SECTOR)]
+    return [data[i : i + SECTOR] for i in range(0, len(data), SECTOR)]
 
 
 # -- durability ---------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_an_unsynced_overwrite_is_kept_dropped_or_torn_by_whole_sectors():
             outcomes.add("kept")
         else:
             outcomes.add("torn")
-            blocks = [after[i:i + 4096] for i in range(0, len(after), 4096)]
+            blocks = [after[i : i + 4096] for i in range(0, len(after), 4096)]
             if any(len(set(_sectors(block))) > 1 for block in blocks):
                 outcomes.add("torn within a 4096-byte block")
     assert outcomes == {"dropped", "kept", "torn", "torn within a 4096-byte block"}
@@ -130,7 +130,7 @@ def test_an_unsynced_append_leaves_new_bytes_or_zeros_never_foreign_bytes():
         lengths.add(len(after))
         assert len(after) <= len(data)
         for index, sector in enumerate(_sectors(after)):
-            expected = data[index * SECTOR:index * SECTOR + len(sector)]
+            expected = data[index * SECTOR : index * SECTOR + len(sector)]
             assert sector in (expected, bytes(len(sector))), f"sector {index} holds bytes never written there"
     assert 0 in lengths and len(data) in lengths and len(lengths) > 2
 
@@ -324,7 +324,7 @@ def test_injected_write_errors_write_at_most_a_sector_aligned_prefix(fault, code
             disk.write_at(handle, 0, data)
         assert failed.value.errno == code
         written = disk.read_bytes(ROOT / "f")
-        assert written == data[:len(written)] and len(written) % SECTOR == 0
+        assert written == data[: len(written)] and len(written) % SECTOR == 0
         sizes.add(len(written))
     assert 0 in sizes and len(sizes) > 2
 
@@ -381,9 +381,14 @@ def test_errors_carry_the_errno_real_disk_would():
         with pytest.raises(DiskError) as failed:
             call()
         assert failed.value.errno == code
-    for call in (lambda: disk.unlink(ROOT / "missing"), lambda: disk.stat(ROOT / "missing"),
-                 lambda: disk.scandir(ROOT / "missing"), lambda: disk.create_exclusive(ROOT / "no" / "f"),
-                 lambda: disk.rename(ROOT / "missing", ROOT / "g"), lambda: disk.stat("/elsewhere/f")):
+    for call in (
+        lambda: disk.unlink(ROOT / "missing"),
+        lambda: disk.stat(ROOT / "missing"),
+        lambda: disk.scandir(ROOT / "missing"),
+        lambda: disk.create_exclusive(ROOT / "no" / "f"),
+        lambda: disk.rename(ROOT / "missing", ROOT / "g"),
+        lambda: disk.stat("/elsewhere/f"),
+    ):
         with pytest.raises(DiskError) as failed:
             call()
         assert failed.value.errno == errno.ENOENT
@@ -430,7 +435,11 @@ def test_scandir_is_sorted_with_volatile_sizes():
     disk.makedirs(ROOT / "d")
     entries = disk.scandir(ROOT)
     assert [(e.name, e.is_dir, e.size_bytes) for e in entries] == [
-        ("a", False, 1), ("b", False, 2), ("c", False, 3), ("d", True, 0)]
+        ("a", False, 1),
+        ("b", False, 2),
+        ("c", False, 3),
+        ("d", True, 0),
+    ]
 
 
 def test_locks_conflict_name_their_holder_and_die_with_the_process():
@@ -459,15 +468,20 @@ def test_tracing_disk_wraps_a_sim_disk_and_names_handle_paths():
     traced.write_at(handle, 0, b"x")
     traced.close(handle)
     assert [(call.operation, call.path) for call in traced.calls] == [
-        ("create_exclusive", "/sim/f"), ("write_at", "/sim/f"), ("close", "/sim/f")]
+        ("create_exclusive", "/sim/f"),
+        ("write_at", "/sim/f"),
+        ("close", "/sim/f"),
+    ]
 
 
 # -- determinism and export --------------------------------------------------------------
 
 
 def _faulty_workload(seed: int) -> str:
-    disk = SimDisk(rng=random.Random(seed), faults=FaultConfig(
-        fsync_eio_rate=0.2, write_eio_rate=0.1, misdirected_write_rate=0.1, read_bitflip_rate=0.2))
+    disk = SimDisk(
+        rng=random.Random(seed),
+        faults=FaultConfig(fsync_eio_rate=0.2, write_eio_rate=0.1, misdirected_write_rate=0.1, read_bitflip_rate=0.2),
+    )
     _durable_dir(disk)
     for index in range(8):
         with contextlib.suppress(DiskError):

@@ -48,7 +48,11 @@ def test_the_journal_digest_is_the_same_in_another_process_with_another_hash_see
     for hash_seed in ("1", "977"):
         completed = subprocess.run(
             [sys.executable, "-m", "kvcellar.cli", "simulate", "--seed", "5", "--faults", "mixed", "--json"],
-            capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": hash_seed}, timeout=300)
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+            timeout=300,
+        )
         assert completed.returncode == 0, completed.stderr
         assert completed.stdout.splitlines()[0] == "SEED=5"
         digests.append(json.loads(completed.stdout.splitlines()[-1])["journal_digest"])
@@ -83,8 +87,9 @@ def test_the_default_sweep_holds_every_invariant():
 # chat runs on the batch lane (its burst shares decode steps), fork and hybrid on the serial lane.
 @pytest.mark.parametrize("workload,seed,batch_rows", [("chat", 1, 3), ("fork", 2, 1), ("hybrid", 5, 1)])
 def test_every_crash_point_of_a_small_workload_recovers(workload, seed, batch_rows):
-    outcome = run_sweep(SweepPlan(seed=seed, runs=1, faults="none", shape_name=workload, crash_points="all",
-                                  batch_rows=batch_rows))
+    outcome = run_sweep(
+        SweepPlan(seed=seed, runs=1, faults="none", shape_name=workload, crash_points="all", batch_rows=batch_rows)
+    )
     base = outcome.results[0][0]
     assert base.workload_ops > 50
     assert base.batch_rows == batch_rows
@@ -96,19 +101,30 @@ def test_every_crash_point_of_a_small_workload_recovers(workload, seed, batch_ro
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_each_deliberate_durability_bug_is_caught_by_the_default_sweep(mutation):
-    outcome = run_sweep(SweepPlan(seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random",
-                                  mutations=frozenset({mutation})), stop_on_failure=True)
+    outcome = run_sweep(
+        SweepPlan(
+            seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random", mutations=frozenset({mutation})
+        ),
+        stop_on_failure=True,
+    )
     assert outcome.failures, f"{mutation} went unnoticed"
     assert outcome.exit_code() == EXIT_CORRECTNESS
 
 
-@pytest.mark.parametrize(("mutation", "invariant"), [
-    ("restore-holds-index-lock", "no_io_under_index_lock"),
-    ("journal-unowned-append", "journal_has_one_owner"),
-])
+@pytest.mark.parametrize(
+    ("mutation", "invariant"),
+    [
+        ("restore-holds-index-lock", "no_io_under_index_lock"),
+        ("journal-unowned-append", "journal_has_one_owner"),
+    ],
+)
 def test_the_thread_boundary_bugs_are_each_caught_by_their_own_invariant(mutation, invariant):
-    outcome = run_sweep(SweepPlan(seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random",
-                                  mutations=frozenset({mutation})), stop_on_failure=True)
+    outcome = run_sweep(
+        SweepPlan(
+            seed=0, runs=SWEEP_SEEDS_DEFAULT, faults="mixed", crash_points="random", mutations=frozenset({mutation})
+        ),
+        stop_on_failure=True,
+    )
     result, _ = outcome.failures[0]
     assert result.violations[0].invariant == invariant
 
@@ -211,13 +227,27 @@ def _result_with(kinds: list[str]):
     from kvcellar.simulations.harness import RunResult
     from kvcellar.simulations.observer import Violation
 
-    return RunResult(seed=0, violations=[Violation(invariant="x", detail="", kind=kind) for kind in kinds],
-                     journal_digest="00", disk_digest="", disk_ops=0, workload_ops=0, crashes=0, restarts=0,
-                     requests=0, flushes=0, durable_flushes=0, claims_checked=0, sim_time_s=0.0)
+    return RunResult(
+        seed=0,
+        violations=[Violation(invariant="x", detail="", kind=kind) for kind in kinds],
+        journal_digest="00",
+        disk_digest="",
+        disk_ops=0,
+        workload_ops=0,
+        crashes=0,
+        restarts=0,
+        requests=0,
+        flushes=0,
+        durable_flushes=0,
+        claims_checked=0,
+        sim_time_s=0.0,
+    )
 
 
-@pytest.mark.parametrize("kinds,code", [([], 0), (["liveness"], 4), (["crash"], 5), (["crash", "liveness"], 4),
-                                        (["liveness", "correctness"], 3)])
+@pytest.mark.parametrize(
+    "kinds,code",
+    [([], 0), (["liveness"], 4), (["crash"], 5), (["crash", "liveness"], 4), (["liveness", "correctness"], 3)],
+)
 def test_exit_codes_tell_correctness_liveness_and_crash_failures_apart(kinds, code):
     from kvcellar.simulations.sweep import SweepOutcome
 

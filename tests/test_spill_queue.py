@@ -67,7 +67,7 @@ class SpillQueueRules(RuleBasedStateMachine):
 
     def _take_settle(self, effects: list, at: int, newest: int | None) -> int:
         """Check one settle group (Release, Settled, journal) at `at`; return the next index."""
-        release, settled, journal = effects[at:at + 3]
+        release, settled, journal = effects[at : at + 3]
         assert isinstance(release, Release) and isinstance(settled, Settled) and isinstance(journal, JournalEvent)
         item_id = release.item_id
         assert settled.item_id == item_id and journal.event.item_id == item_id
@@ -187,7 +187,10 @@ class SpillQueueRules(RuleBasedStateMachine):
         assert stats["pending_bytes"] == self._total_bytes()
         assert stats["enqueued"] == len(self.enqueued)
         assert (stats["stored"], stats["failed"], stats["dropped"]) == (
-            outcomes["stored"], outcomes["failed"], outcomes["dropped"])
+            outcomes["stored"],
+            outcomes["failed"],
+            outcomes["dropped"],
+        )
         assert stats["enqueued"] == stats["stored"] + stats["failed"] + stats["dropped"] + stats["pending"]
         assert self.released == set(self.settled)
         assert (self.core.state is SpillState.WRITING) == (self.in_flight is not None)
@@ -201,8 +204,9 @@ class SpillQueueRules(RuleBasedStateMachine):
         assert set(self.settled) == set(self.enqueued), "some item never settled"
 
 
-SpillQueueRules.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                             suppress_health_check=[HealthCheck.too_slow])
+SpillQueueRules.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_core_follows_the_spill_queue_rules = SpillQueueRules.TestCase
 
 
@@ -241,9 +245,16 @@ def test_spill_events_are_registered_and_round_trip_through_cbor() -> None:
     assert [e.kind for e in events] == ["spill.enqueued", "spill.dropped", "spill.dispatched", "spill.settled"]
 
 
-@pytest.mark.parametrize(("raw", "expected"), [
-    (None, 2 * GIB), ("", 2 * GIB), ("0", 0), ("1.5", 3 * GIB // 2), (" 4 ", 4 * GIB),
-])
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (None, 2 * GIB),
+        ("", 2 * GIB),
+        ("0", 0),
+        ("1.5", 3 * GIB // 2),
+        (" 4 ", 4 * GIB),
+    ],
+)
 def test_bytes_max_from_env_reads_gib(raw: str | None, expected: int) -> None:
     environ = {} if raw is None else {"KVCELLAR_SSD_SPILL_QUEUE_GB": raw}
     assert bytes_max_from_env(environ) == expected
@@ -257,6 +268,7 @@ def test_bytes_max_from_env_rejects_bad_values(raw: str) -> None:
 
 
 # The Trio shell.
+
 
 class Dummy:
     """Stands in for an MLX array view: weakref-able, so release is provable."""

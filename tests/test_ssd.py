@@ -125,8 +125,9 @@ def test_byte_cap_evicts_least_recently_used_and_a_hit_refreshes(llama, tmp_path
     one_entry_bytes = probe.entry(probe.store(prompts[0], caches[0])).bytes
     probe.close()
     clock = iter(range(1, 10_000)).__next__
-    store = SsdStore.open(tmp_path / "real", FINGERPRINT, bytes_max=3 * one_entry_bytes,
-                          clock_ns=lambda: clock() * 1_000_000_000)
+    store = SsdStore.open(
+        tmp_path / "real", FINGERPRINT, bytes_max=3 * one_entry_bytes, clock_ns=lambda: clock() * 1_000_000_000
+    )
     ids = []
     for prompt, cache in zip(prompts[:3], caches[:3], strict=True):
         ids.append(store.store(prompt, cache))
@@ -155,8 +156,9 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["header", "truncated", "future_version", "foreign", "wrong_fingerprint",
-                                    "wrong_namespace_dir"])
+@pytest.mark.parametrize(
+    "damage", ["header", "truncated", "future_version", "foreign", "wrong_fingerprint", "wrong_namespace_dir"]
+)
 def test_damaged_or_mismatched_files_are_quarantined_at_startup(damage, llama, tmp_path):
     _, path = _store_one(tmp_path, llama)
     if damage == "header":
@@ -317,8 +319,9 @@ def test_reconcile_corrects_the_journal_after_changes_behind_its_back(llama, tmp
     reopened = SsdStore.open(tmp_path, FINGERPRINT)
     assert sorted(reopened.entry_ids()) == sorted([kept, added])
     new_kinds = [r.kind for r in reopened.journal.events()][-4:]
-    assert sorted(new_kinds) == sorted(["entry.quarantined", "reconcile.added", "reconcile.removed",
-                                        "reconcile.removed"])
+    assert sorted(new_kinds) == sorted(
+        ["entry.quarantined", "reconcile.added", "reconcile.removed", "reconcile.removed"]
+    )
     rows = reopened.journal.entries()
     assert [r["entry_id"] for r in rows] == sorted([kept, added])
     assert rows == reopened.journal.replay()
@@ -366,8 +369,12 @@ def test_covers_means_an_entry_can_serve_every_token(llama, tmp_path, loaded_mod
 
 def test_listeners_see_every_event_and_every_restore(llama, tmp_path):
     events, restores = [], []
-    store = SsdStore.open(tmp_path, FINGERPRINT, event_listeners=[events.append],
-                          restore_listeners=[lambda match, entry, caches: restores.append((match, entry, caches))])
+    store = SsdStore.open(
+        tmp_path,
+        FINGERPRINT,
+        event_listeners=[events.append],
+        restore_listeners=[lambda match, entry, caches: restores.append((match, entry, caches))],
+    )
     entry_id = store.store(BASE, _prefill(llama, BASE)[0])
     match = store.find(BASE + [7])
     caches = store.restore(match)

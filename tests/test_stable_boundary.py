@@ -58,8 +58,11 @@ def _request(prompt=PROMPT, boundary: int | None = BOUNDARY) -> GenerationReques
 
 
 def _serial(loaded, prompt_cache, request):
-    done = [item for item in run_generation(loaded, prompt_cache, request, threading.Event())
-            if isinstance(item, GenerationDone)]
+    done = [
+        item
+        for item in run_generation(loaded, prompt_cache, request, threading.Event())
+        if isinstance(item, GenerationDone)
+    ]
     return done[0]
 
 
@@ -146,16 +149,25 @@ def test_every_chat_api_carries_the_probes_boundary_and_completions_none(loaded)
     """The chat, Messages and Responses parsers render the same conversation
     to the same prompt and carry its stable boundary; a completion has none."""
     system, user = "Be terse.", "Hello!"
-    rendered = render_prompt(loaded.tokenizer, [{"role": "system", "content": system},
-                                                {"role": "user", "content": user}], NO_TOOLS, probe=True)
+    rendered = render_prompt(
+        loaded.tokenizer,
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        NO_TOOLS,
+        probe=True,
+    )
     assert 0 < rendered.stable_prefix_tokens < len(rendered.prompt_ids)
-    chat = parse_job({"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]},
-                     loaded, chat=True).request
-    messages = parse_messages_body(json.dumps({"model": "any", "max_tokens": 8, "system": system,
-                                               "messages": [{"role": "user", "content": user}]}).encode(),
-                                   loaded).request
-    responses = parse_responses_body(json.dumps({"instructions": system, "input": user}).encode(), loaded,
-                                     max_tokens_default=8).job.request
+    chat = parse_job(
+        {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}, loaded, chat=True
+    ).request
+    messages = parse_messages_body(
+        json.dumps(
+            {"model": "any", "max_tokens": 8, "system": system, "messages": [{"role": "user", "content": user}]}
+        ).encode(),
+        loaded,
+    ).request
+    responses = parse_responses_body(
+        json.dumps({"instructions": system, "input": user}).encode(), loaded, max_tokens_default=8
+    ).job.request
     for request in (chat, messages, responses):
         assert request.prompt_ids == rendered.prompt_ids
         assert request.snapshot_at_tokens == rendered.stable_prefix_tokens
@@ -185,8 +197,10 @@ def test_the_next_chat_turn_reads_the_first_turns_stable_boundary_from_the_cache
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
         results = {}
         for probed in (False, True):
-            messages = [{"role": "system", "content": f"Probed: {probed}. You are a terse assistant."},
-                        {"role": "user", "content": "Hello!"}]
+            messages = [
+                {"role": "system", "content": f"Probed: {probed}. You are a terse assistant."},
+                {"role": "user", "content": "Hello!"},
+            ]
             first = render_prompt(tokenizer, messages, NO_TOOLS, probe=True)
             script.push(ANSWER)
             if probed:
@@ -195,12 +209,20 @@ def test_the_next_chat_turn_reads_the_first_turns_stable_boundary_from_the_cache
                 assert reply.usage.prompt_tokens == len(first.prompt_ids)
             else:
                 client.completions.create(model=MODEL, prompt=first.text, max_tokens=64, temperature=0)
-            messages += [{"role": "assistant", "content": "Hello there, how can I help?",
-                          "reasoning_content": "The user greets; answer briefly."},
-                         {"role": "user", "content": "What is the weather?"}]
+            messages += [
+                {
+                    "role": "assistant",
+                    "content": "Hello there, how can I help?",
+                    "reasoning_content": "The user greets; answer briefly.",
+                },
+                {"role": "user", "content": "What is the weather?"},
+            ]
             second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
-            results[probed] = (first.stable_prefix_tokens, second.usage.prompt_tokens,
-                               second.usage.prompt_tokens_details.cached_tokens)
+            results[probed] = (
+                first.stable_prefix_tokens,
+                second.usage.prompt_tokens,
+                second.usage.prompt_tokens_details.cached_tokens,
+            )
     boundary, prompt_tokens, cached = results[True]
     assert 0 < boundary < prompt_tokens
     assert cached == boundary, results

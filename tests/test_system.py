@@ -34,8 +34,14 @@ async def _run(system, request):
 
 
 def _config(model_dir, tmp_path, **overrides):
-    values = dict(model_dir=model_dir, ssd_dir=tmp_path / "ssd", debounce_s=0.05, busy_rearm_s=0.05,
-                  demote_idle_s=0, shutdown_timeout_s=60)
+    values = dict(
+        model_dir=model_dir,
+        ssd_dir=tmp_path / "ssd",
+        debounce_s=0.05,
+        busy_rearm_s=0.05,
+        demote_idle_s=0,
+        shutdown_timeout_s=60,
+    )
     values.update(overrides)
     return SystemConfig(**values)
 
@@ -96,22 +102,39 @@ def test_background_work_never_runs_while_a_request_is_active_or_waiting(model_d
             gateway = system.gateway
             first_started, first_release, second_started, second_release = (trio.Event() for _ in range(4))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(_run_holding_the_lane, system, _request(PROMPT, 30),
-                                           started=first_started, release=first_release))
+                nursery.start_soon(
+                    partial(
+                        _run_holding_the_lane,
+                        system,
+                        _request(PROMPT, 30),
+                        started=first_started,
+                        release=first_release,
+                    )
+                )
                 await first_started.wait()
                 for _ in range(3):
                     nursery.start_soon(gateway.run_when_idle, lambda _: None)
-                await wait_until(lambda: gateway.stats()["background_waiting"] >= 3,
-                                 what="three steps queue behind the active request")
-                nursery.start_soon(partial(_run_holding_the_lane, system, _request((1,) + PROMPT[:60], 20),
-                                           started=second_started, release=second_release))
+                await wait_until(
+                    lambda: gateway.stats()["background_waiting"] >= 3,
+                    what="three steps queue behind the active request",
+                )
+                nursery.start_soon(
+                    partial(
+                        _run_holding_the_lane,
+                        system,
+                        _request((1,) + PROMPT[:60], 20),
+                        started=second_started,
+                        release=second_release,
+                    )
+                )
                 await wait_until(lambda: gateway.stats()["waiting"] == 1, what="the second request waits")
                 first_release.set()
                 await second_started.wait()
                 assert gateway.stats()["background_waiting"] >= 3, "the lane went to the waiting request"
                 nursery.start_soon(_run, system, _request((2,) + PROMPT[:60], 20))
-                await wait_until(lambda: gateway.stats()["waiting"] == 1,
-                                 what="the third request waits behind the second")
+                await wait_until(
+                    lambda: gateway.stats()["waiting"] == 1, what="the third request waits behind the second"
+                )
                 second_release.set()
             await system.flush()
 
@@ -119,8 +142,8 @@ def test_background_work_never_runs_while_a_request_is_active_or_waiting(model_d
     kinds = [label for label, _, _ in turn_log]
     generations = [i for i, kind in enumerate(kinds) if kind == "generate"]
     assert len(generations) == 3
-    assert "step" not in kinds[:generations[-1]], f"background work ran while requests were waiting: {kinds}"
-    assert kinds[generations[-1] + 1:].count("step") >= 3, kinds
+    assert "step" not in kinds[: generations[-1]], f"background work ran while requests were waiting: {kinds}"
+    assert kinds[generations[-1] + 1 :].count("step") >= 3, kinds
 
 
 class ToggleFaultDisk(RealDisk):

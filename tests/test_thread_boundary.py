@@ -78,8 +78,7 @@ def _writer(store: SsdStore, writes: queue.Queue, errors: list[BaseException]) -
         errors.append(e)
 
 
-def test_restores_writes_and_actor_journaling_on_three_threads_keep_the_journal_sound(
-        loaded_model_factory, tmp_path):
+def test_restores_writes_and_actor_journaling_on_three_threads_keep_the_journal_sound(loaded_model_factory, tmp_path):
     model = loaded_model_factory("llama")[0]
     store = SsdStore.open(tmp_path, FINGERPRINT, bytes_max=ENTRY_CAP_BYTES)
     writes: queue.Queue = queue.Queue(maxsize=4)
@@ -109,7 +108,8 @@ def test_restores_writes_and_actor_journaling_on_three_threads_keep_the_journal_
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_restore_of_an_entry_evicted_while_it_was_read_is_the_committed_bytes_or_a_miss(
-        loaded_model_factory, tmp_path, verify):
+    loaded_model_factory, tmp_path, verify
+):
     """The restore reads outside the lock; an eviction between `find` and the
     read unlinks the file. What comes back is the committed entry or None,
     never a failure counted against the store."""
@@ -130,7 +130,8 @@ def test_a_restore_of_an_entry_evicted_while_it_was_read_is_the_committed_bytes_
 
 
 def test_a_restore_that_has_its_file_open_when_the_entry_is_evicted_still_returns_the_committed_bytes(
-        loaded_model_factory, tmp_path):
+    loaded_model_factory, tmp_path
+):
     model = loaded_model_factory("llama")[0]
     tokens = list(range(5, 45))
     cache = make_prompt_cache(model)

@@ -37,21 +37,35 @@ from kvcellar.http.tools import (
     stable_prefix_tokens,
 )
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME_TOOL = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 IM_START_ID = 1
 SYSTEM = "You are a terse assistant. Use the tools when they help. " * 4
 
-CALL_PARIS = ('<think>\nThe user wants the weather; I should call the tool.\n</think>\n\n'
-              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+CALL_PARIS = (
+    "<think>\nThe user wants the weather; I should call the tool.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
 ANSWER_PARIS = "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny in Paris."
-CALL_BOTH = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>')
+CALL_BOTH = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +110,17 @@ def served(request, tools_model_dir, tokenizer):
 
 
 def _chat(client, messages, **fields):
-    return client.chat.completions.create(model="llama-tools", messages=messages, max_tokens=96,
-                                          temperature=0, **fields)
+    return client.chat.completions.create(
+        model="llama-tools", messages=messages, max_tokens=96, temperature=0, **fields
+    )
 
 
 def test_tool_call_round_trip(served):
     _, client, script = served
     script.push(CALL_PARIS)
-    reply = _chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paris weather?"}],
-                  tools=TOOLS)
+    reply = _chat(
+        client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paris weather?"}], tools=TOOLS
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -118,8 +134,13 @@ def test_tool_call_round_trip(served):
 def test_tool_call_stream_accumulates_in_the_sdk_helper(served):
     _, client, script = served
     script.push(CALL_PARIS)
-    with client.chat.completions.stream(model="llama-tools", max_tokens=96, temperature=0, tools=TOOLS,
-                                        messages=[{"role": "user", "content": "Paris weather?"}]) as stream:
+    with client.chat.completions.stream(
+        model="llama-tools",
+        max_tokens=96,
+        temperature=0,
+        tools=TOOLS,
+        messages=[{"role": "user", "content": "Paris weather?"}],
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_completion()
     choice = final.choices[0]
@@ -160,9 +181,17 @@ def test_tool_result_turn_is_accepted_and_reasoning_split(served):
     script.push(ANSWER_PARIS)
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Paris "}, {"type": "text", "text": "weather?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_abc", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 24 C"},
     ]
     reply = _chat(client, messages, tools=TOOLS)
@@ -192,9 +221,14 @@ def test_forced_tool_choice_starts_the_reply_with_a_call(served, tool_choice, ca
     content (never a 500) with a warning."""
     _, client, _ = served
     with caplog.at_level(logging.WARNING, logger="kvcellar.http.tools"):
-        reply = client.chat.completions.create(model="llama-tools", max_tokens=32, temperature=0, tools=TOOLS,
-                                               tool_choice=tool_choice,
-                                               messages=[{"role": "user", "content": "What time is it?"}])
+        reply = client.chat.completions.create(
+            model="llama-tools",
+            max_tokens=32,
+            temperature=0,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            messages=[{"role": "user", "content": "What time is it?"}],
+        )
     content = reply.choices[0].message.content
     expected = '<tool_call>\n{"name": "get_time", "arguments": ' if isinstance(tool_choice, dict) else "<tool_call>"
     assert content.startswith(expected)
@@ -206,10 +240,16 @@ def test_named_tool_choice_with_a_scripted_continuation_parses(served, tokenizer
     _, client, script = served
     plan = ToolPlan(tools=tuple(TOOLS), choice="function", function_name="get_time")
     prefix = forced_prefix_text(tokenizer, plan)
-    script.push_ids(tokenizer.encode(prefix, add_special_tokens=False)
-                    + tokenizer.encode('{"city": "Oslo"}}\n</tool_call>', add_special_tokens=False))
-    reply = _chat(client, [{"role": "user", "content": "Time in Oslo?"}], tools=TOOLS,
-                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    script.push_ids(
+        tokenizer.encode(prefix, add_special_tokens=False)
+        + tokenizer.encode('{"city": "Oslo"}}\n</tool_call>', add_special_tokens=False)
+    )
+    reply = _chat(
+        client,
+        [{"role": "user", "content": "Time in Oslo?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"city": "Oslo"}
 
@@ -221,24 +261,40 @@ def test_malformed_tool_text_is_content_with_a_warning(served, caplog):
         reply = _chat(client, [{"role": "user", "content": "Paris?"}], tools=TOOLS)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and choice.message.tool_calls is None
-    assert choice.message.content == ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {oops}\n'
-                                      '</tool_call>')
+    assert choice.message.content == (
+        'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {oops}\n</tool_call>'
+    )
     assert any("does not parse" in record.getMessage() for record in caplog.records)
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": {"name": "x"}}, "tools"),
-    ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{bad"}}]}]},
-     "messages[1].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": {"name": "x"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{bad"}}
+                        ],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ],
+)
 def test_bad_tool_fields_are_400s_naming_them(served, fields, param):
     server, _, _ = served
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
@@ -292,8 +348,10 @@ def test_agent_loop_turns_are_prefix_hits(served, echo_reasoning, capsys):
         elif turn == 1:
             messages.append({"role": "user", "content": "And tomorrow?"})
     with capsys.disabled():
-        print(f"\nagent loop ({'echoing' if echo_reasoning else 'dropping'} reasoning): "
-              f"(prompt_tokens, cached_tokens, ratio) per turn: {ratios}")
+        print(
+            f"\nagent loop ({'echoing' if echo_reasoning else 'dropping'} reasoning): "
+            f"(prompt_tokens, cached_tokens, ratio) per turn: {ratios}"
+        )
     assert ratios[0][2] < 0.1, ratios
     for _prompt_tokens, cached, ratio in ratios[1:]:
         assert cached > 0 and ratio >= 0.75, ratios
@@ -306,7 +364,7 @@ def _pieces(tokenizer, text: str, plan: ToolPlan, *, step: int) -> list:
     splitter = ReplySplitter(tokenizer, plan)
     pieces = []
     for start in range(0, len(text), step):
-        pieces.extend(splitter.feed(text[start:start + step]))
+        pieces.extend(splitter.feed(text[start : start + step]))
     pieces.extend(splitter.finish())
     return pieces
 
@@ -329,9 +387,12 @@ def test_splitter_pieces_do_not_depend_on_how_the_text_is_cut(tokenizer, step):
     plan = ToolPlan(tools=tuple(TOOLS))
     text = "<think>\nhmm\n</think>\n\nLooking it up.\n" + CALL_BOTH + "\nDone."
     assert _merged(_pieces(tokenizer, text, plan, step=step)) == [
-        (ReasoningText.__name__, "hmm"), (ContentText.__name__, "Looking it up."),
-        ("call", 0, "get_weather", '{"city": "Rome"}'), ("call", 1, "get_time", '{"city": "Rome"}'),
-        (ContentText.__name__, "Done.")]
+        (ReasoningText.__name__, "hmm"),
+        (ContentText.__name__, "Looking it up."),
+        ("call", 0, "get_weather", '{"city": "Rome"}'),
+        ("call", 1, "get_time", '{"city": "Rome"}'),
+        (ContentText.__name__, "Done."),
+    ]
 
 
 def test_an_unterminated_call_at_the_end_still_parses(tokenizer):
@@ -346,8 +407,13 @@ def test_template_probe_finds_where_the_next_turn_rerenders(tokenizer):
     before an echoed reasoning block and covers the whole prompt otherwise."""
     plan = ToolPlan(tools=tuple(TOOLS))
     base = [{"role": "user", "content": "Paris?"}]
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    }
     result = {"role": "tool", "tool_call_id": "c", "content": "sunny"}
     for echoed, expect_whole in ((False, True), (True, False)):
         turn = {**call, "reasoning_content": "thinking"} if echoed else call
@@ -355,8 +421,9 @@ def test_template_probe_finds_where_the_next_turn_rerenders(tokenizer):
         rendered = render_prompt(tokenizer, messages, plan, probe=True)
         # Both renderings open a turn after the last message: its role marker is shared, its role is not.
         last_turn_marker = len(rendered.prompt_ids) - rendered.prompt_ids[::-1].index(IM_START_ID)
-        stable = stable_prefix_tokens(tokenizer, messages, rendered.prompt_ids, tools=list(TOOLS),
-                                      rendered=rendered.text)
+        stable = stable_prefix_tokens(
+            tokenizer, messages, rendered.prompt_ids, tools=list(TOOLS), rendered=rendered.text
+        )
         assert stable == rendered.stable_prefix_tokens
         if expect_whole:
             assert stable == last_turn_marker
