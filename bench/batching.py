@@ -40,7 +40,16 @@ from mlx_lm.models.cache import make_prompt_cache
 from rich.console import Console
 from tokenizers import Tokenizer
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    model_option,
+    print_figures,
+    publish,
+    publish_options,
+    scratch_dir_option,
+    scratch_with_model,
+)
 from kvcellar.bench.compare_mlx_lm import (
     KVCELLAR,
     MLX_LM,
@@ -436,27 +445,13 @@ def run_benchmark(model_dir: Path, options: dict[str, Any], workdir: Path, progr
     help=f"Demo {DEMO_ARCH} sizes to run, each a full benchmark (repeat the flag for more); the first "
     f"gives the top-level figures. Ignored with --model.",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help=f"An mlx-lm model directory with tokenizer.json; default: fresh offline demo {DEMO_ARCH} "
-    f"models of --sizes made in a temporary directory.",
+@model_option(
+    f"An mlx-lm model directory with tokenizer.json; default: fresh offline demo {DEMO_ARCH} "
+    f"models of --sizes made in a temporary directory."
 )
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for the server logs (a temporary subdirectory is made and removed); "
-    "default: kvcellar's user cache directory.",
-)
+@scratch_dir_option("the server logs")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts' pseudo-words.")
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line.")
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(
     model_dir: Path | None,
     directory: Path | None,

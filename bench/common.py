@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import click
 import platformdirs
 from rich.console import Console
 from rich.table import Table
@@ -161,3 +162,42 @@ def scratch_with_model(
         yield Scratch(base=base, workdir=workdir, model_dir=model_dir, model_described=described)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def publish_options(docs_begin: str, docs_end: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--json` and `--write-docs`, the same in every benchmark (`publish` acts on them)."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option(
+            "--write-docs",
+            is_flag=True,
+            help=f"Rewrite the section between {docs_begin} and {docs_end} in docs/benchmarks.md.",
+        )(command)
+        return click.option(
+            "--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line."
+        )(command)
+
+    return decorate
+
+
+def model_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--model DIR` (passed as `model_dir`): an existing mlx-lm model directory, or None."""
+    return click.option(
+        "--model",
+        "model_dir",
+        type=click.Path(file_okay=False, exists=True, path_type=Path),
+        default=None,
+        help=help_text,
+    )
+
+
+def scratch_dir_option(holds: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--dir DIR` (passed as `directory`): where `scratch_with_model` makes its temporary subdirectory."""
+    return click.option(
+        "--dir",
+        "directory",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help=f"Directory for {holds} (a temporary subdirectory is made and removed); "
+        "default: kvcellar's user cache directory.",
+    )

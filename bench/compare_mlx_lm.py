@@ -40,7 +40,15 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from kvcellar.bench.common import describe_machine, docs_markers, publish, scratch_with_model
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    model_option,
+    publish,
+    publish_options,
+    scratch_dir_option,
+    scratch_with_model,
+)
 from kvcellar.engine.demo_models import DEMO_ARCH
 
 KVCELLAR, MLX_LM = "kvcellar", "mlx_lm"
@@ -667,27 +675,13 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
     show_default=True,
     help="Decode pairs (a --new-tokens request, then a 1-token one) per server; figures are medians.",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help=f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
-    f"{MODEL_SIZE} made in a temporary directory.",
+@model_option(
+    f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
+    f"{MODEL_SIZE} made in a temporary directory."
 )
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for the SSD tier and server logs (a temporary subdirectory is made and removed); "
-    "default: kvcellar's user cache directory.",
-)
+@scratch_dir_option("the SSD tier and server logs")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts' pseudo-words.")
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line.")
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Compare kvcellar with mlx_lm.server: cold, restart and per-turn TTFT, and decode tokens/s."""
     started = time.perf_counter()

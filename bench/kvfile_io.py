@@ -35,7 +35,14 @@ import xxhash
 from mlx_lm.models.cache import KVCache
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    print_figures,
+    publish,
+    publish_options,
+    scratch_dir_option,
+)
 from kvcellar.store import codecs, kvfile
 
 MIB_BYTES = 1 << 20
@@ -565,20 +572,8 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
     show_default=True,
     help="Times each measurement runs; figures are medians.",
 )
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for the benchmark's files (a temporary subdirectory is made and removed); "
-    "default: kvcellar's user cache directory.",
-)
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
-)
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@scratch_dir_option("the benchmark's files")
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, write_docs: bool) -> None:
     """Time .kvc save and cold load against a raw write and read of the same bytes."""
     console = Console()

@@ -31,7 +31,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
+from kvcellar.bench.common import describe_machine, docs_markers, model_option, print_figures, publish, publish_options
 from kvcellar.engine.demo_models import DEMO_ARCH, SIZES, VOCAB_SIZE, create_model
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, SamplingParams, configure_host_allocator, generate_tokens
 from kvcellar.store.lending import cache_arrays
@@ -630,13 +630,7 @@ def _lengths(_: Any, __: Any, value: str) -> list[int]:
     show_default=True,
     help="Call mx.clear_cache() after every turn of the memory measurement, as the engine does after each generation.",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="An mlx-lm model directory; default: a fresh offline demo llama of --model-size.",
-)
+@model_option("An mlx-lm model directory; default: a fresh offline demo llama of --model-size.")
 @click.option(
     "--model-size",
     type=click.Choice(SIZES),
@@ -644,12 +638,7 @@ def _lengths(_: Any, __: Any, value: str) -> list[int]:
     show_default=True,
     help="Size of the demo llama made when --model is not given.",
 )
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
-)
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(model_dir: Path | None, model_size: str, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Time RAM prefix hits against cold prefills, take()/put() with many entries, and memory under the cap."""
     started = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish
+from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, publish_options
 from kvcellar.simulations.sweep import SweepPlan, run_sweep
 from kvcellar.simulations.workload import SMALL_SHAPES
 
@@ -114,10 +114,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     show_default=True,
     help="Small workloads whose every crash point is run (comma list; empty for none).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(seeds: int, crash_workloads: str, as_json: bool, write_docs: bool) -> None:
     """Measure simulated runs per second and crash points per second."""
     names = tuple(name.strip() for name in crash_workloads.split(",") if name.strip())

@@ -46,7 +46,16 @@ import trio
 from rich.console import Console
 from tokenizers import Tokenizer
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    model_option,
+    print_figures,
+    publish,
+    publish_options,
+    scratch_dir_option,
+    scratch_with_model,
+)
 from kvcellar.bench.compare_mlx_lm import KVCELLAR, OthersCpu, ServerProcess, text_of_tokens
 from kvcellar.engine.demo_models import DEMO_ARCH
 
@@ -766,27 +775,13 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     show_default=True,
     help="Pause between /stats samples (the resolution of 'on top of a restore').",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help=f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
-    f"{MODEL_SIZE} made in a temporary directory.",
+@model_option(
+    f"An mlx-lm model directory with tokenizer.json; default: a fresh offline demo {DEMO_ARCH} "
+    f"{MODEL_SIZE} made in a temporary directory."
 )
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for the SSD tier and the server log (a temporary subdirectory is made and removed); "
-    "default: kvcellar's user cache directory.",
-)
+@scratch_dir_option("the SSD tier and the server log")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the clients' draws.")
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object as the last line.")
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Soak kvcellar serve with an SSD tier and a tiny RAM tier; check nothing is lost, frozen or degraded."""
     started = time.perf_counter()

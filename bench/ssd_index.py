@@ -38,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 from rich.console import Console
 from rich.table import Table
 
-from kvcellar.bench.common import describe_machine, docs_markers, publish
+from kvcellar.bench.common import describe_machine, docs_markers, publish, publish_options
 from kvcellar.serialization import converter
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk
@@ -671,10 +671,7 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
     "160 KiB per tree entry, plus 2 x stores entries of --store-mib). Default: a temporary "
     "directory, removed at the end.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(
     entries: int,
     tokens: int,

@@ -36,7 +36,16 @@ import click
 import httpx
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    model_option,
+    print_figures,
+    publish,
+    publish_options,
+    scratch_dir_option,
+    scratch_with_model,
+)
 from kvcellar.engine.demo_models import (
     CACHE_DIR_ENV_VAR,
     DEMO_ARCH,
@@ -284,13 +293,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     show_default=True,
     help="Least size in MB (10^6 bytes) of the random-weight float32 llama built for the run.",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="An mlx-lm model directory to start instead of the built one.",
-)
+@model_option("An mlx-lm model directory to start instead of the built one.")
 @click.option(
     "--runs",
     type=click.IntRange(min=1),
@@ -298,20 +301,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     show_default=True,
     help="Pairs of starts (first on an empty memo, second on the memo it left); figures are medians.",
 )
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for the model, memo and SSD tier (a temporary subdirectory is made and removed); "
-    "default: kvcellar's user cache directory.",
-)
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
-)
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@scratch_dir_option("the model, memo and SSD tier")
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(
     model_mb: int, model_dir: Path | None, runs: int, directory: Path | None, as_json: bool, write_docs: bool
 ) -> None:

@@ -25,7 +25,16 @@ import trio
 from rich.console import Console
 
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, scratch_with_model
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    model_option,
+    print_figures,
+    publish,
+    publish_options,
+    scratch_dir_option,
+    scratch_with_model,
+)
 from kvcellar.engine.demo_models import DEMO_ARCH, VOCAB_SIZE
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
@@ -416,29 +425,12 @@ def print_table(result: dict[str, Any], console: Console) -> None:
     show_default=True,
     help="Runs per mode, on and off alternating; figures are medians.",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
-    help=f"An mlx-lm model directory; default: a fresh offline demo {DEMO_ARCH} {MODEL_SIZE} made in a "
-    f"temporary directory.",
+@model_option(
+    f"An mlx-lm model directory; default: a fresh offline demo {DEMO_ARCH} {MODEL_SIZE} made in a temporary directory."
 )
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for the runs' SSD tiers (a temporary subdirectory is made and removed); "
-    "default: kvcellar's user cache directory.",
-)
+@scratch_dir_option("the runs' SSD tiers")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt's random token ids.")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line of output."
-)
-@click.option(
-    "--write-docs", is_flag=True, help=f"Rewrite the section between {DOCS_BEGIN} and {DOCS_END} in docs/benchmarks.md."
-)
+@publish_options(DOCS_BEGIN, DOCS_END)
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Time decode with write-behind on against off, and the flush that follows."""
     started = time.perf_counter()
