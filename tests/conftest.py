@@ -42,3 +42,19 @@ def loaded_model_factory(model_dir_factory):
         return loaded[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with a tool-and-thinking chat format (Qwen3-style template), made once."""
+    from kvcellar.engine.demo_models import create_model
+
+    return create_model("llama", tmp_path_factory.mktemp("tools-model") / "llama-tools", chat_format="tools")
+
+
+@pytest.fixture(scope="session")
+def tools_tokenizer(tools_model_dir: Path):
+    """mlx-lm's tokenizer wrapper of `tools_model_dir` (it infers the tool parser and thinking markers)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(tools_model_dir)

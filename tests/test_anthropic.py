@@ -23,7 +23,6 @@ from test_http_errors import FailingBatchEngine, InProcessServer
 from test_tools import ANSWER_PARIS, CALL_BOTH, CALL_PARIS, SYSTEM, ScriptedReplies
 
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
-from kvcellar.engine.demo_models import create_model
 from kvcellar.http.app import HttpSettings, build_app
 
 WEATHER = {
@@ -62,21 +61,9 @@ class KeyedServer(InProcessServer):
                 await self._stop.wait()
 
 
-@pytest.fixture(scope="module")
-def tools_model_dir(tmp_path_factory):
-    return create_model("llama", tmp_path_factory.mktemp("anthropic-model") / "llama-tools", chat_format="tools")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tools_model_dir):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    return load_tokenizer(tools_model_dir)
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["serial", "batch"])
-def served(request, tools_model_dir, tokenizer):
-    script = ScriptedReplies(tokenizer)
+def served(request, tools_model_dir, tools_tokenizer):
+    script = ScriptedReplies(tools_tokenizer)
     config = SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)
     with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
         client = anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0, timeout=120)

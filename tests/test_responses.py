@@ -16,12 +16,10 @@ import json
 import httpx
 import openai
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 from test_http_errors import FailingBatchEngine, InProcessServer
 from test_tools import ANSWER_PARIS, CALL_BOTH, CALL_PARIS, SYSTEM, ScriptedReplies
 
 from kvcellar.actors.system import SystemConfig, SystemSeams
-from kvcellar.engine.demo_models import create_model
 from kvcellar.http.tools import ToolPlan, render_prompt
 
 WEATHER_TOOL = {
@@ -42,19 +40,9 @@ MODEL = "llama-tools"
 REASONING = "The user wants the weather; I should call the tool."
 
 
-@pytest.fixture(scope="module")
-def tools_model_dir(tmp_path_factory):
-    return create_model("llama", tmp_path_factory.mktemp("responses-model") / MODEL, chat_format="tools")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tools_model_dir):
-    return load_tokenizer(tools_model_dir)
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["serial", "batch"])
-def served(request, tools_model_dir, tokenizer):
-    script = ScriptedReplies(tokenizer)
+def served(request, tools_model_dir, tools_tokenizer):
+    script = ScriptedReplies(tools_tokenizer)
     config = SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)
     with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
@@ -180,7 +168,7 @@ def test_parallel_calls_and_parallel_tool_calls_false(served):
     assert [item.name for item in first.output] == ["get_weather"] and first.parallel_tool_calls is False
 
 
-def test_function_call_output_turn_renders_like_the_chat_api(served, tokenizer):
+def test_function_call_output_turn_renders_like_the_chat_api(served, tools_tokenizer):
     """The items render the same template messages as the chat API's
     equivalent turns: the same prompt, token for token."""
     _, client, script = served
@@ -220,7 +208,7 @@ def test_function_call_output_turn_renders_like_the_chat_api(served, tokenizer):
         {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
         for tool in TOOLS
     )
-    rendered = render_prompt(tokenizer, chat_messages, ToolPlan(tools=chat_tools))
+    rendered = render_prompt(tools_tokenizer, chat_messages, ToolPlan(tools=chat_tools))
     assert response.usage.input_tokens == len(rendered.prompt_ids)
 
 

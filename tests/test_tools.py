@@ -20,11 +20,10 @@ from functools import partial
 import httpx
 import openai
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 from test_http_errors import InProcessServer
 
 from kvcellar.actors.system import SystemConfig, SystemSeams
-from kvcellar.engine.demo_models import EOS_TOKEN_ID, create_model
+from kvcellar.engine.demo_models import EOS_TOKEN_ID
 from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.http.tools import (
     ContentText,
@@ -68,16 +67,6 @@ CALL_BOTH = (
 )
 
 
-@pytest.fixture(scope="module")
-def tools_model_dir(tmp_path_factory):
-    return create_model("llama", tmp_path_factory.mktemp("tools-model") / "llama-tools", chat_format="tools")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tools_model_dir):
-    return load_tokenizer(tools_model_dir)
-
-
 class ScriptedReplies:
     """The seam: the next scripted reply for each request, in arrival order
     (forced token by token, then end of turn); no forcing once they run out."""
@@ -100,8 +89,8 @@ class ScriptedReplies:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["serial", "batch"])
-def served(request, tools_model_dir, tokenizer):
-    script = ScriptedReplies(tokenizer)
+def served(request, tools_model_dir, tools_tokenizer):
+    script = ScriptedReplies(tools_tokenizer)
     config = SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)
     with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
@@ -236,13 +225,13 @@ def test_forced_tool_choice_starts_the_reply_with_a_call(served, tool_choice, ca
     assert any("returned as content" in record.getMessage() for record in caplog.records)
 
 
-def test_named_tool_choice_with_a_scripted_continuation_parses(served, tokenizer):
+def test_named_tool_choice_with_a_scripted_continuation_parses(served, tools_tokenizer):
     _, client, script = served
     plan = ToolPlan(tools=tuple(TOOLS), choice="function", function_name="get_time")
-    prefix = forced_prefix_text(tokenizer, plan)
+    prefix = forced_prefix_text(tools_tokenizer, plan)
     script.push_ids(
-        tokenizer.encode(prefix, add_special_tokens=False)
-        + tokenizer.encode('{"city": "Oslo"}}\n</tool_call>', add_special_tokens=False)
+        tools_tokenizer.encode(prefix, add_special_tokens=False)
+        + tools_tokenizer.encode('{"city": "Oslo"}}\n</tool_call>', add_special_tokens=False)
     )
     reply = _chat(
         client,
@@ -383,10 +372,10 @@ def _merged(pieces: list) -> list:
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
-def test_splitter_pieces_do_not_depend_on_how_the_text_is_cut(tokenizer, step):
+def test_splitter_pieces_do_not_depend_on_how_the_text_is_cut(tools_tokenizer, step):
     plan = ToolPlan(tools=tuple(TOOLS))
     text = "<think>\nhmm\n</think>\n\nLooking it up.\n" + CALL_BOTH + "\nDone."
-    assert _merged(_pieces(tokenizer, text, plan, step=step)) == [
+    assert _merged(_pieces(tools_tokenizer, text, plan, step=step)) == [
         (ReasoningText.__name__, "hmm"),
         (ContentText.__name__, "Looking it up."),
         ("call", 0, "get_weather", '{"city": "Rome"}'),
@@ -395,13 +384,13 @@ def test_splitter_pieces_do_not_depend_on_how_the_text_is_cut(tokenizer, step):
     ]
 
 
-def test_an_unterminated_call_at_the_end_still_parses(tokenizer):
+def test_an_unterminated_call_at_the_end_still_parses(tools_tokenizer):
     plan = ToolPlan(tools=tuple(TOOLS))
-    pieces = _pieces(tokenizer, '<tool_call>\n{"name": "get_time", "arguments": {}}', plan, step=2)
+    pieces = _pieces(tools_tokenizer, '<tool_call>\n{"name": "get_time", "arguments": {}}', plan, step=2)
     assert _merged(pieces) == [("call", 0, "get_time", "{}")]
 
 
-def test_template_probe_finds_where_the_next_turn_rerenders(tokenizer):
+def test_template_probe_finds_where_the_next_turn_rerenders(tools_tokenizer):
     """The demo template drops the reasoning of assistant turns before the
     last user message (as Qwen3's does): the probe's stable boundary stops
     before an echoed reasoning block and covers the whole prompt otherwise."""
@@ -418,15 +407,15 @@ def test_template_probe_finds_where_the_next_turn_rerenders(tokenizer):
     for echoed, expect_whole in ((False, True), (True, False)):
         turn = {**call, "reasoning_content": "thinking"} if echoed else call
         messages = base + [turn, result]
-        rendered = render_prompt(tokenizer, messages, plan, probe=True)
+        rendered = render_prompt(tools_tokenizer, messages, plan, probe=True)
         # Both renderings open a turn after the last message: its role marker is shared, its role is not.
         last_turn_marker = len(rendered.prompt_ids) - rendered.prompt_ids[::-1].index(IM_START_ID)
         stable = stable_prefix_tokens(
-            tokenizer, messages, rendered.prompt_ids, tools=list(TOOLS), rendered=rendered.text
+            tools_tokenizer, messages, rendered.prompt_ids, tools=list(TOOLS), rendered=rendered.text
         )
         assert stable == rendered.stable_prefix_tokens
         if expect_whole:
             assert stable == last_turn_marker
         else:
-            think_at = rendered.prompt_ids.index(tokenizer.think_start_tokens[0])
+            think_at = rendered.prompt_ids.index(tools_tokenizer.think_start_tokens[0])
             assert stable <= think_at
