@@ -338,4 +338,6 @@ def test_rendering_and_tokenizing_run_on_a_worker_thread_not_the_trio_thread(mod
             model=model_dir.name, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "a short one"}]
         )
         assert reply.usage.completion_tokens >= 1
-        assert len(threads) == 4 and trio_thread not in threads, (trio_thread, threads)
+        # Each request renders and encodes its prompt, and renders and encodes again
+        # for the template probe: however many calls, none on the Trio thread.
+        assert len(threads) >= 4 and trio_thread not in threads, (trio_thread, threads)
