@@ -28,6 +28,7 @@ the journal's own thread commits).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -536,10 +537,10 @@ class SsdStore:
         return caches
 
     def _load(self, entry: IndexedEntry) -> kvfile.Entry:
-        if not self.safeguards.restore_outside_index_lock:
-            with self._lock:
-                return kvfile.load(entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards)
-        return kvfile.load(entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards)
+        # Only the restore-holds-index-lock mutation reads under the index lock.
+        guard = contextlib.nullcontext() if self.safeguards.restore_outside_index_lock else self._lock
+        with guard:
+            return kvfile.load(entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards)
 
     def _drop_bad_entry(self, entry: IndexedEntry, reason: str) -> None:
         with self._lock:
