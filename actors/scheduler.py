@@ -64,6 +64,7 @@ from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, Jour
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.engine.memory import MemoryGuard
 from kvcellar.errors import KvCellarError, UsageError
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 from kvcellar.store.prompt_cache import PromptCache
@@ -406,8 +407,10 @@ class Scheduler:
         snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
         journal: Journal | None = None,
         wait_for_rows: bool = True,
+        memory_guard: MemoryGuard | None = None,
     ) -> None:
         self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
+        self.memory_guard = memory_guard
         self.shell = ActorShell("scheduler", self.core, self._perform, journal=journal)
         self.gateway = gateway
         self.prompt_cache = prompt_cache
@@ -526,6 +529,7 @@ class Scheduler:
             prefill_step_tokens=self._prefill_step_tokens,
             snapshot_prefill_tokens_min=self._snapshot_prefill_tokens_min,
             wait_for_rows=self._wait_for_rows,
+            memory_guard=self.memory_guard,
         )
         error = "the batch job was cancelled"
         try:
@@ -577,6 +581,7 @@ async def open_batch_lane(
     kv_budget_bytes: int,
     prefill_step_tokens: int = PREFILL_STEP_TOKENS,
     journal: Journal | None = None,
+    memory_guard: MemoryGuard | None = None,
 ) -> tuple[Scheduler | None, str]:
     """Start the Scheduler when the gates allow it; otherwise log why requests
     take the serial lane. Returns the scheduler (or None) and that reason."""
@@ -604,6 +609,7 @@ async def open_batch_lane(
         prefill_step_tokens=prefill_step_tokens,
         journal=journal,
         wait_for_rows=getattr(engine, "blocking_waits", True),
+        memory_guard=memory_guard,
     )
     await nursery.start(scheduler.run)
     log.info("batch lane on: up to %d rows, KV budget %.3g GB", rows_max, kv_budget_bytes / 1e9)

@@ -40,13 +40,21 @@ from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
+from kvcellar.engine.memory import (
+    Footprint,
+    MemoryGuard,
+    MemoryMeter,
+    MlxMemoryMeter,
+    WorkspaceModel,
+    default_memory_budget_bytes,
+)
 from kvcellar.errors import UsageError
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError
 from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
-from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
+from kvcellar.store.scheme import KvScheme, resolve_kv_scheme, warm_up_prototype_caches
 from kvcellar.store.ssd import SsdStore
 
 log = logging.getLogger("kvcellar.system")
@@ -81,6 +89,9 @@ class SystemConfig:
     # Rows of the batch lane; 1 keeps every request on the serial lane.
     batch_rows_max: int = 1
     kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
+    # What MLX may hold live, weights included (engine/memory.py): None is the
+    # default (75 % of physical memory, at most Metal's working set), 0 is off.
+    memory_budget_bytes: int | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -101,7 +112,8 @@ class SystemSeams:
     the writer's durability policy (the simulator's mutations turn some off).
     `logits_processors(request)`: logits-processor factories added to each
     request after its own (a test's `ForcedTokens` scripting a reply through
-    the real engine, sampler and parsers); None adds none.
+    the real engine, sampler and parsers); None adds none. `memory_meter`:
+    what the memory guard measures (None: MLX's allocator counters).
     """
 
     engine: Any = None
@@ -112,6 +124,7 @@ class SystemSeams:
     disk: Disk | None = None
     safeguards: Safeguards = SAFEGUARDS
     logits_processors: Callable[[GenerationRequest], Sequence[Callable[[], Any]]] | None = None
+    memory_meter: MemoryMeter | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -166,6 +179,11 @@ class System:
         self.durability: DurabilityCoordinator | None = None
         self._shutdown_verdict: FlushResult | None = None
         self._shutdown_done: trio.Event | None = None
+        # None when the budget is 0 (off). Owned by the engine thread but for
+        # `check_memory`'s static check, whose refusals this Trio-side count holds.
+        self.memory_guard: MemoryGuard | None = None
+        self.memory_meter: MemoryMeter = seams.memory_meter or MlxMemoryMeter()
+        self._memory_refused_at_gate = 0
 
     @property
     def admitting(self) -> bool:
@@ -174,6 +192,7 @@ class System:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
         """Run one request as a batch row, or on the serial lane when the batch
         lane is off, streaming its tokens."""
+        self.check_memory(request)
         if self.seams.logits_processors is not None:
             added = tuple(self.seams.logits_processors(request))
             request = attrs.evolve(request, logits_processors=request.logits_processors + added)
@@ -193,6 +212,7 @@ class System:
                 cancelled,
                 scheme=self.scheme,
                 prefill_step_tokens=self.config.prefill_step_tokens,
+                memory_guard=self.memory_guard,
             )
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
@@ -356,7 +376,34 @@ class System:
             "ssd_cache": ssd,
             "kv_scheme": self.scheme.cache_key,
             "scheduler": self._scheduler_stats(),
+            "memory": self.memory_stats(),
         }
+
+    def check_memory(self, request: GenerationRequest) -> None:
+        """On the Trio thread, before a request streams: raise
+        `InsufficientMemory` when its worst-case footprint exceeds the whole
+        budget less the weights (the engine checks again with what is live)."""
+        guard = self.memory_guard
+        if guard is None:
+            return
+        refusal = guard.fits_budget(guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens))
+        if refusal is not None:
+            self._memory_refused_at_gate += 1
+            raise refusal
+
+    def memory_stats(self) -> dict[str, Any]:
+        """/stats's `memory` (engine/memory.py's `MemoryGuard.stats`)."""
+        if self.memory_guard is None:
+            meter = self.memory_meter
+            return {
+                "budget_bytes": 0,
+                "active_bytes": meter.active_bytes(),
+                "peak_bytes": meter.peak_bytes(),
+                "cache_bytes": meter.cache_bytes(),
+            }
+        stats = self.memory_guard.stats()
+        stats["requests_refused"] += self._memory_refused_at_gate
+        return stats
 
     def _scheduler_stats(self) -> dict[str, Any]:
         if self.scheduler is not None:
@@ -453,6 +500,12 @@ async def _start_actors(
     prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=seams.clock_s)
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
     system.gateway = gateway
+    system.memory_guard = await _open_memory_guard(engine, config, system.memory_meter, scheme, prompt_cache, journal)
+    kv_budget_bytes = config.kv_budget_bytes
+    if system.memory_guard is not None:
+        # The batch lane's KV budget is bounded by the memory budget's headroom after the weights.
+        headroom = system.memory_guard.budget_bytes - system.memory_guard.weights_bytes
+        kv_budget_bytes = max(0, min(kv_budget_bytes, headroom))
     system.scheduler, system.serial_reason = await open_batch_lane(
         nursery,
         engine=engine,
@@ -460,9 +513,10 @@ async def _start_actors(
         prompt_cache=prompt_cache,
         scheme=scheme,
         rows_max=config.batch_rows_max,
-        kv_budget_bytes=config.kv_budget_bytes,
+        kv_budget_bytes=kv_budget_bytes,
         prefill_step_tokens=config.prefill_step_tokens,
         journal=journal,
+        memory_guard=system.memory_guard,
     )
     if store is None:
         return system
@@ -478,6 +532,8 @@ async def _start_actors(
     queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)
     system.queue = queue
+    if system.memory_guard is not None:
+        _give_guard_the_ssd_tier(system.memory_guard, store, queue, tokenizer_hash)
 
     def submit(snapshot: SpillSnapshot) -> None:
         # Runs inside run_sync_soon, where an exception would end the whole Trio run.
@@ -539,3 +595,62 @@ class _DurabilityPorts:
 
     async def wait_queue_idle(self) -> None:
         await self._queue.wait_idle()
+
+
+async def _open_memory_guard(
+    engine: Any,
+    config: SystemConfig,
+    meter: MemoryMeter,
+    scheme: KvScheme,
+    prompt_cache: PromptCache,
+    journal: Any,
+) -> MemoryGuard | None:
+    """The memory guard (engine/memory.py), or None with a budget of 0. One
+    engine turn measures the weights (what MLX holds once the model is
+    loaded) and warms up the prototype caches the footprints are projected from."""
+    budget_bytes = default_memory_budget_bytes() if config.memory_budget_bytes is None else config.memory_budget_bytes
+    if budget_bytes <= 0:
+        log.info("memory guard off (--memory-budget 0)")
+        return None
+
+    def probe(loaded: LoadedModel) -> tuple[int, list, WorkspaceModel]:
+        weights_bytes = meter.active_bytes()
+        return weights_bytes, warm_up_prototype_caches(loaded.model), WorkspaceModel.from_model(loaded.model)
+
+    weights_bytes, prototypes, workspace = await engine.call(probe, label="memory-probe")
+    footprint = Footprint(
+        scheme=scheme, prototypes=prototypes, workspace=workspace, prefill_step_tokens=config.prefill_step_tokens
+    )
+    guard = MemoryGuard(
+        budget_bytes,
+        meter,
+        footprint=footprint,
+        weights_bytes=weights_bytes,
+        prompt_cache=prompt_cache,
+        journal=journal,
+    )
+    if weights_bytes >= budget_bytes:
+        log.warning("memory budget %.3g GB is below the weights' %.3g GB", budget_bytes / 1e9, weights_bytes / 1e9)
+    log.info(
+        "memory budget %.3g GB: %.3g GB of weights, %.3g GB of headroom",
+        budget_bytes / 1e9,
+        weights_bytes / 1e9,
+        max(0, budget_bytes - weights_bytes) / 1e9,
+    )
+    return guard
+
+
+def _give_guard_the_ssd_tier(guard: MemoryGuard, store: SsdStore, queue: SpillQueue, tokenizer_hash: str) -> None:
+    """Relief persists synchronously into the SSD tier, on the engine thread:
+    the released entry's own caches are written and then freed, never handed
+    to the spill queue as a deferred clone that keeps them resident."""
+
+    def persist(snapshot: SpillSnapshot) -> str:
+        if store.covers(snapshot.tokens, snapshot.namespace):
+            return "covered"
+        stored = store.store(snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=tokenizer_hash)
+        return "stored" if stored is not None else "failed"
+
+    guard.persist = persist
+    # Read by `stats()` on the Trio thread, the queue's owner.
+    guard.spill_pinned_bytes = lambda: queue.stats()["pending_bytes"]

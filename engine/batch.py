@@ -60,6 +60,7 @@ from kvcellar.engine.generation import (
     delta_logprob,
     take_reuse,
 )
+from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
 from kvcellar.engine.sampling import build_processors
 from kvcellar.store import signature as sig
 from kvcellar.store.lending import snapshot_caches
@@ -159,6 +160,16 @@ class _Row:
     boundary: int | None
     assembler: TextAssembler
     produced: int = 0
+    # Until its last prompt token ran: the memory guard reserves a prefill chunk for it.
+    prefilling: bool = True
+    # The tier entries that are this row's own (lent from, put by it): never relief victims.
+    own_entry_ids: set[str] = attrs.field(factory=set)
+
+
+def _keep(state: _Row, entry_id: str | None) -> None:
+    """Protect an entry the row put (its caches share buffers with the batch's)."""
+    if entry_id:
+        state.own_entry_ids.add(entry_id)
 
 
 class BatchLoop:
@@ -174,8 +185,12 @@ class BatchLoop:
         prefill_step_tokens: int = PREFILL_STEP_TOKENS,
         snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
         wait_for_rows: bool = True,
+        memory_guard: MemoryGuard | None = None,
     ) -> None:
         self.prompt_cache = prompt_cache
+        self.memory_guard = memory_guard if memory_guard is not None and memory_guard.enabled else None
+        # Decode steps since the guard last checked (a check is due every DECODE_CHECK_TOKENS).
+        self._decode_steps_unchecked = 0
         self.inbox = inbox
         self.rows_max = rows_max
         self.cancelled = cancelled
@@ -203,6 +218,7 @@ class BatchLoop:
                         yield BatchStep(events=tuple(events), decode_rows=0)
                     return
                 self._cancel_rows(events)
+                self._relieve_memory(events)
                 decode_rows = self._step(events) if self._rows else 0
                 yield BatchStep(events=tuple(events), decode_rows=decode_rows)
         finally:
@@ -250,6 +266,10 @@ class BatchLoop:
         request, params = row.request, row.request.params
         prompt = list(request.prompt_ids)
         reuse = take_reuse(self.prompt_cache, request)
+        own_entry_ids = {reuse.entry_id} if reuse.entry_id else set()
+        if self.memory_guard is not None:
+            footprint = self.memory_guard.footprint.request_bytes(len(prompt), params.max_tokens)
+            self.memory_guard.admit(footprint, self._own_entry_ids() | own_entry_ids)
         cached_tokens = reuse.cached_tokens
         boundary = reuse.boundary_snapshot_at(request)
         segments = [prompt[cached_tokens:]] if boundary is None else [prompt[cached_tokens:boundary], prompt[boundary:]]
@@ -272,6 +292,7 @@ class BatchLoop:
             snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
             boundary=boundary,
             assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings),
+            own_entry_ids=own_entry_ids,
         )
 
     def _sampler(self, params: SamplingParams) -> Any:
@@ -301,6 +322,8 @@ class BatchLoop:
             state = self._rows.get(response.uid)
             if state is None:
                 continue
+            if response.end_of_prompt:
+                state.prefilling = False
             if response.end_of_segment and state.boundary is not None:
                 self._put_boundary_snapshot(state)
             elif response.end_of_prompt and state.snapshot:
@@ -325,7 +348,7 @@ class BatchLoop:
         assert self._generator is not None and self.prompt_cache is not None
         caches, tokens = self._generator.extract_cache([state.uid])[state.uid]
         if list(tokens) == state.prompt:
-            self.prompt_cache.put(state.prompt, caches, state.row.request.namespace)
+            _keep(state, self.prompt_cache.put_entry(state.prompt, caches, state.row.request.namespace))
 
     def _put_boundary_snapshot(self, state: _Row) -> None:
         """The stable-boundary snapshot: the row's first segment ended, so its
@@ -335,10 +358,18 @@ class BatchLoop:
         boundary, state.boundary = state.boundary, None
         caches, tokens = self._generator.extract_cache([state.uid])[state.uid]
         if list(tokens) == state.prompt[:boundary]:
-            self.prompt_cache.put(state.prompt[:boundary], snapshot_caches(caches), state.row.request.namespace)
+            entry_id = self.prompt_cache.put_entry(
+                state.prompt[:boundary], snapshot_caches(caches), state.row.request.namespace
+            )
+            _keep(state, entry_id)
 
     def _finish(
-        self, state: _Row, outcome: str, events: list[RowToken | RowDone], removed: tuple[list[Any], list[int]] | None
+        self,
+        state: _Row,
+        outcome: str,
+        events: list[RowToken | RowDone],
+        removed: tuple[list[Any], list[int]] | None,
+        error: BaseException | None = None,
     ) -> None:
         """End a row: extract its caches (unless the generator already did)
         before the batch is filtered, put them back, report the end."""
@@ -361,4 +392,40 @@ class BatchLoop:
             cached_tokens=state.cached_tokens,
             cache_tier=state.cache_tier,
         )
-        events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done))
+        events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done, error=error))
+
+    # -- memory guard (engine/memory.py) -------------------------------------------
+
+    def _own_entry_ids(self) -> set[str]:
+        return set().union(*(state.own_entry_ids for state in self._rows.values()))
+
+    def _relieve_memory(self, events: list[RowToken | RowDone]) -> None:
+        """Before a step that prefills a chunk, and every DECODE_CHECK_TOKENS
+        decode steps: relief for what the step may allocate. Rows are padded
+        to the longest, so the live KV is rows x the longest row's. Past
+        relief, the newest row fails with the error and the check repeats;
+        the rest of the batch goes on."""
+        guard = self.memory_guard
+        if guard is None or not self._rows:
+            return
+        prefilling = sum(state.prefilling for state in self._rows.values())
+        self._decode_steps_unchecked += 1
+        if not prefilling and self._decode_steps_unchecked < DECODE_CHECK_TOKENS:
+            return
+        self._decode_steps_unchecked = 0
+        while self._rows:
+            rows = len(self._rows)
+            longest = max(len(state.prompt) + state.produced for state in self._rows.values())
+            live_kv = rows * guard.footprint.kv_bytes(longest)
+            if prefilling:
+                chunk = self.prefill_step_tokens
+                reserve = guard.footprint.prefill_reserve_bytes(chunk, longest + chunk, live_kv, rows=prefilling)
+            else:
+                reserve = guard.footprint.decode_reserve_bytes(longest, live_kv, rows=rows)
+            try:
+                guard.relieve(reserve, self._own_entry_ids(), phase="prefill" if prefilling else "decode")
+                return
+            except InsufficientMemory as e:
+                newest = self._rows[max(self._rows)]
+                self._finish(newest, "failed", events, removed=None, error=e)
+                prefilling = sum(state.prefilling for state in self._rows.values())

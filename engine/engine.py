@@ -59,16 +59,31 @@ class LoadedModel:
     context_tokens_max: int
 
 
-def prefill(model: Any, tokens: Sequence[int], cache: list[Any], step_tokens: int = PREFILL_STEP_TOKENS) -> mx.array:
+# Called before each prefill chunk with its token count, the tokens of
+# `tokens` already run and the caches (the memory guard's relief check).
+BeforeChunk = Callable[[int, int, list[Any]], None]
+
+
+def prefill(
+    model: Any,
+    tokens: Sequence[int],
+    cache: list[Any],
+    step_tokens: int = PREFILL_STEP_TOKENS,
+    before_chunk: BeforeChunk | None = None,
+) -> mx.array:
     """Run `tokens` through the model in chunks of `step_tokens` (all but the
     last), evaluating the caches after each; returns the last token's logits."""
     tokens = list(tokens)
     position = 0
     while len(tokens) - position > 1:
         chunk = tokens[position : position + min(step_tokens, len(tokens) - position - 1)]
+        if before_chunk is not None:
+            before_chunk(len(chunk), position, cache)
         model(mx.array([chunk]), cache=cache)
         mx.eval([c.state for c in cache])
         position += len(chunk)
+    if before_chunk is not None and position < len(tokens):
+        before_chunk(len(tokens) - position, position, cache)
     return model(mx.array([tokens[position:]]), cache=cache)[:, -1, :]
 
 

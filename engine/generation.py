@@ -35,6 +35,7 @@ from kvcellar.engine.engine import (
     prefill,
     release_cached_buffers,
 )
+from kvcellar.engine.memory import GuardedRequest, MemoryGuard
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
@@ -80,6 +81,8 @@ class Reuse:
     caches: list | None
     cached_tokens: int
     tier: str
+    # The tier's entry the caches were lent from ("" on a miss): the request's own, never a relief victim.
+    entry_id: str = ""
 
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
@@ -104,7 +107,13 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
     if not request.use_prompt_cache or prompt_cache is None or not prompt_cache.enabled:
         return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
     taken = prompt_cache.take(list(request.prompt_ids), request.namespace)
-    return Reuse(use_cache=True, caches=taken.caches, cached_tokens=taken.reused_tokens, tier=taken.tier)
+    return Reuse(
+        use_cache=True,
+        caches=taken.caches,
+        cached_tokens=taken.reused_tokens,
+        tier=taken.tier,
+        entry_id=taken.entry_id,
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -143,17 +152,19 @@ def _prefill_boundary_snapshot(
     *,
     scheme: KvScheme | None,
     prefill_step_tokens: int,
+    memory: GuardedRequest,
 ) -> list:
     """Prefill from what the tiers served up to the stable boundary and put
     an owned, evaluated snapshot of the caches, which then hold exactly
     `prompt[:boundary]`; returns the (converted) caches to go on with."""
     boundary = request.snapshot_at_tokens
     assert boundary is not None
-    prefill(loaded.model, request.prompt_ids[reuse.cached_tokens : boundary], cache, prefill_step_tokens)
+    check = memory.prefill_check(reuse.cached_tokens)
+    prefill(loaded.model, request.prompt_ids[reuse.cached_tokens : boundary], cache, prefill_step_tokens, check)
     if scheme is not None:
         # The snapshot is put in the form every entry has: converted.
         cache = scheme.convert(cache)
-    prompt_cache.put(request.prompt_ids[:boundary], snapshot_caches(cache), request.namespace)
+    memory.keep(prompt_cache.put_entry(request.prompt_ids[:boundary], snapshot_caches(cache), request.namespace))
     return cache
 
 
@@ -166,11 +177,18 @@ def run_generation(
     scheme: KvScheme | None = None,
     prefill_step_tokens: int = PREFILL_STEP_TOKENS,
     snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
+    memory_guard: MemoryGuard | None = None,
 ) -> Iterator[TokenDelta | GenerationDone]:
-    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`."""
+    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`.
+    With `memory_guard`, the request is admitted against its budget after the
+    tiers lent it a prefix, and relief runs before each prefill chunk and
+    every 256 decode tokens (engine/memory.py); `InsufficientMemory` fails
+    this request alone."""
     params = request.params
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request)
+    memory = GuardedRequest(memory_guard, (reuse.entry_id,))
+    memory.admit(len(prompt), params.max_tokens)
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
     tiers = prompt_cache if reuse.use_cache else None
     cached_tokens = reuse.cached_tokens
@@ -179,16 +197,17 @@ def run_generation(
     boundary = reuse.boundary_snapshot_at(request)
     if boundary is not None and tiers is not None:
         cache = _prefill_boundary_snapshot(
-            loaded, tiers, request, reuse, cache, scheme=scheme, prefill_step_tokens=prefill_step_tokens
+            loaded, tiers, request, reuse, cache, scheme=scheme, prefill_step_tokens=prefill_step_tokens, memory=memory
         )
         prefilled_tokens = boundary
-    logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens)
+    check = memory.prefill_check(prefilled_tokens)
+    logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens, check)
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
     if tiers is not None and reuse.snapshot_due(request, snapshot_prefill_tokens_min):
         mx.eval(logits)
-        tiers.put(prompt, lend_caches(cache), request.namespace)
+        memory.keep(tiers.put_entry(prompt, lend_caches(cache), request.namespace))
     sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
@@ -202,6 +221,7 @@ def run_generation(
             yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
             if assembler.finished_by_stop or produced >= params.max_tokens:
                 break
+            memory.decode_check(produced, len(prompt) + produced, cache)
             logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]
             fed.append(token_id)
         tail = assembler.closing_text()

@@ -92,6 +92,7 @@ _ERROR_TYPES = {
     "invalid_request": (400, "invalid_request_error"),
     "unavailable": (529, "overloaded_error"),
     "server": (500, "api_error"),
+    "insufficient_memory": (503, "insufficient_memory"),
 }
 
 
@@ -122,7 +123,7 @@ def failure_event_body(error: Exception) -> tuple[int, dict[str, Any]]:
     message = failure.message
     if failure.param and failure.param not in message:
         message = f"{failure.param}: {message}"
-    return status, {"type": "error", "error": {"type": error_type, "message": message}}
+    return status, {"type": "error", "error": {"type": error_type, "message": message, **failure.details}}
 
 
 def _failure_response(error: Exception) -> JSONResponse:
@@ -158,6 +159,11 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
             return _failure_response(e)
         if not system.admitting:
             return anthropic_error(529, "overloaded_error", "the server is shutting down")
+        try:
+            # Before the stream's headers go out: a request larger than the memory budget is a 503.
+            system.check_memory(job.request)
+        except Exception as e:
+            return _failure_response(e)
         if job.stream:
             return StreamingResponse(_stream(system, job, lane, model_id), media_type="text/event-stream")
         try:

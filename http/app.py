@@ -76,15 +76,17 @@ _OPENAI_ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
     "unavailable": "server_unavailable",
     "server": "server_error",
+    "insufficient_memory": "insufficient_memory",
 }
 
 
 def failure_body(error: Exception) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI-style body for an error raised while serving."""
     failure = classify_failure(error)
-    return failure.status, error_body(
-        failure.message, param=failure.param, error_type=_OPENAI_ERROR_TYPES[failure.kind]
-    )
+    body = error_body(failure.message, param=failure.param, error_type=_OPENAI_ERROR_TYPES[failure.kind])
+    if failure.details:
+        body["error"].update(failure.details, code=failure.kind)
+    return failure.status, body
 
 
 def _failure_response(error: Exception) -> JSONResponse:
@@ -193,6 +195,11 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
             return _failure_response(e)
         if not system.admitting:
             return error_response(503, "the server is shutting down", error_type="server_unavailable")
+        try:
+            # Before the stream's headers go out: a request larger than the memory budget is a 503.
+            system.check_memory(job.request)
+        except Exception as e:
+            return _failure_response(e)
         if job.stream:
             return StreamingResponse(_sse(system, job, model_id), media_type="text/event-stream")
         try:

@@ -8,8 +8,9 @@ the mapping lives here once. Nothing the server can name is a 500: a
 `BadRequest` or `UsageError` is the client's (400, naming its field when it
 has one); a request the server cannot take now (shutting down, its batch
 aborted, the engine stopped, the store's disk failing) is unavailable (503;
-retry later or elsewhere); only an error kvcellar cannot name is a 500, and
-it is logged with its traceback.
+retry later or elsewhere); a request the memory budget cannot take is
+`insufficient_memory` (503, with the numbers in `details`); only an error
+kvcellar cannot name is a 500, and it is logged with its traceback.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import attrs
 from kvcellar.actors.gateway import AdmissionClosed
 from kvcellar.actors.scheduler import BatchAborted
 from kvcellar.engine.engine import EngineStopped
+from kvcellar.engine.memory import InsufficientMemory
 from kvcellar.errors import KvCellarError, StoreError, UsageError
 from kvcellar.http.parsing import BadRequest
 
 log = logging.getLogger("kvcellar.http")
 
-FailureKind = Literal["invalid_request", "unavailable", "server"]
+FailureKind = Literal["invalid_request", "unavailable", "server", "insufficient_memory"]
 
 # Checked in order.
 _CLIENT_ERRORS = (BadRequest, UsageError)
@@ -42,12 +44,17 @@ class Failure:
     status: int
     message: str
     param: str | None = None
+    # Numbers the error body carries beside its message (insufficient_memory's bytes).
+    details: dict[str, int] = attrs.field(factory=dict)
 
 
 def classify_failure(error: Exception) -> Failure:
     """Whose fault `error` is; logs what is not the client's."""
     if isinstance(error, _CLIENT_ERRORS):
         return Failure(kind="invalid_request", status=400, message=str(error), param=getattr(error, "param", None))
+    if isinstance(error, InsufficientMemory):
+        log.warning("request refused, answered 503: %s", error)
+        return Failure(kind="insufficient_memory", status=503, message=str(error), details=error.details())
     if isinstance(error, _UNAVAILABLE_ERRORS):
         log.warning("request failed, answered 503: %s: %s", type(error).__name__, error)
         return Failure(kind="unavailable", status=503, message=str(error))

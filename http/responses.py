@@ -628,6 +628,11 @@ class ResponsesRoute:
                 },
                 status_code=503,
             )
+        try:
+            # Before the stream's headers go out: a request larger than the memory budget is a 503.
+            self._system.check_memory(job.job.request)
+        except Exception as e:
+            return self._failure(e)
         shaper = ResponseShaper(self._system.loaded.tokenizer, job, self._model_id)
         if job.job.stream:
             return StreamingResponse(self._events(job, shaper), media_type="text/event-stream")

@@ -263,6 +263,9 @@ def _config(run: _Run) -> SystemConfig:
         shutdown_timeout_s=60.0,
         batch_rows_max=run.lane.rows,
         kv_budget_bytes=run.lane.kv_budget_bytes,
+        # The fake model's memory is no real footprint, and the guard's probe
+        # would take an engine turn of virtual time: off, as `--memory-budget 0`.
+        memory_budget_bytes=0,
     )
 
 

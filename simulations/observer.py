@@ -1,6 +1,6 @@
 """What the simulator sees of a run, and the invariants it checks as it goes.
 
-The observer hooks the real system at three places: `PromptCache.put` (what
+The observer hooks the real system at three places: `PromptCache.put_entry` (what
 entered the RAM tier: the oracle for restored bytes), and the store's two
 listener hooks (`SsdStore.open`'s `restore_listeners`: every restore is
 compared with the oracle; `event_listeners`: what the store evicted,
@@ -79,7 +79,8 @@ class Observer:
 
     def attach(self, system: Any) -> None:
         cache = system.prompt_cache
-        put = cache.put
+        # `put_entry` is the one chokepoint: `put` and the lanes' own puts go through it.
+        put = cache.put_entry
 
         def observed_put(
             tokens: Sequence[int], caches: Sequence[Any], namespace: str = "", *args: Any, **kw: Any
@@ -92,7 +93,7 @@ class Observer:
             self._put_epochs.append(self.evicted_since_put)
             return put(tokens, caches, namespace, *args, **kw)
 
-        cache.put = observed_put
+        cache.put_entry = observed_put
 
     def store_listeners(self) -> dict[str, Any]:
         """`SsdStore.open`'s listener arguments for the system's store: every

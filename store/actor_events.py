@@ -165,6 +165,27 @@ class RequestFinished:
     outcome: str
 
 
+# -- memory guard -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class MemoryRelieved:
+    """One relief check of the memory guard that was over the budget
+    (engine/memory.py): what it released and whether it got under."""
+
+    kind: ClassVar[str] = "memory.relieved"
+    phase: str
+    budget_bytes: int
+    reserve_bytes: int
+    active_before_bytes: int
+    active_after_bytes: int
+    persisted_entries: int
+    persisted_bytes: int
+    dropped_entries: int
+    dropped_bytes: int
+    satisfied: bool
+
+
 ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     SpillEnqueued,
     SpillDropped,
@@ -179,4 +200,5 @@ ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     FlushTimedOutRecorded,
     RequestAdmitted,
     RequestFinished,
+    MemoryRelieved,
 )

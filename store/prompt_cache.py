@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -219,14 +219,19 @@ class PromptCache:
         """Take ownership of a finished generation's caches as an entry.
         Returns whether it is now held in RAM (an entry larger than the cap is
         spilled instead; a disabled cache holds nothing)."""
+        return self.put_entry(tokens, caches, namespace) is not None
+
+    def put_entry(self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str = "") -> str | None:
+        """`put`, returning the id the entry is held under (None when it is
+        not held), so a generation can keep its own entries from relief."""
         if not self.enabled:
-            return False
+            return None
         try:
             return self._put(np.asarray(tokens, dtype=np.uint32), list(caches), namespace)
         finally:
             self._publish()
 
-    def _put(self, token_array: np.ndarray, caches: list[Any], namespace: str) -> bool:
+    def _put(self, token_array: np.ndarray, caches: list[Any], namespace: str) -> str | None:
         entry = _RamEntry(
             entry_id=f"r{next(self._ids)}",
             namespace=namespace,
@@ -245,13 +250,13 @@ class PromptCache:
             # if the spill is dropped or fails (the simulator's seed 15 found
             # flushes saying durable while an oversize spill was lost).
             self._notify_put(namespace, token_array)
-            return False
+            return None
         self._supersede(entry)
         self._insert(entry)
         self.counters.puts += 1
         self._evict_until_under_cap(keep=entry.entry_id)
         self._notify_put(namespace, token_array)
-        return True
+        return entry.entry_id
 
     def _notify_put(self, namespace: str, token_array: np.ndarray) -> None:
         if self.on_put is not None:
@@ -331,6 +336,30 @@ class PromptCache:
             self.counters.demotions += 1
         self._publish()
         return len(idle)
+
+    # -- memory relief (engine/memory.py) ---------------------------------------
+
+    def reclaimable_bytes(self, protected: Collection[str] = ()) -> int:
+        """What releasing every entry not in `protected` would unbill."""
+        return sum(e.bytes for e in self._entries.values() if e.entry_id not in protected)
+
+    def release_lru(self, protected: Collection[str] = ()) -> SpillSnapshot | None:
+        """Drop the least-recently-used entry not in `protected` for the
+        memory guard and hand over its own caches (no copy: once the caller
+        lets go, its memory is free), or None when nothing is left. No spill:
+        the guard persists it synchronously or counts it dropped."""
+        victim = next((e for e in self._entries.values() if e.entry_id not in protected), None)
+        if victim is None:
+            return None
+        self._drop(victim.entry_id)
+        self._publish()
+        return SpillSnapshot(
+            namespace=victim.namespace,
+            tokens=tuple(int(t) for t in victim.tokens),
+            caches=victim.caches,
+            bytes=victim.bytes,
+            reason="relief",
+        )
 
     def snapshot_exact(self, tokens: Sequence[int], namespace: str = "") -> SpillSnapshot | None:
         """A snapshot of the entry holding exactly `tokens` (for write-behind), or None."""
