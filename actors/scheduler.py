@@ -433,7 +433,12 @@ class Scheduler:
         return self.core.busy
 
     def projected_kv_bytes(self, request: GenerationRequest) -> int:
-        """The KV bytes the row can come to hold: prompt plus `max_tokens` under the scheme."""
+        """The KV bytes the row can come to hold: prompt plus `max_tokens` under
+        the scheme; with a memory guard, its whole footprint (engine/memory.py:
+        one prefill chunk's workspace too), so the rows admitted fit the
+        memory budget's headroom."""
+        if self.memory_guard is not None and self.memory_guard.enabled:
+            return self.memory_guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens)
         return self.scheme.projected_bytes(self._prototypes, len(request.prompt_ids) + request.params.max_tokens)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

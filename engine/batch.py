@@ -162,6 +162,8 @@ class _Row:
     produced: int = 0
     # Until its last prompt token ran: the memory guard reserves a prefill chunk for it.
     prefilling: bool = True
+    # Prompt tokens its caches hold so far (the lent prefix, then each chunk run).
+    prefilled_tokens: int = 0
     # The tier entries that are this row's own (lent from, put by it): never relief victims.
     own_entry_ids: set[str] = attrs.field(factory=set)
 
@@ -287,6 +289,7 @@ class BatchLoop:
             uid=uid,
             prompt=prompt,
             cached_tokens=cached_tokens,
+            prefilled_tokens=cached_tokens,
             cache_tier=reuse.tier,
             use_cache=reuse.use_cache,
             snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
@@ -322,6 +325,7 @@ class BatchLoop:
             state = self._rows.get(response.uid)
             if state is None:
                 continue
+            state.prefilled_tokens = state.cached_tokens + response.progress[0]
             if response.end_of_prompt:
                 state.prefilling = False
             if response.end_of_segment and state.boundary is not None:
@@ -415,7 +419,7 @@ class BatchLoop:
         self._decode_steps_unchecked = 0
         while self._rows:
             rows = len(self._rows)
-            longest = max(len(state.prompt) + state.produced for state in self._rows.values())
+            longest = max(state.prefilled_tokens + state.produced for state in self._rows.values())
             live_kv = rows * guard.footprint.kv_bytes(longest)
             if prefilling:
                 chunk = self.prefill_step_tokens

@@ -172,9 +172,10 @@ class WorkspaceModel:
 class Footprint:
     """What a request or its next step may allocate, from the scheme's bytes
     per token (`KvScheme.projected_bytes` over warmed-up prototype caches)
-    and the workspace model. A reservation counts the live KV once more:
-    mlx-lm's KVCache grows by concatenating into a new buffer, so while it
-    grows the old and the new buffer are both live."""
+    and the workspace model. A reservation counts one layer's live KV once
+    more: mlx-lm's KVCache grows by concatenating into a new buffer, so while
+    a layer grows its old and new buffers are both live (the layers of one
+    step grow one after the other)."""
 
     scheme: KvScheme
     prototypes: list
@@ -183,6 +184,9 @@ class Footprint:
 
     def kv_bytes(self, tokens: int) -> int:
         return self.scheme.projected_bytes(self.prototypes, tokens)
+
+    def _growth_bytes(self, live_kv_bytes: int) -> int:
+        return live_kv_bytes // max(1, len(self.prototypes))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The admission footprint: prompt + `max_tokens` KV and one prefill chunk's workspace."""
@@ -194,12 +198,14 @@ class Footprint:
         """Before a prefill chunk of `chunk_tokens` per row (its KV rounded up
         to the cache's growth step)."""
         appended = rows * self.kv_bytes(chunk_tokens + DECODE_CHECK_TOKENS)
-        return live_kv_bytes + appended + self.workspace.step_bytes(rows * chunk_tokens, context_tokens)
+        workspace = self.workspace.step_bytes(rows * chunk_tokens, context_tokens)
+        return self._growth_bytes(live_kv_bytes) + appended + workspace
 
     def decode_reserve_bytes(self, context_tokens: int, live_kv_bytes: int, rows: int = 1) -> int:
         """Before the next `DECODE_CHECK_TOKENS` decode steps."""
         appended = rows * self.kv_bytes(2 * DECODE_CHECK_TOKENS)
-        return live_kv_bytes + appended + self.workspace.step_bytes(rows, context_tokens + DECODE_CHECK_TOKENS)
+        workspace = self.workspace.step_bytes(rows, context_tokens + DECODE_CHECK_TOKENS)
+        return self._growth_bytes(live_kv_bytes) + appended + workspace
 
 
 # Persists a released entry synchronously: "stored" (written now), "covered"

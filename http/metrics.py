@@ -122,6 +122,27 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_SCHEDULER, "failed", "Batch rows that ended with an error."),
 )
 
+_MEMORY = "memory"
+
+# The memory guard's section (engine/memory.py), appended after the others.
+SPECS += (
+    _gauge(_MEMORY, "budget_bytes", "What MLX may hold live, weights included (0: the guard is off)."),
+    _gauge(_MEMORY, "weights_bytes", "What MLX held once the model was loaded."),
+    _gauge(_MEMORY, "headroom_bytes", "The memory budget less the weights."),
+    _gauge(_MEMORY, "active_bytes", "Bytes MLX holds live now (mx.get_active_memory())."),
+    _gauge(_MEMORY, "peak_bytes", "Most bytes MLX held live since start (mx.get_peak_memory())."),
+    _gauge(_MEMORY, "cache_bytes", "Bytes in MLX's buffer cache, freed but not returned (mx.get_cache_memory())."),
+    _gauge(_MEMORY, "spill_pinned_bytes", "Bytes of snapshots the spill queue holds (live MLX buffers)."),
+    _counter(_MEMORY, "relief_events", "Relief checks that found live memory over the budget and released entries."),
+    _counter(_MEMORY, "relief_persisted_entries", "RAM entries relief wrote to the SSD tier before dropping them."),
+    _counter(_MEMORY, "relief_persisted_bytes", "Bytes of the RAM entries relief wrote to the SSD tier."),
+    _counter(_MEMORY, "relief_covered_entries", "RAM entries relief dropped because the SSD tier already held them."),
+    _counter(_MEMORY, "relief_dropped_entries", "RAM entries relief dropped without an SSD copy."),
+    _counter(_MEMORY, "relief_dropped_bytes", "Bytes of the RAM entries relief dropped without an SSD copy."),
+    _counter(_MEMORY, "relief_failures", "Relief checks that could not get under the budget (a request failed)."),
+    _counter(_MEMORY, "requests_refused", "Requests refused with insufficient_memory at admission."),
+)
+
 # Fields exported by their own families below, or text that is no number.
 _STRUCTURED = {(_SSD, "journal"), (_SCHEDULER, "batch_size_history")}
 

@@ -156,6 +156,16 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="Bearer token required by the /v1 API (or KVCELLAR_API_KEY).",
 )
 @click.option(
+    "--memory-budget",
+    "memory_budget_gb",
+    default=None,
+    type=click.FloatRange(min=0),
+    help="What MLX may hold live, model weights included, in GB: over it, RAM cache entries are "
+    "persisted to SSD (or dropped) before the next step, and a request that cannot fit gets a 503 "
+    "insufficient_memory. Default: 75% of physical memory (on macOS at most Metal's recommended "
+    "working set); 0 = off.",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -178,6 +188,7 @@ def serve_command(
     admin_token: str | None,
     api_key: str | None,
     log_level: str,
+    memory_budget_gb: float | None,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -205,6 +216,7 @@ def serve_command(
         shutdown_timeout_s=shutdown_timeout_s(),
         # Only the SSD tier's directory name needs the fingerprint, so only it reads the memo.
         shard_digest_memo=ShardDigestMemo(shard_digest_memo_dir()) if ssd_dir is not None else None,
+        memory_budget_bytes=None if memory_budget_gb is None else int(memory_budget_gb * GB),
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)

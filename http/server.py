@@ -49,7 +49,18 @@ def banner(system: System, host: str, port: int) -> str:
         )
     else:
         lines.append("  SSD cache: off (use --ssd-cache DIR to keep prefixes across restarts)")
+    lines.append(memory_banner_line(stats["memory"]))
     return "\n".join(lines)
+
+
+def memory_banner_line(memory: dict) -> str:
+    """The memory guard's budget and the headroom the weights leave."""
+    if not memory["budget_bytes"]:
+        return "  memory budget: off (--memory-budget 0)"
+    return (
+        f"  memory budget: {memory['budget_bytes'] / 1e9:.3g} GB live MLX memory, "
+        f"{memory['headroom_bytes'] / 1e9:.3g} GB headroom after {memory['weights_bytes'] / 1e9:.3g} GB of weights"
+    )
 
 
 async def serve_forever(
