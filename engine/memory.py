@@ -160,10 +160,11 @@ class WorkspaceModel:
             vocab=arg("vocab_size", 32000),
         )
 
-    def step_bytes(self, step_tokens: int, context_tokens: int) -> int:
-        scores = self.heads * step_tokens * (context_tokens + step_tokens)
-        activations = step_tokens * (6 * self.hidden + 3 * self.intermediate)
-        logits = step_tokens * self.vocab
+    def step_bytes(self, step_tokens: int, context_tokens: int, rows: int = 1) -> int:
+        """`rows` rows of a batch step, each of `step_tokens` over its own `context_tokens`."""
+        scores = rows * self.heads * step_tokens * (context_tokens + step_tokens)
+        activations = rows * step_tokens * (6 * self.hidden + 3 * self.intermediate)
+        logits = rows * step_tokens * self.vocab
         elements = scores + activations + logits
         return (elements + elements // 4) * _WORKSPACE_ELEMENT_BYTES
 
@@ -198,13 +199,13 @@ class Footprint:
         """Before a prefill chunk of `chunk_tokens` per row (its KV rounded up
         to the cache's growth step)."""
         appended = rows * self.kv_bytes(chunk_tokens + DECODE_CHECK_TOKENS)
-        workspace = self.workspace.step_bytes(rows * chunk_tokens, context_tokens)
+        workspace = self.workspace.step_bytes(chunk_tokens, context_tokens, rows)
         return self._growth_bytes(live_kv_bytes) + appended + workspace
 
     def decode_reserve_bytes(self, context_tokens: int, live_kv_bytes: int, rows: int = 1) -> int:
         """Before the next `DECODE_CHECK_TOKENS` decode steps."""
         appended = rows * self.kv_bytes(2 * DECODE_CHECK_TOKENS)
-        workspace = self.workspace.step_bytes(rows, context_tokens + DECODE_CHECK_TOKENS)
+        workspace = self.workspace.step_bytes(1, context_tokens + DECODE_CHECK_TOKENS, rows)
         return self._growth_bytes(live_kv_bytes) + appended + workspace
 
 
