@@ -5,8 +5,9 @@ in-process system on the demo medium llama, with an SSD tier and a RAM tier
 whose byte cap would keep every entry. The memory budget is set so that the
 KV the workload would like to keep live (every entry, and each client's row
 at its full length) is twice what the budget leaves after the weights and
-one batched prefill chunk's workspace (transient, not kept). The same workload runs first with the guard off (the baseline) and
-then under that budget, in one process: every request completes or is
+one batched prefill chunk's workspace (transient, not kept). The same
+workload runs first with the guard off (the baseline) and then under that
+budget, in one process: every request completes or is
 refused with `insufficient_memory` (counted); MLX's peak live memory
 (`mx.get_peak_memory()`, reset after each start) and the peak resident set
 (sampled) are compared with the budget (target: peak live <= budget), and the
