@@ -246,6 +246,10 @@ def test_a_stream_of_long_prompts_stays_under_the_budget_and_ssd_restores_earlie
             assert memory["relief_events"] >= 1 and memory["relief_persisted_entries"] >= 1
             assert memory["relief_failures"] == 0 and memory["relief_dropped_entries"] == 0
             assert peak <= budget, f"MLX peaked at {peak} bytes over the {budget}-byte budget"
+            journal = system.store.journal
+            relieved = await trio.to_thread.run_sync(lambda: list(journal.events(kind="memory.relieved")))
+            assert len(relieved) == memory["relief_events"]
+            assert all(e.event.satisfied and e.actor == "memory" for e in relieved)
             again, done = await _run(system, _request(_prompt(0)))
             assert done.cache_tier == "ssd" and done.cached_tokens == PROMPT_TOKENS - 1
             assert again == outputs[0][0]
