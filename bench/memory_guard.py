@@ -254,9 +254,9 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--clients", type=click.IntRange(min=1), default=4, show_default=True, help="Concurrent clients.")
-@click.option("--requests-per-client", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--prompt-tokens", type=click.IntRange(min=2), default=1024, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--requests-per-client", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=2), default=256, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option(
     "--size",
     type=click.Choice(["tiny", "small", "medium"]),

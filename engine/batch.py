@@ -422,7 +422,13 @@ class BatchLoop:
             longest = max(state.prefilled_tokens + state.produced for state in self._rows.values())
             live_kv = rows * guard.footprint.kv_bytes(longest)
             if prefilling:
-                chunk = self.prefill_step_tokens
+                # mlx-lm pads the rows' chunks of one prefill step to the longest.
+                chunk = max(
+                    min(self.prefill_step_tokens, len(state.prompt) - state.prefilled_tokens)
+                    for state in self._rows.values()
+                    if state.prefilling
+                )
+                chunk = max(1, chunk)
                 reserve = guard.footprint.prefill_reserve_bytes(chunk, longest + chunk, live_kv, rows=prefilling)
             else:
                 reserve = guard.footprint.decode_reserve_bytes(longest, live_kv, rows=rows)

@@ -294,11 +294,6 @@ class MemoryGuard:
             budget_bytes=self.budget_bytes,
         )
 
-    def count_refused(self) -> None:
-        """A refusal the static check made on the engine thread's behalf."""
-        self.counters.requests_refused += 1
-        self._publish()
-
     # -- relief ----------------------------------------------------------------
 
     def relieve(self, reserve_bytes: int, protected: Collection[str] = (), *, phase: str) -> None:
