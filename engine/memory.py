@@ -52,6 +52,7 @@ from kvcellar.store.scheme import KvScheme, held_bytes
 log = logging.getLogger("kvcellar.memory")
 
 BUDGET_FRACTION_OF_PHYSICAL = 0.75
+# Relief runs every this many decode tokens; it is also mlx-lm's KVCache growth step.
 DECODE_CHECK_TOKENS = 256
 # Element size assumed for activations and attention scores (float32 on the
 # CPU backend, and an upper bound for half-precision models).
@@ -190,10 +191,13 @@ class Footprint:
         return live_kv_bytes // max(1, len(self.prototypes))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        """The admission footprint: prompt + `max_tokens` KV and one prefill chunk's workspace."""
+        """The admission footprint: prompt + `max_tokens` KV (rounded up to the
+        cache's growth step, which is what its buffers hold) and one prefill
+        chunk's workspace."""
         total_tokens = prompt_tokens + max_tokens
+        allocated_tokens = -(-total_tokens // DECODE_CHECK_TOKENS) * DECODE_CHECK_TOKENS
         chunk_tokens = max(1, min(self.prefill_step_tokens, prompt_tokens))
-        return self.kv_bytes(total_tokens) + self.workspace.step_bytes(chunk_tokens, total_tokens)
+        return self.kv_bytes(allocated_tokens) + self.workspace.step_bytes(chunk_tokens, total_tokens)
 
     def prefill_reserve_bytes(self, chunk_tokens: int, context_tokens: int, live_kv_bytes: int, rows: int = 1) -> int:
         """Before a prefill chunk of `chunk_tokens` per row (its KV rounded up
