@@ -52,8 +52,9 @@ from kvcellar.store.scheme import KvScheme, held_bytes
 log = logging.getLogger("kvcellar.memory")
 
 BUDGET_FRACTION_OF_PHYSICAL = 0.75
-# Relief runs every this many decode tokens; it is also mlx-lm's KVCache growth step.
 DECODE_CHECK_TOKENS = 256
+# mlx-lm's KVCache grows its buffers by this many tokens (`KVCache.step`).
+KV_GROWTH_TOKENS = 256
 # Element size assumed for activations and attention scores (float32 on the
 # CPU backend, and an upper bound for half-precision models).
 _WORKSPACE_ELEMENT_BYTES = 4
@@ -195,20 +196,20 @@ class Footprint:
         cache's growth step, which is what its buffers hold) and one prefill
         chunk's workspace."""
         total_tokens = prompt_tokens + max_tokens
-        allocated_tokens = -(-total_tokens // DECODE_CHECK_TOKENS) * DECODE_CHECK_TOKENS
+        allocated_tokens = -(-total_tokens // KV_GROWTH_TOKENS) * KV_GROWTH_TOKENS
         chunk_tokens = max(1, min(self.prefill_step_tokens, prompt_tokens))
         return self.kv_bytes(allocated_tokens) + self.workspace.step_bytes(chunk_tokens, total_tokens)
 
     def prefill_reserve_bytes(self, chunk_tokens: int, context_tokens: int, live_kv_bytes: int, rows: int = 1) -> int:
         """Before a prefill chunk of `chunk_tokens` per row (its KV rounded up
         to the cache's growth step)."""
-        appended = rows * self.kv_bytes(chunk_tokens + DECODE_CHECK_TOKENS)
+        appended = rows * self.kv_bytes(chunk_tokens + KV_GROWTH_TOKENS)
         workspace = self.workspace.step_bytes(chunk_tokens, context_tokens, rows)
         return self._growth_bytes(live_kv_bytes) + appended + workspace
 
     def decode_reserve_bytes(self, context_tokens: int, live_kv_bytes: int, rows: int = 1) -> int:
         """Before the next `DECODE_CHECK_TOKENS` decode steps."""
-        appended = rows * self.kv_bytes(2 * DECODE_CHECK_TOKENS)
+        appended = rows * self.kv_bytes(DECODE_CHECK_TOKENS + KV_GROWTH_TOKENS)
         workspace = self.workspace.step_bytes(1, context_tokens + DECODE_CHECK_TOKENS, rows)
         return self._growth_bytes(live_kv_bytes) + appended + workspace
 
