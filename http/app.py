@@ -239,7 +239,13 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/stats", _guarded(admin_token, stats), methods=["GET"]),
         Route("/metrics", _guarded(admin_token, metrics), methods=["GET"]),
         Route("/admin/cache/flush", _guarded(admin_token, flush), methods=["POST"]),
-        *dashboard_routes(system, lambda handler: _guarded(admin_token, handler), error_response, _failure_response),
+        *dashboard_routes(
+            system,
+            lambda handler: _guarded(admin_token, handler),
+            lambda: bool(admin_token()),
+            error_response,
+            _failure_response,
+        ),
     ]
     return Starlette(routes=routes)
 

@@ -5,7 +5,10 @@
   no build step and no CDN (the machine may be offline). The page itself is
   public because it holds no data: everything it shows comes from the
   admin-token routes, and it asks for the token once (kept in the tab's
-  session storage) when one answers 401.
+  session storage) when `GET /dashboard/auth` says one is needed, or when a
+  read answers 401 (a wrong token).
+- `GET /dashboard/auth` (public): `{"admin_token_required": bool}`, so the
+  page can ask before its first read instead of provoking a 401.
 - `GET /stats/requests` (admin token): the recent-requests ring,
   `System.recent_requests` (`actors/recent_requests.py`); `after_seq=N` keeps
   only newer records.
@@ -89,10 +92,12 @@ def journal_event_json(record: Any) -> dict[str, Any]:
 def dashboard_routes(
     system: System,
     guarded: Callable[[Handler], Handler],
+    admin_token_required: Callable[[], bool],
     error_response: ErrorResponse,
     failure_response: Callable[[Exception], Response],
 ) -> list[Route]:
-    """The page and its two reads; `guarded` wraps a handler in the admin-token check."""
+    """The page, its auth probe and its two reads; `guarded` wraps a handler in
+    the admin-token check."""
     page: list[bytes] = []
 
     async def dashboard(_: Request) -> Response:
@@ -100,6 +105,9 @@ def dashboard_routes(
             # Read once, off the Trio thread; the file ships as package data.
             page.append(await trio.to_thread.run_sync(DASHBOARD_PATH.read_bytes))
         return HTMLResponse(page[0], headers={"Cache-Control": "no-store"})
+
+    async def auth(_: Request) -> Response:
+        return JSONResponse({"admin_token_required": admin_token_required()})
 
     async def recent_requests(request: Request) -> Response:
         try:
@@ -132,6 +140,7 @@ def dashboard_routes(
 
     return [
         Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/dashboard/auth", auth, methods=["GET"]),
         Route("/stats/requests", guarded(recent_requests), methods=["GET"]),
         Route("/stats/journal", guarded(journal_events), methods=["GET"]),
     ]
