@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from kvcellar.engine.generation import GenerationDone, TokenDelta
+from kvcellar.errors import UsageError
 
 RECENT_REQUESTS_MAX_DEFAULT = 256
 
@@ -73,7 +74,7 @@ class RecentRequests:
 
     def __init__(self, capacity: int = RECENT_REQUESTS_MAX_DEFAULT) -> None:
         if capacity < 1:
-            raise ValueError(f"the recent-requests ring needs room for one request, got {capacity}")
+            raise UsageError(f"the recent-requests ring needs room for one request, got {capacity}")
         self.capacity = capacity
         self._ring: deque[tuple[int, RequestRecord]] = deque(maxlen=capacity)
         self._seq = 0

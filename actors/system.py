@@ -44,7 +44,7 @@ from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenD
 from kvcellar.errors import UsageError
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
-from kvcellar.store.journal import JournalError
+from kvcellar.store.journal import JournalError, JournalEvent
 from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
@@ -409,7 +409,9 @@ class System:
             last = {"answered_at_s": answered_at_s, **attrs.asdict(verdict)}
         return {"flushes": self.flushes, "last": last}
 
-    async def recent_journal_events(self, limit: int, timeout_s: float = JOURNAL_CATCH_UP_S) -> list[Any] | None:
+    async def recent_journal_events(
+        self, limit: int, timeout_s: float = JOURNAL_CATCH_UP_S
+    ) -> list[JournalEvent] | None:
         """The journal's last `limit` events, oldest first, read on the
         journal's owner behind every queued append (off the Trio thread);
         None without a journal (no SSD tier)."""

@@ -21,6 +21,7 @@ from test_serve import Server
 
 from kvcellar.actors.recent_requests import TTFT_BUCKETS_S, RecentRequests, RequestRecord, recorded
 from kvcellar.engine.generation import GenerationDone, TokenDelta
+from kvcellar.errors import UsageError
 from kvcellar.http.dashboard import DASHBOARD_PATH, json_safe
 from kvcellar.http.metrics import UNDESCRIBED_HELP, metrics_registry, render_metrics
 
@@ -77,7 +78,7 @@ def test_the_ring_keeps_the_newest_records_and_totals_count_every_one():
     # 0, 0.02, 0.04, 0.06, 0.08: a value on a bound counts in it (Prometheus `le`).
     assert buckets["0.01"] == 1 and buckets["0.025"] == 2 and buckets["0.05"] == 3 and buckets["0.1"] == 5
     assert buckets["+Inf"] == 5
-    with pytest.raises(ValueError, match="room for one"):
+    with pytest.raises(UsageError, match="room for one"):
         RecentRequests(capacity=0)
 
 
@@ -315,6 +316,25 @@ SHOWN_MATCHES_JS = (
 )
 
 
+MEMORY = {"state": "ok", "budget_bytes": 8_000_000_000, "used_bytes": 123_456_789}
+
+
+def _memory_section_is_shown_when_stats_has_one(page) -> None:
+    """The memory guard's `/stats` `memory` section, whatever its fields, as a list:
+    the server's real /stats with one added, through Playwright's request routing."""
+
+    def with_memory(route) -> None:
+        response = route.fetch()
+        route.fulfill(response=response, json={**response.json(), "memory": MEMORY})
+
+    page.route("**/stats", with_memory)
+    page.wait_for_function("document.getElementById('memory-body').dataset.configured === 'true'", timeout=30_000)
+    shown = page.eval_on_selector_all("#memory-body dd", "dds => dds.map(dd => [dd.dataset.field, dd.dataset.value])")
+    assert dict(shown) == {key: str(value) for key, value in MEMORY.items()}
+    assert "123.5 MB" in page.inner_text("#memory-body")
+    page.unroute("**/stats")
+
+
 def test_the_dashboard_in_a_headless_browser(server, served, tmp_path):
     sync_playwright = _browser_or_skip()
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -359,6 +379,7 @@ def test_the_dashboard_in_a_headless_browser(server, served, tmp_path):
 
             screenshot = tmp_path / "dashboard.png"
             page.screenshot(path=str(screenshot), full_page=True)
+            _memory_section_is_shown_when_stats_has_one(page)
         finally:
             browser.close()
     assert problems == []
