@@ -103,7 +103,11 @@ def dashboard_routes(
     async def dashboard(_: Request) -> Response:
         if not page:
             # Read once, off the Trio thread; the file ships as package data.
-            page.append(await trio.to_thread.run_sync(DASHBOARD_PATH.read_bytes))
+            try:
+                page.append(await trio.to_thread.run_sync(DASHBOARD_PATH.read_bytes))
+            except OSError as e:
+                message = f"the dashboard page cannot be read from this install ({DASHBOARD_PATH}): {e.strerror}"
+                return error_response(503, message, error_type="server_unavailable")
         return HTMLResponse(page[0], headers={"Cache-Control": "no-store"})
 
     async def auth(_: Request) -> Response:
