@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 # `make test` runs `make lint` first (ruff check, ruff format --check, mypy), so the one test
 # command runs everything CI runs; `make test LINT=0` skips it while iterating.
 LINT ?= 1
+# pytest-xdist spreads the tests over this many worker processes (`PYTEST_JOBS=0`: one
+# process, `auto`: one per core). Two keeps the suite inside its budget on a 2-core CI machine.
+PYTEST_JOBS ?= 2
 # mypy checks the installed package `kvcellar`, whose files are the repository root
 # (design §1): it finds them through a link of that name in the venv.
 TYPECHECK_PATH := $(VENV)/typecheck
@@ -26,7 +29,7 @@ serve: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is a failure here, never a pass.
 test: $(STAMP) $(if $(filter 1,$(LINT)),lint)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_JOBS) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

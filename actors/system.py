@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ import trio
 
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT, RecentRequests, recorded
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
@@ -51,7 +52,7 @@ from kvcellar.engine.memory import (
 from kvcellar.errors import UsageError
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
-from kvcellar.store.journal import JournalError
+from kvcellar.store.journal import JournalError, JournalEvent
 from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme, warm_up_prototype_caches
@@ -92,6 +93,8 @@ class SystemConfig:
     # What MLX may hold live, weights included (engine/memory.py): None is the
     # default (75 % of physical memory, at most Metal's working set), 0 is off.
     memory_budget_bytes: int | None = None
+    # Requests the `/stats/requests` ring keeps (the oldest goes first).
+    recent_requests_max: int = RECENT_REQUESTS_MAX_DEFAULT
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -125,6 +128,8 @@ class SystemSeams:
     safeguards: Safeguards = SAFEGUARDS
     logits_processors: Callable[[GenerationRequest], Sequence[Callable[[], Any]]] | None = None
     memory_meter: MemoryMeter | None = None
+    # Stamps when a request ended and when a flush answered (`/stats/requests`, `/stats` `flush`).
+    wall_clock_s: Callable[[], float] = time.time
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +189,10 @@ class System:
         self.memory_guard: MemoryGuard | None = None
         self.memory_meter: MemoryMeter = seams.memory_meter or MlxMemoryMeter()
         self._memory_refused_at_gate = 0
+        # Owned by the Trio thread: fed by `generate` and `flush`, read by `stats` and the routes.
+        self.recent_requests = RecentRequests(config.recent_requests_max)
+        self.flushes = 0
+        self.last_flush: tuple[float, FlushResult] | None = None
 
     @property
     def admitting(self) -> bool:
@@ -191,7 +200,20 @@ class System:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
         """Run one request as a batch row, or on the serial lane when the batch
-        lane is off, streaming its tokens."""
+        lane is off, streaming its tokens; when it ends (done, cancelled or
+        failed) it is recorded in `recent_requests`."""
+        items = recorded(
+            self._generate_on_lane(request),
+            self.recent_requests,
+            prompt_tokens=len(request.prompt_ids),
+            clock_s=trio.current_time,
+            wall_clock_s=self.seams.wall_clock_s,
+        )
+        async with aclosing(items) as stream:
+            async for item in stream:
+                yield item
+
+    async def _generate_on_lane(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
         self.check_memory(request)
         if self.seams.logits_processors is not None:
             added = tuple(self.seams.logits_processors(request))
@@ -222,7 +244,13 @@ class System:
         """Persist everything dirty and say whether all of it is on disk. It
         always answers, by `timeout_s` (None: no bound): past it with
         `reason="timeout"` and the evidence so far, while a begun flush goes
-        on in the background (journaled)."""
+        on in the background (journaled). The verdict is kept as `last_flush`."""
+        verdict = await self._flush(timeout_s)
+        self.flushes += 1
+        self.last_flush = (self.seams.wall_clock_s(), verdict)
+        return verdict
+
+    async def _flush(self, timeout_s: float | None) -> FlushResult:
         if self.store is None:
             return FlushResult(
                 durable=False,
@@ -377,6 +405,8 @@ class System:
             "kv_scheme": self.scheme.cache_key,
             "scheduler": self._scheduler_stats(),
             "memory": self.memory_stats(),
+            "requests": self.recent_requests.stats(),
+            "flush": self._flush_stats(),
         }
 
     def check_memory(self, request: GenerationRequest) -> None:
@@ -416,6 +446,26 @@ class System:
             "rows_active": int(gateway["lane"] == "generating"),
             "waiting": gateway["waiting"],
         }
+
+    def _flush_stats(self) -> dict[str, Any]:
+        """`/stats` `flush`: how many flushes answered and the last verdict
+        (None before the first), stamped with when it answered."""
+        last = None
+        if self.last_flush is not None:
+            answered_at_s, verdict = self.last_flush
+            last = {"answered_at_s": answered_at_s, **attrs.asdict(verdict)}
+        return {"flushes": self.flushes, "last": last}
+
+    async def recent_journal_events(
+        self, limit: int, timeout_s: float = JOURNAL_CATCH_UP_S
+    ) -> list[JournalEvent] | None:
+        """The journal's last `limit` events, oldest first, read on the
+        journal's owner behind every queued append (off the Trio thread);
+        None without a journal (no SSD tier)."""
+        journal = self.store.journal if self.store is not None else None
+        if journal is None:
+            return None
+        return await self.seams.run_blocking(lambda: journal.recent_events(limit, timeout_s=timeout_s))
 
 
 async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme) -> tuple[SsdStore | None, str]:

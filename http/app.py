@@ -16,6 +16,10 @@ batch aborted, the engine stopped, the store's disk failing) is a 503; only an
 error kvcellar cannot name is a 500, and it is logged with its traceback. A
 stream that fails after its headers went out ends with one
 `data: {"error": {...}}` event and then `data: [DONE]`.
+
+The live dashboard (http/dashboard.py): `GET /dashboard` (a static page),
+`GET /stats/requests` (the recent-requests ring) and `GET /stats/journal`
+(the journal's last events), the last two behind the admin token.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
 from kvcellar.http.anthropic import messages_routes
 from kvcellar.http.chat_reply import ChatReply
+from kvcellar.http.dashboard import dashboard_routes
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
@@ -241,6 +246,13 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/stats", _guarded(admin_token, stats), methods=["GET"]),
         Route("/metrics", _guarded(admin_token, metrics), methods=["GET"]),
         Route("/admin/cache/flush", _guarded(admin_token, flush), methods=["POST"]),
+        *dashboard_routes(
+            system,
+            lambda handler: _guarded(admin_token, handler),
+            lambda: bool(admin_token()),
+            error_response,
+            _failure_response,
+        ),
     ]
     return Starlette(routes=routes)
 

@@ -449,6 +449,21 @@ class Journal:
         self._runner.call(close_connection)
         self._runner.close()
 
+    def recent_events(self, limit: int, *, timeout_s: float | None = None) -> list[JournalEvent]:
+        """The last `limit` stored events, oldest first (read on the runner
+        after every queued append, decoded on the caller's thread). Raises
+        `JournalError` past `timeout_s`; a degraded journal has none."""
+        query = "SELECT seq, time_ns, actor, kind, entry_id, payload FROM events ORDER BY seq DESC LIMIT ?"
+        rows = self._runner.call(
+            lambda: self._db.execute(query, [limit]).fetchall() if self._db is not None else [], timeout_s
+        )
+        return [
+            JournalEvent(
+                seq=seq, time_ns=time_ns, actor=actor, kind=kind, entry_id=entry, event=decode_event(kind, payload)
+            )
+            for seq, time_ns, actor, kind, entry, payload in reversed(rows)
+        ]
+
 
 def _connect(path: Path) -> sqlite_utils.Database:
     """On the runner: open, set WAL, migrate."""
