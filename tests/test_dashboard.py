@@ -328,7 +328,10 @@ def _memory_section_is_shown_when_stats_has_one(page) -> None:
         route.fulfill(response=response, json={**response.json(), "memory": MEMORY})
 
     page.route("**/stats", with_memory)
-    page.wait_for_function("document.getElementById('memory-body').dataset.configured === 'true'", timeout=30_000)
+    # The real /stats has a memory section too: wait for the routed one's own field.
+    page.wait_for_function(
+        "document.querySelector('#memory-body dd[data-field=\"used_bytes\"]') !== null", timeout=30_000
+    )
     shown = page.eval_on_selector_all("#memory-body dd", "dds => dds.map(dd => [dd.dataset.field, dd.dataset.value])")
     assert dict(shown) == {key: str(value) for key, value in MEMORY.items()}
     assert "123.5 MB" in page.inner_text("#memory-body")
