@@ -495,7 +495,7 @@ async def _open_store(
 
 def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:
     """What the journal knows at startup: the live entries (for dead writes),
-    and the last day's writes when there is a write budget (its bucket)."""
+    and every write when there is a write budget (its bucket)."""
     journal = store.journal
     if journal is None or journal.degraded:
         return

@@ -20,10 +20,12 @@ events it journaled.
 `WriteBudget` is the token bucket of `--ssd-write-budget GB/day`: it holds at
 most one day's bytes and refills at that rate; every committed entry takes
 its bytes out (a flush may take it below zero: it writes anyway and the
-overdraft is counted). Its level is a function of the `entry.stored` events
-of the last day (a bucket refills from empty to full in exactly one day, so
-older writes cannot matter unless a flush overdrew it), which is how it
-survives a restart: `WriteBudget.from_history`.
+overdraft is counted). Its level is a function of the journal's
+`entry.stored` events (full before the first write, then every write taken
+out and refilled since), which is how it survives a restart:
+`WriteBudget.from_history` replays them at startup. (The last day's writes
+alone would not do: refill that a full bucket cannot hold is lost, so older
+writes still change the level.)
 """
 
 from __future__ import annotations
@@ -147,12 +149,11 @@ class WriteBudget:
 
     @classmethod
     def from_history(cls, bytes_per_day: int, stored: Iterable[tuple[int, int]], *, now_ns: int) -> WriteBudget:
-        """The bucket after the `(time_ns, bytes)` writes of the last day,
-        starting full one day ago."""
-        budget = cls(bytes_per_day, now_ns=now_ns - DAY_NS)
-        for time_ns, size_bytes in sorted(stored):
-            if now_ns - DAY_NS <= time_ns <= now_ns:
-                budget.charge(size_bytes, now_ns=time_ns)
+        """The bucket after the `(time_ns, bytes)` writes, full before the first."""
+        writes = sorted(stored)
+        budget = cls(bytes_per_day, now_ns=writes[0][0] if writes else now_ns)
+        for time_ns, size_bytes in writes:
+            budget.charge(size_bytes, now_ns=time_ns)
         budget.refill(now_ns)
         budget.over_budget_bytes = 0  # overdrafts of an earlier run were reported by that run
         return budget
@@ -203,7 +204,7 @@ class WearMonitor:
         return self._budget is not None
 
     def seed(self, entry_rows: Iterable[dict[str, Any]], stored: Iterable[tuple[int, int]]) -> None:
-        """What the journal knew at startup: live entries, and the last day's writes for the budget."""
+        """What the journal knew at startup: live entries, and every write (the budget's bucket)."""
         rows, writes = list(entry_rows), list(stored)
         with self._lock:
             self._fold.seed_entries(rows)
