@@ -25,6 +25,9 @@ Policies (`--ssd-admission`):
   (an exponentially weighted mean of cold prefills; before the first
   measurement every write is admitted: no evidence, no refusal).
 
+Both refuse a spill the SSD tier already serves whole (an entry evicted after
+its write-behind snapshot was written): `always` writes it again.
+
 The core only observes (takes, puts, prefill measurements) and decides; it
 never does I/O and reads no clock. A write-behind snapshot it refuses is
 *held*: the durability record waits, without a timer, until a flush forces it
@@ -102,13 +105,15 @@ class Reconsider:
 @attrs.frozen(kw_only=True)
 class Candidate:
     """A background write asking for admission; `kind` is the spill kind
-    ("write-behind", "evict", "demote", "oversize"); `forced`: a flush's."""
+    ("write-behind", "evict", "demote", "oversize"); `forced`: a flush's;
+    `covered`: a committed SSD entry already serves all of its tokens."""
 
     namespace: str
     tokens: tuple[int, ...] = attrs.field(converter=token_tuple)
     bytes: int
     kind: str
     forced: bool = False
+    covered: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -127,6 +132,7 @@ class AdmissionCounters:
     skipped: int = 0  # spills refused: the entry left RAM unwritten
     skipped_bytes: int = 0  # bytes of held and skipped writes
     reconsidered: int = 0  # held records made admissible by a later hit
+    covered: int = 0  # spills refused because the SSD tier already serves them (not skipped: durable)
 
 
 class AdmissionCore:
@@ -236,6 +242,10 @@ class AdmissionCore:
         key = RecordKey(namespace=candidate.namespace, tokens=candidate.tokens)
         leaving_ram = candidate.kind in LEAVING_RAM_KINDS
         hits = self.hits(key)
+        if candidate.covered and self.policy != "always":
+            # Durable already: rewriting it would only wear the drive (`always` does, as it always did).
+            self.counters.covered += 1
+            return AdmissionDecision(admit=False, reason="already on SSD", hits=hits)
         decision = self._judge(candidate, hits, leaving_ram)
         if decision.admit:
             self.counters.admitted += 1
@@ -327,13 +337,14 @@ class AdmissionGate:
         """A timed write-behind attempt's snapshot (`durability_shell.AdmissionPort`)."""
         return self.admits_spill(snapshot, forced=False)
 
-    def admits_spill(self, snapshot: SpillSnapshot, *, forced: bool) -> bool:
+    def admits_spill(self, snapshot: SpillSnapshot, *, forced: bool, covered: bool = False) -> bool:
         candidate = Candidate(
             namespace=snapshot.namespace,
             tokens=snapshot.tokens,
             bytes=snapshot.bytes,
             kind=snapshot.reason,
             forced=forced,
+            covered=covered,
         )
         return self.core.decide(candidate).admit
 

@@ -593,7 +593,9 @@ async def _start_actors(
     def submit(snapshot: SpillSnapshot) -> None:
         # Runs inside run_sync_soon, where an exception would end the whole Trio run.
         try:
-            if admission is not None and not admission.admits_spill(snapshot, forced=system.flushing):
+            if admission is not None and not admission.admits_spill(
+                snapshot, forced=system.flushing, covered=store.covers(snapshot.tokens, snapshot.namespace)
+            ):
                 return  # the snapshot's views go with this frame: it leaves RAM unwritten
             queue.submit_nowait(snapshot)
         except Exception as e:
