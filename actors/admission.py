@@ -13,12 +13,16 @@ Policies (`--ssd-admission`):
 
 - `always`: every write is admitted (the behaviour before admission existed).
 - `second-hit`: a write is admitted once its prefix has been taken twice, or
-  when it is being evicted (spilled) after one hit. Hits are counted per entry
-  (the exact tokens of the RAM entry a take borrowed from; for a take served
-  by the SSD tier, the prefix it served) and are inherited by every later put
-  that extends a counted entry, so a conversation whose turn N+1 supersedes
-  turn N carries turn N's hits along its lineage: a conversation that comes
-  back is written, a one-off prompt is not.
+  when it is leaving RAM (an eviction, demotion or oversize spill) after a
+  hit. A take counts as a hit of the entry that served it (the exact tokens of
+  the RAM entry it borrowed from; for the SSD tier, the prefix it served):
+  `own` hits. Leaving RAM, an entry counts the hits of every entry it extends
+  too (`lineage`): turn N+1 of a conversation supersedes turn N in RAM, and
+  the conversation came back once turn N was taken. So a write-behind
+  snapshot is written only for an entry served twice itself (a branch point, a
+  shared document); a conversation that came back is written once, when it
+  leaves RAM (or at a flush), instead of once per turn; a one-off prompt is
+  not written at all unless a flush asks.
 - `cost`: a write is admitted when recomputing the prefix would take at least
   `cost_threshold_s_per_gb` seconds per GB the write costs the drive, the
   recompute time being the prefix's tokens over the measured prefill rate
@@ -173,10 +177,8 @@ class AdmissionCore:
             case Taken():
                 return self._on_taken(RecordKey(namespace=msg.namespace, tokens=msg.tokens))
             case Put():
-                key = RecordKey(namespace=msg.namespace, tokens=msg.tokens)
-                self._remember(key, self.hits(key))
                 # Back in RAM: a later attempt finds it there, not skipped.
-                self._skipped.pop(key, None)
+                self._skipped.pop(RecordKey(namespace=msg.namespace, tokens=msg.tokens), None)
                 return []
             case PrefillMeasured():
                 self._on_prefill(msg)
@@ -185,7 +187,7 @@ class AdmissionCore:
 
     def _on_taken(self, key: RecordKey) -> list[Reconsider]:
         self._remember(key, self.hits(key) + 1)
-        if key in self._held and self._hits_admit(self._hits[key], leaving_ram=False):
+        if key in self._held and self._hits_admit(self._hits[key], 0, leaving_ram=False):
             del self._held[key]
             self.counters.reconsidered += 1
             return [Reconsider(key=key)]
@@ -199,20 +201,21 @@ class AdmissionCore:
         self.prefill_tokens_per_s = rate if previous is None else previous + PREFILL_RATE_WEIGHT * (rate - previous)
 
     def hits(self, key: RecordKey) -> int:
-        """The key's hits: its own count, else the most any entry it extends has (its lineage)."""
-        own = self._hits.get(key)
-        if own is not None:
-            return own
+        """Takes the entry holding exactly `key`'s tokens served (its own hits)."""
+        return self._hits.get(key, 0)
+
+    def lineage_hits(self, key: RecordKey) -> int:
+        """The most hits of `key` or of any entry it extends (a strict prefix of it)."""
         index = self._indexes.get(key.namespace)
         if index is None or not key.tokens:
-            return 0
+            return self.hits(key)
         ancestors = index.strict_prefix_ancestors(key.tokens)
-        return max((self._hits[self._keys_by_id[a]] for a in ancestors), default=0)
+        return max([self.hits(key), *(self._hits[self._keys_by_id[a]] for a in ancestors)])
 
     def _remember(self, key: RecordKey, hits: int) -> None:
         if key in self._hits:
             self._hits.move_to_end(key)
-            self._hits[key] = max(self._hits[key], hits)
+            self._hits[key] = hits
             return
         if key.tokens:
             key_id = next(self._ids)
@@ -241,12 +244,12 @@ class AdmissionCore:
         """Admit or refuse one write; a refusal is remembered (held or skipped)."""
         key = RecordKey(namespace=candidate.namespace, tokens=candidate.tokens)
         leaving_ram = candidate.kind in LEAVING_RAM_KINDS
-        hits = self.hits(key)
+        hits, lineage = self.hits(key), self.lineage_hits(key) if leaving_ram else 0
         if candidate.covered and self.policy != "always":
             # Durable already: rewriting it would only wear the drive (`always` does, as it always did).
             self.counters.covered += 1
             return AdmissionDecision(admit=False, reason="already on SSD", hits=hits)
-        decision = self._judge(candidate, hits, leaving_ram)
+        decision = self._judge(candidate, hits, lineage, leaving_ram)
         if decision.admit:
             self.counters.admitted += 1
             self.counters.forced += candidate.forced
@@ -265,13 +268,13 @@ class AdmissionCore:
             remembered.popitem(last=False)
         return decision
 
-    def _judge(self, candidate: Candidate, hits: int, leaving_ram: bool) -> AdmissionDecision:
+    def _judge(self, candidate: Candidate, hits: int, lineage: int, leaving_ram: bool) -> AdmissionDecision:
         if candidate.forced:
             return AdmissionDecision(admit=True, reason="forced", hits=hits)
         if self.policy == "always":
             return AdmissionDecision(admit=True, reason="always", hits=hits)
         if self.policy == "second-hit":
-            if self._hits_admit(hits, leaving_ram=leaving_ram):
+            if self._hits_admit(hits, lineage, leaving_ram=leaving_ram):
                 reason = "second hit" if hits >= HITS_TO_ADMIT else "leaving RAM after a hit"
                 return AdmissionDecision(admit=True, reason=reason, hits=hits)
             return AdmissionDecision(admit=False, reason="not taken twice", hits=hits)
@@ -284,8 +287,8 @@ class AdmissionCore:
         return AdmissionDecision(admit=False, reason="cheaper to recompute than to write", hits=hits)
 
     @staticmethod
-    def _hits_admit(hits: int, *, leaving_ram: bool) -> bool:
-        return hits >= HITS_TO_ADMIT or (leaving_ram and hits >= LEAVING_HITS_TO_ADMIT)
+    def _hits_admit(hits: int, lineage: int, *, leaving_ram: bool) -> bool:
+        return hits >= HITS_TO_ADMIT or (leaving_ram and max(hits, lineage) >= LEAVING_HITS_TO_ADMIT)
 
     def was_skipped(self, key: RecordKey) -> bool:
         """Whether `key` left RAM unwritten because a spill of it was refused."""
