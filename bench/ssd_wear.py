@@ -281,7 +281,7 @@ def _ratio(value: float | None) -> str:
 
 
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name in (*ADMISSION_POLICIES, RAM_ONLY):
         figures = result["policies"][name]
         restart = f"{figures['restart_ttft_s'] * 1000:.1f} ms"
