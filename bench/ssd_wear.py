@@ -55,8 +55,9 @@ FIRST_ORDINARY_TOKEN_ID = 3
 RAM_ONLY = "ram-only"
 TARGET_BYTES_RATIO = 0.5
 TARGET_KEEP_RATIO = 0.95
-DEBOUNCE_S = 0.25
-THINK_S = 0.3  # a human turn's gap: longer than the debounce, so its write-behind fires
+# The write-behind debounce as a share of a human turn's think gap: shorter, so a human turn's
+# write-behind fires before the next turn, while a tool step (no gap) comes within the window.
+DEBOUNCE_OF_THINK = 0.8
 FIGURE_COLUMNS = (
     "policy",
     "bytes written",
@@ -81,9 +82,14 @@ class Shape:
     tool_tokens: int = 80
     one_off_tokens: int = 240
     reply_tokens: int = 10
-    turns_per_phase: tuple[int, ...] = (2, 2, 1)
+    turns_per_phase: tuple[int, ...] = (4, 4, 2)
     one_offs_per_phase: int = 3
-    ram_entries: float = 4.0  # the RAM tier holds about this many of the longest conversation entries
+    ram_entries: float = 3.0  # the RAM tier holds about this many of the longest conversation entries
+    think_s: float = 0.3  # a human turn's gap before it is sent
+
+    @property
+    def debounce_s(self) -> float:
+        return self.think_s * DEBOUNCE_OF_THINK
 
 
 def _tokens(rng: np.random.Generator, count: int) -> tuple[int, ...]:
@@ -141,7 +147,7 @@ async def _turn(
 ) -> None:
     """One human turn (after its think gap), then its tool loop (no gap)."""
     shape = workload.shape
-    await trio.sleep(THINK_S)
+    await trio.sleep(shape.think_s)
     prompt = conversation.history + workload.users[draw]
     for step in range(workload.tool_steps[draw] + 1):
         reply, done, ttft_s = await _generate(system, prompt, shape.reply_tokens)
@@ -195,8 +201,8 @@ async def replay_one(
         model_dir=model_dir,
         ssd_dir=ssd_dir,
         prompt_cache_bytes=_ram_bytes(shape, bytes_per_token),
-        debounce_s=DEBOUNCE_S,
-        busy_rearm_s=DEBOUNCE_S,
+        debounce_s=shape.debounce_s,
+        busy_rearm_s=shape.debounce_s,
         demote_idle_s=0,
         ssd_admission="always" if config_name == RAM_ONLY else config_name,
     )
@@ -270,8 +276,8 @@ def run_benchmark(model_dir: Path, workdir: Path, shape: Shape, seed: int, progr
         "shape": attrs.asdict(shape),
         "seed": seed,
         "bytes_per_token": bytes_per_token,
-        "debounce_s": DEBOUNCE_S,
-        "think_s": THINK_S,
+        "debounce_s": shape.debounce_s,
+        "think_s": shape.think_s,
         "wall_s": time.perf_counter() - started_s,
     }
 
@@ -362,9 +368,17 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 @click.option("--conversations", type=click.IntRange(min=2), default=Shape().conversations, show_default=True)
 @click.option(
     "--turns",
-    default="2,2,1",
+    default="4,4,2",
     show_default=True,
     help="Human turns per conversation in each process life, comma-separated (a restart between each).",
+)
+@click.option(
+    "--think-seconds",
+    "think_s",
+    type=click.FloatRange(min=0.01),
+    default=Shape().think_s,
+    show_default=True,
+    help="The gap before each human turn; the write-behind debounce is 0.8 of it (tool steps have no gap).",
 )
 @click.option("--seed", type=int, default=21, show_default=True)
 @model_option("An mlx-lm model directory (default: the demo llama, tiny).")
@@ -373,6 +387,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 def main(
     conversations: int,
     turns: str,
+    think_s: float,
     seed: int,
     model_dir: Path | None,
     directory: Path | None,
@@ -388,7 +403,7 @@ def main(
         raise click.BadParameter(f"{turns!r} is not a comma-separated list of turn counts", param_hint="--turns") from e
     if len(turns_per_phase) < 2 or min(turns_per_phase) < 1:
         raise click.BadParameter("at least two process lives, each with a turn or more", param_hint="--turns")
-    shape = Shape(conversations=conversations, turns_per_phase=turns_per_phase)
+    shape = Shape(conversations=conversations, turns_per_phase=turns_per_phase, think_s=think_s)
     with scratch_with_model("ssd-wear", directory, model_dir, progress, size="tiny") as scratch:
         result = run_benchmark(scratch.model_dir, scratch.workdir, shape, seed, progress)
         result["model"] = scratch.model_described
