@@ -4,7 +4,9 @@ One scripted agent-like workload, the same under every policy: several
 conversations sharing a system prompt, each with tool loops (tool results fed
 back at once) and human turns (a think gap longer than the write-behind
 debounce), branches that regenerate from an earlier turn, one-off prompts that
-never come back, and graceful restarts between phases. It is replayed on a
+never come back, and restarts between phases: graceful ones (shutdown
+flushes) and, before the last phase, a crash (the process dies without a
+flush: what write-behind had not written is lost). It is replayed on a
 fresh SSD directory under `always`, `second-hit` and `cost`, and once with no
 SSD tier (RAM only), whose cold restarts are the baseline of the restart
 TTFT gains. Replies are greedy, so every configuration sees the same prompts.
@@ -12,7 +14,8 @@ TTFT gains. Replies are greedy, so every configuration sees the same prompts.
 Figures per policy: bytes written, dead writes (evicted, never restored) and
 rewrites, all from the journal's events (`store/write_wear.py`); the
 cached-token ratio over every request; the restart TTFT (the first turn of
-each conversation after a restart) and its gain over RAM only. Target: the
+each conversation after a graceful restart) and its gain over RAM only; the
+same after the crash. Target: the
 default policy writes <= 0.5x the bytes of `always` while keeping >= 0.95x of
 its cached-token ratio and restart TTFT gain.
 
@@ -69,6 +72,7 @@ FIGURE_COLUMNS = (
     "restart cached ratio",
     "restart TTFT",
     "restart gain vs always",
+    "after a crash: cached ratio",
 )
 
 
@@ -86,6 +90,7 @@ class Shape:
     one_offs_per_phase: int = 3
     ram_entries: float = 3.0  # the RAM tier holds about this many of the longest conversation entries
     think_s: float = 0.3  # a human turn's gap before it is sent
+    crash_before_last: bool = True  # the last restart is a crash, not a shutdown
 
     @property
     def debounce_s(self) -> float:
@@ -111,6 +116,9 @@ class Replay:
     restart_prompt_tokens: int = 0
     restart_cached_tokens: int = 0
     restart_ttft_s: list[float] = attrs.Factory(list)
+    crash_prompt_tokens: int = 0
+    crash_cached_tokens: int = 0
+    crash_ttft_s: list[float] = attrs.Factory(list)
     replies: list[tuple[int, ...]] = attrs.Factory(list)
 
 
@@ -143,7 +151,7 @@ class Workload:
 
 
 async def _turn(
-    system: System, workload: Workload, conversation: Conversation, draw: int, replay: Replay, *, restart: bool
+    system: System, workload: Workload, conversation: Conversation, draw: int, replay: Replay, *, restart: str
 ) -> None:
     """One human turn (after its think gap), then its tool loop (no gap)."""
     shape = workload.shape
@@ -154,10 +162,14 @@ async def _turn(
         replay.replies.append(reply)
         replay.prompt_tokens += done.prompt_tokens
         replay.cached_tokens += done.cached_tokens
-        if restart and step == 0:
+        if restart == "shutdown" and step == 0:
             replay.restart_ttft_s.append(ttft_s)
             replay.restart_prompt_tokens += done.prompt_tokens
             replay.restart_cached_tokens += done.cached_tokens
+        elif restart == "crash" and step == 0:
+            replay.crash_ttft_s.append(ttft_s)
+            replay.crash_prompt_tokens += done.prompt_tokens
+            replay.crash_cached_tokens += done.cached_tokens
         conversation.history = prompt + reply
         prompt = conversation.history + workload.tools[(draw + step) % len(workload.tools)]
     conversation.turns.append(conversation.history)
@@ -168,7 +180,7 @@ async def _phase(system: System, workload: Workload, conversations: list[Convers
     draw = 100 * phase
     for turn in range(shape.turns_per_phase[phase]):
         for index, conversation in enumerate(conversations):
-            await _turn(system, workload, conversation, draw, replay, restart=phase > 0 and turn == 0)
+            await _turn(system, workload, conversation, draw, replay, restart=_restart_before(shape, phase, turn))
             draw += 1
             if turn == 0 and index % 2 == 1:
                 one_off = workload.system_prompt + workload.one_offs[(draw + index) % len(workload.one_offs)]
@@ -179,7 +191,18 @@ async def _phase(system: System, workload: Workload, conversations: list[Convers
     if phase == 1:
         # A branch: the first conversation regenerates from its first turn with another message.
         branch = Conversation(history=conversations[0].turns[0])
-        await _turn(system, workload, branch, draw, replay, restart=False)
+        await _turn(system, workload, branch, draw, replay, restart="")
+
+
+def _restart_before(shape: Shape, phase: int, turn: int) -> str:
+    """ "shutdown" or "crash" for a conversation's first turn after a restart, else ""."""
+    if phase == 0 or turn > 0:
+        return ""
+    return "crash" if shape.crash_before_last and phase == len(shape.turns_per_phase) - 1 else "shutdown"
+
+
+class _Crashed(Exception):
+    """Raised inside `open_system` to end a process life without its shutdown flush."""
 
 
 def _ram_bytes(shape: Shape, bytes_per_token: int) -> int:
@@ -206,10 +229,18 @@ async def replay_one(
         demote_idle_s=0,
         ssd_admission="always" if config_name == RAM_ONLY else config_name,
     )
-    for phase in range(len(shape.turns_per_phase)):
-        # Each phase is one process life; leaving the context is a graceful shutdown (it flushes).
-        async with open_system(config) as system:
-            await _phase(system, workload, conversations, phase, replay)
+    lives = len(shape.turns_per_phase)
+    for phase in range(lives):
+        # Each phase is one process life; leaving the context is a graceful shutdown (it flushes), leaving it
+        # by an exception a crash: no flush, and the spills still queued are dropped.
+        crash = shape.crash_before_last and phase == lives - 2
+        try:
+            async with open_system(config) as system:
+                await _phase(system, workload, conversations, phase, replay)
+                if crash:
+                    raise _Crashed
+        except* _Crashed:
+            pass  # the nursery wraps it in an ExceptionGroup
     return replay, (_journal_figures(ssd_dir) if ssd_dir is not None else {})
 
 
@@ -245,6 +276,10 @@ def run_benchmark(model_dir: Path, workdir: Path, shape: Shape, seed: int, progr
             "cached_ratio": replay.cached_tokens / replay.prompt_tokens,
             "restart_cached_ratio": replay.restart_cached_tokens / replay.restart_prompt_tokens,
             "restart_ttft_s": statistics.median(replay.restart_ttft_s),
+            "crash_restart_cached_ratio": (
+                replay.crash_cached_tokens / replay.crash_prompt_tokens if replay.crash_prompt_tokens else None
+            ),
+            "crash_restart_ttft_s": statistics.median(replay.crash_ttft_s) if replay.crash_ttft_s else None,
         }
     cold_ttft_s = policies[RAM_ONLY]["restart_ttft_s"]
     always = policies["always"]
@@ -254,6 +289,10 @@ def run_benchmark(model_dir: Path, workdir: Path, shape: Shape, seed: int, progr
         figures["bytes_ratio_vs_always"] = figures["bytes_written"] / always["bytes_written"]
         figures["cached_ratio_vs_always"] = figures["cached_ratio"] / always["cached_ratio"]
         figures["restart_cached_ratio_vs_always"] = figures["restart_cached_ratio"] / always["restart_cached_ratio"]
+        crash_ratio, always_crash_ratio = figures["crash_restart_cached_ratio"], always["crash_restart_cached_ratio"]
+        figures["crash_restart_cached_ratio_vs_always"] = (
+            crash_ratio / always_crash_ratio if crash_ratio is not None and always_crash_ratio else None
+        )
         figures["restart_gain_ratio_vs_always"] = (
             figures["restart_ttft_gain_s"] / always["restart_ttft_gain_s"]
             if always["restart_ttft_gain_s"] > 0
@@ -271,6 +310,10 @@ def run_benchmark(model_dir: Path, workdir: Path, shape: Shape, seed: int, progr
             f"second_hit_cached_ge_{TARGET_KEEP_RATIO}x": second_hit["cached_ratio_vs_always"] >= TARGET_KEEP_RATIO,
             f"second_hit_restart_gain_ge_{TARGET_KEEP_RATIO}x": (second_hit["restart_gain_ratio_vs_always"] or 0)
             >= TARGET_KEEP_RATIO,
+            f"second_hit_crash_restart_cached_ge_{TARGET_KEEP_RATIO}x": (
+                second_hit["crash_restart_cached_ratio_vs_always"] or 0
+            )
+            >= TARGET_KEEP_RATIO,
         },
         "same_replies_every_policy": all(replies[name] == replies["always"] for name in replies),
         "shape": attrs.asdict(shape),
@@ -284,6 +327,10 @@ def run_benchmark(model_dir: Path, workdir: Path, shape: Shape, seed: int, progr
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -304,6 +351,7 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
                     f"{figures['restart_cached_ratio']:.3f}",
                     restart,
                     "(cold baseline)",
+                    _fraction(figures["crash_restart_cached_ratio"]),
                 )
             )
             continue
@@ -319,6 +367,7 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
                 f"{figures['restart_cached_ratio']:.3f}",
                 restart,
                 _ratio(figures["restart_gain_ratio_vs_always"]),
+                _fraction(figures["crash_restart_cached_ratio"]),
             )
         )
     return rows
@@ -330,7 +379,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     return [
         f"workload (seed {result['seed']}): {shape['conversations']} conversations sharing a "
         f"{shape['system_tokens']}-token system prompt, {sum(shape['turns_per_phase'])} human turns each over "
-        f"{len(shape['turns_per_phase'])} process lives (graceful restarts between), 0-2 tool steps per turn, a "
+        f"{len(shape['turns_per_phase'])} process lives (graceful restarts "
+        f"between, save a crash before the last), 0-2 tool steps per turn, a "
         f"branch, {shape['one_off_tokens']}-token one-off prompts; {result['policies']['always']['requests']} "
         f"requests per policy; RAM tier sized for about {shape['ram_entries']} conversation entries; debounce "
         f"{result['debounce_s']} s, think gap {result['think_s']} s; same replies under every policy: "
@@ -338,7 +388,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"second-hit against always: bytes {second_hit['bytes_ratio_vs_always']:.2f}x (target <= "
         f"{TARGET_BYTES_RATIO}x), cached-token ratio {second_hit['cached_ratio_vs_always']:.3f}x, restart cached "
         f"ratio {second_hit['restart_cached_ratio_vs_always']:.3f}x, restart TTFT gain "
-        f"{_ratio(second_hit['restart_gain_ratio_vs_always'])} (targets >= {TARGET_KEEP_RATIO}x); targets met: "
+        f"{_ratio(second_hit['restart_gain_ratio_vs_always'])} (targets >= {TARGET_KEEP_RATIO}x); after the crash, "
+        f"restart cached ratio {_ratio(second_hit['crash_restart_cached_ratio_vs_always'])}; targets met: "
         + ", ".join(f"{name} {met}" for name, met in result["targets_met"].items()),
         f"whole run {result['wall_s']:.0f} s",
     ]
@@ -401,8 +452,11 @@ def main(
         turns_per_phase = tuple(int(part) for part in turns.split(","))
     except ValueError as e:
         raise click.BadParameter(f"{turns!r} is not a comma-separated list of turn counts", param_hint="--turns") from e
-    if len(turns_per_phase) < 2 or min(turns_per_phase) < 1:
-        raise click.BadParameter("at least two process lives, each with a turn or more", param_hint="--turns")
+    if len(turns_per_phase) < 3 or min(turns_per_phase) < 1:
+        raise click.BadParameter(
+            "at least three process lives (a graceful restart, then a crash), each with a turn or more",
+            param_hint="--turns",
+        )
     shape = Shape(conversations=conversations, turns_per_phase=turns_per_phase, think_s=think_s)
     with scratch_with_model("ssd-wear", directory, model_dir, progress, size="tiny") as scratch:
         result = run_benchmark(scratch.model_dir, scratch.workdir, shape, seed, progress)

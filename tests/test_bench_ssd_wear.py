@@ -14,7 +14,7 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     model_dir = create_model("llama", tmp_path / "m")
     docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     arguments = ["--model", str(model_dir), "--dir", str(tmp_path / "bench"), "--conversations", "2"]
-    arguments += ["--turns", "1,1", "--think-seconds", "0.05", "--json"]
+    arguments += ["--turns", "1,1,1", "--think-seconds", "0.05", "--json"]
 
     outcome = CliRunner().invoke(ssd_wear.main, arguments)
 
