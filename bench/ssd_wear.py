@@ -395,6 +395,33 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def interpretation(result: dict[str, Any]) -> str:
+    """One paragraph, built from the figures."""
+    always, second_hit, cost = (result["policies"][name] for name in ("always", "second-hit", "cost"))
+    return (
+        f"`second-hit` wrote {second_hit['bytes_ratio_vs_always']:.2f}x the bytes of `always` "
+        f"({second_hit['entries_written']} entries against {always['entries_written']}, "
+        f"{second_hit['rewrites']} rewrites of a superseded prefix against {always['rewrites']}): a conversation "
+        f"is written when it leaves RAM or at shutdown instead of after every human turn, and a one-off prompt "
+        f"only if a shutdown finds it in RAM. Across graceful restarts it kept "
+        f"{second_hit['restart_cached_ratio_vs_always']:.2f}x of `always`'s cached tokens and "
+        f"{second_hit['cached_ratio_vs_always']:.2f}x over all requests (a conversation whose first turn left RAM "
+        f"before anything came back for it is recomputed). After the crash it kept "
+        f"{_ratio(second_hit['crash_restart_cached_ratio_vs_always'])}: the snapshots it held back died with the "
+        f"process, which `always`'s write-behind had written within a debounce. `cost` wrote "
+        f"{cost['bytes_ratio_vs_always']:.2f}x: at the default threshold every prefix of this model is dearer to "
+        f"recompute than to write, so it saved only the spills of prefixes already on SSD. "
+        + (
+            "No write was dead (the SSD tier was unbounded, so nothing was evicted from it). "
+            if always["dead_writes"] == 0
+            else f"Dead writes: {always['dead_writes']} under `always`, {second_hit['dead_writes']} under "
+            f"`second-hit`. "
+        )
+        + f"Restart TTFTs are medians of "
+        f"{result['shape']['conversations']} first turns on a shared machine; the cached ratios are exact."
+    )
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
     lines = [
@@ -411,6 +438,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
         "",
         *(f"- {line}" for line in summary_lines(result)),
+        "",
+        interpretation(result),
     ]
     return "\n".join(lines)
 
