@@ -223,3 +223,31 @@ def test_the_wear_figures_equal_a_replay_of_the_journal(model_dir_factory, tmp_p
     result = CliRunner().invoke(kvcellar_cli, ["journal", "stats", "--json", str(tmp_path / "ssd")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["write_wear"] == wear
+
+
+def test_serve_takes_the_admission_and_budget_flags_and_reports_them(model_dir_factory, tmp_path):
+    import httpx
+    from test_serve import Server
+
+    model_dir = model_dir_factory("llama")
+    flags = ["--ssd-cache", str(tmp_path / "ssd"), "--ssd-admission", "second-hit", "--ssd-write-budget", "1.5"]
+    running = Server(model_dir, "--batch", "1", *flags)
+    try:
+        reply = httpx.post(
+            f"{running.base}/v1/completions", json={"prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+        )
+        assert reply.status_code == 200, reply.text
+        flushed = httpx.post(f"{running.base}/admin/cache/flush", timeout=60).json()
+        assert flushed["durable"] and flushed["skipped_by_admission"] == 0 and flushed["over_budget_bytes"] == 0
+        ssd = httpx.get(f"{running.base}/stats").json()["ssd_cache"]
+        assert ssd["admission"]["policy"] == "second-hit"
+        assert ssd["write_budget"]["bytes_per_day"] == 1_500_000_000 and ssd["write_budget"]["waits"] == 0
+        assert ssd["write_wear"]["total"]["entries_written"] == 1
+        written = ssd["write_wear"]["total"]["bytes_written"]
+        assert ssd["write_budget"]["level_bytes"] <= 1_500_000_000 - written + 1_500_000_000 * 60 // 86_400
+        metrics = httpx.get(f"{running.base}/metrics").text
+        assert f"kvcellar_ssd_cache_written_bytes_total {float(written)}" in metrics
+        assert "kvcellar_ssd_cache_write_budget_level_bytes" in metrics
+    finally:
+        status, output = running.stop()
+    assert status == 0, output
