@@ -167,23 +167,28 @@ def test_a_flush_under_a_dry_budget_still_writes_and_says_it_went_over(model_dir
     model_dir = model_dir_factory("llama")
 
     async def main() -> None:
-        # A thousand bytes a day: the first write (larger than a day's budget) empties the bucket.
-        config = _config(model_dir, tmp_path, ssd_write_budget_bytes_per_day=1000)
+        # A thousand bytes a day: the first write (larger than a day's budget) empties the bucket. A spill
+        # queue of 0 bytes keeps only the newest snapshot behind the one in flight.
+        config = _config(model_dir, tmp_path, ssd_write_budget_bytes_per_day=1000, spill_queue_bytes=0)
         async with open_system(config) as system:
-            budgeted = system.budgeted_writes
-            assert budgeted is not None
+            budgeted, queue = system.budgeted_writes, system.queue
+            assert budgeted is not None and queue is not None
             await _run(system, _prompt(5))
             await wait_until(lambda: system.store.stats()["entries_stored"] == 1, what="the first write")
             await _run(system, _prompt(6))
             await wait_until(lambda: budgeted.counters.waiting == 1, what="the second write waits for the budget")
+            for seed in (7, 8):  # queued behind it: the older of the two is dropped
+                await _run(system, _prompt(seed))
+            await wait_until(lambda: queue.stats()["dropped"] >= 1, what="the oldest queued snapshot is dropped")
             assert system.store.stats()["entries_stored"] == 1
             verdict = await system.flush()
-            assert verdict.durable and verdict.entries == 2
-            second_bytes = _stored_bytes(system)[-1]
-            assert verdict.over_budget_bytes == second_bytes  # the bucket held nothing for it
+            assert verdict.durable and verdict.entries == 4  # the flush forced the dropped one again
+            stored_bytes = _stored_bytes(system)
+            assert verdict.over_budget_bytes == sum(stored_bytes[1:])  # the bucket held nothing for them
             stats = system.stats()["ssd_cache"]["write_budget"]
             assert stats["waits"] == 1 and stats["waiting"] == 0 and stats["level_bytes"] < 0
-            assert stats["over_budget_bytes"] > second_bytes  # the first one overdrew it too
+            assert stats["dropped_while_waiting"] >= 1
+            assert stats["over_budget_bytes"] > verdict.over_budget_bytes  # the first one overdrew it too
 
     trio.run(main)
 
