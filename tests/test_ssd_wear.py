@@ -179,7 +179,13 @@ def test_a_flush_under_a_dry_budget_still_writes_and_says_it_went_over(model_dir
             await wait_until(lambda: budgeted.counters.waiting == 1, what="the second write waits for the budget")
             for seed in (7, 8):  # queued behind it: the older of the two is dropped
                 await _run(system, _prompt(seed))
-            await wait_until(lambda: queue.stats()["dropped"] >= 1, what="the oldest queued snapshot is dropped")
+            # Settled with the coordinator before the flush, or the drop would count against the flush.
+            durability = system.durability
+            assert durability is not None
+            await wait_until(
+                lambda: queue.stats()["dropped"] >= 1 and durability.stats()["dropped_total"] >= 1,
+                what="the oldest queued snapshot is dropped and its attempt settled",
+            )
             assert system.store.stats()["entries_stored"] == 1
             verdict = await system.flush()
             assert verdict.durable and verdict.entries == 4  # the flush forced the dropped one again
