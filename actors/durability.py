@@ -75,6 +75,7 @@ from kvcellar.store.actor_events import (
     DurabilityDirty,
     DurabilitySettled,
     FlushBegun,
+    FlushSkippedByAdmission,
     FlushTimedOutRecorded,
     FlushVerdictRecorded,
 )
@@ -85,7 +86,7 @@ BUSY_REARM_S_DEFAULT = 5.0
 RETRY_S_DEFAULT = 5.0
 RETRY_MAX_S_DEFAULT = 300.0
 
-OUTCOMES = ("stored", "covered", "dropped", "failed", "missing")
+OUTCOMES = ("stored", "covered", "dropped", "failed", "missing", "held", "skipped")
 SUBMIT_OUTCOMES = ("stored", "dropped", "failed")
 _TOKENS_HASH_HEX_CHARS = 16
 
@@ -168,8 +169,24 @@ class CoverageChecked:
     covered: frozenset[RecordKey]
 
 
+@attrs.frozen(kw_only=True)
+class AdmissionGranted:
+    """SSD admission (`actors/admission.py`) now admits the write-behind
+    snapshot of `key` it held back: a later take made it worth writing."""
+
+    key: RecordKey
+
+
 DurabilityMessage = (
-    Dirty | TimerFired | AttemptResult | AttemptDeferred | Flush | FlushTimedOut | QueueDrained | CoverageChecked
+    Dirty
+    | TimerFired
+    | AttemptResult
+    | AttemptDeferred
+    | Flush
+    | FlushTimedOut
+    | QueueDrained
+    | CoverageChecked
+    | AdmissionGranted
 )
 
 
@@ -207,7 +224,9 @@ class FlushVerdict:
     """The answer to one `Flush`. `pending`: scope records still dirty;
     `dropped`/`failed`: attempts that settled so during the flush;
     `missing_uncovered`: scope records gone from RAM and not covered;
-    `dirty_keys_count`: every record not yet durable, in scope or not.
+    `dirty_keys_count`: every record not yet durable, in scope or not;
+    `skipped_by_admission`: scope records gone from RAM unwritten because SSD
+    admission refused their spill (never durable, like missing ones).
     `timed_out`: the answer of `timed_out_verdict`, for a flush whose caller
     stopped waiting; the evidence is what was known at that moment."""
 
@@ -222,6 +241,7 @@ class FlushVerdict:
     rechecked_covered: int
     elapsed_s: float
     timed_out: bool = False
+    skipped_by_admission: int = 0
 
     @property
     def missing(self) -> int:
@@ -230,7 +250,8 @@ class FlushVerdict:
     @property
     def reason(self) -> str:
         """Why it is not durable: "timeout", else the first of "failed",
-        "dropped", "missing", "pending" that is not zero; "" when durable."""
+        "dropped", "missing", "skipped_by_admission", "pending" that is not
+        zero; "" when durable."""
         if self.durable:
             return ""
         if self.timed_out:
@@ -239,6 +260,7 @@ class FlushVerdict:
             "failed": self.failed,
             "dropped": self.dropped,
             "missing": self.missing_uncovered,
+            "skipped_by_admission": self.skipped_by_admission,
             "pending": self.pending,
         }
         return next((name for name, count in counts.items() if count), "pending")
@@ -259,11 +281,21 @@ class RecordStatus(enum.Enum):
     DIRTY = "dirty"  # needs an attempt
     ATTEMPTING = "attempting"  # exactly one attempt in flight
     MISSING = "missing"  # gone from RAM and not covered by the committed index
+    # SSD admission (`actors/admission.py`): a timed attempt's snapshot was refused; the
+    # entry is still in RAM, no timer is armed, and a flush forces it like a dirty one.
+    HELD = "held"
+    SKIPPED = "skipped"  # gone from RAM unwritten: admission refused its spill (reported, never durable)
 
 
 _S = DurabilityState
 _FLUSHING = frozenset({_S.FLUSH_SETTLING, _S.FLUSH_DRAINING, _S.FLUSH_FORCING, _S.FLUSH_RECHECK})
 _ENDS = frozenset({_S.RUNNING, _S.FLUSH_SETTLING})  # after a verdict: normal operation, or the next queued run
+# Records no timer moves on: a later put (or, for held ones, admission) does.
+_WAITING_FOR_A_PUT = frozenset({RecordStatus.MISSING, RecordStatus.HELD, RecordStatus.SKIPPED})
+# What a flush forces: everything still in RAM that is not durable, admission's refusals included.
+_FORCED_BY_A_FLUSH = frozenset({RecordStatus.DIRTY, RecordStatus.HELD})
+# Gone from RAM: a flush re-checks them against the committed index.
+_RECHECKED = frozenset({RecordStatus.MISSING, RecordStatus.SKIPPED})
 
 # The transitions, all in one place.
 TRANSITIONS: dict[DurabilityState, frozenset[DurabilityState]] = {
@@ -274,7 +306,7 @@ TRANSITIONS: dict[DurabilityState, frozenset[DurabilityState]] = {
     _S.FLUSH_RECHECK: frozenset({_S.FLUSH_FORCING}) | _ENDS,
 }
 
-_ALWAYS = frozenset({Dirty, TimerFired, Flush, FlushTimedOut})
+_ALWAYS = frozenset({Dirty, TimerFired, Flush, FlushTimedOut, AdmissionGranted})
 # Which messages each state accepts; anything else is a protocol bug. No attempt
 # is in flight while draining or re-checking, and forced attempts are never deferred.
 ACCEPTS: dict[DurabilityState, frozenset[type]] = {
@@ -341,6 +373,9 @@ class DurabilityCounters:
     dropped: int = 0
     failed: int = 0
     missing: int = 0
+    held: int = 0  # timed attempts whose snapshot SSD admission refused
+    skipped: int = 0  # attempts that found the entry gone, its spill refused by admission
+    admission_granted: int = 0  # held records admission let go later
     rechecked_covered: int = 0
     flushes: int = 0
     durable_flushes: int = 0
@@ -390,6 +425,8 @@ class DurabilityCore:
             return self._on_flush(msg, now)
         if isinstance(msg, FlushTimedOut):
             return self._on_flush_timed_out(msg, now)
+        if isinstance(msg, AdmissionGranted):
+            return self._on_admission_granted(msg)
         if isinstance(msg, QueueDrained):
             self._check_run(msg.flush_id)
             return self._force_next(now)
@@ -421,7 +458,7 @@ class DurabilityCore:
             record.version = version
             # A fresh put is not held back by the backoff of an earlier version's faults.
             retrying, record.failures = record.failures > 0, 0
-            if record.status is RecordStatus.MISSING:
+            if record.status in _WAITING_FOR_A_PUT:
                 record.status = RecordStatus.DIRTY
         effects: list[Any] = [JournalEvent(event=DurabilityDirty(**self._fields(record), replaced=replaced))]
         # An attempting record is re-armed when its attempt settles; a flush
@@ -478,8 +515,20 @@ class DurabilityCore:
             return [*effects, self._arm(record, self.busy_rearm_s)]
         return [*effects, *self._progress(now)]
 
+    def _on_admission_granted(self, msg: AdmissionGranted) -> list[Any]:
+        record = self._records.get(msg.key)
+        if record is None or record.status is not RecordStatus.HELD:
+            return []  # stale: put again, forced by a flush, or clean meanwhile
+        record.status = RecordStatus.DIRTY
+        self.counters.admission_granted += 1
+        # While a flush runs nothing is armed: it forces its scope and re-arms the rest after.
+        return [self._arm(record, self.debounce_s)] if self.state is _S.RUNNING else []
+
     def _on_result(self, msg: AttemptResult, now: float) -> list[Any]:
-        record = self._settle(self._attempting(msg.key, msg.version))
+        attempting = self._attempting(msg.key, msg.version)
+        if msg.outcome == "held" and attempting.attempt_forced:
+            raise IllegalTransition(f"durability: a forced attempt cannot be held back (state {self.state.name})")
+        record = self._settle(attempting)
         outcome = msg.outcome
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
         fault = outcome in ("dropped", "failed")
@@ -491,6 +540,8 @@ class DurabilityCore:
             del self._records[record.key]
         elif current and outcome == "missing":
             record.status = RecordStatus.MISSING
+        elif current and outcome in ("held", "skipped"):
+            record.status = RecordStatus.HELD if outcome == "held" else RecordStatus.SKIPPED
         else:
             # Faults and replacements stay dirty; a fault is never counted as stored.
             record.status = RecordStatus.DIRTY
@@ -556,15 +607,13 @@ class DurabilityCore:
             return []
         in_scope = [r for r in self._records.values() if r.key in run.scope]
         for record in in_scope:
-            if record.status is RecordStatus.DIRTY and record.version not in run.forced_versions:
+            if record.status in _FORCED_BY_A_FLUSH and record.version not in run.forced_versions:
                 self._goto(_S.FLUSH_FORCING)
                 run.forced_versions.add(record.version)
                 run.forced += 1
                 return self._start(record, forced=True)
         recheck = {
-            r.key: r.version
-            for r in in_scope
-            if r.status is RecordStatus.MISSING and r.version not in run.rechecked_versions
+            r.key: r.version for r in in_scope if r.status in _RECHECKED and r.version not in run.rechecked_versions
         }
         if recheck:
             self._goto(_S.FLUSH_RECHECK)
@@ -579,12 +628,7 @@ class DurabilityCore:
         for key, version in run.awaiting_recheck.items():
             record = self._records.get(key)
             # A put since the question was asked has its own version and attempt.
-            if (
-                key in msg.covered
-                and record is not None
-                and record.status is RecordStatus.MISSING
-                and record.version == version
-            ):
+            if key in msg.covered and record is not None and record.status in _RECHECKED and record.version == version:
                 del self._records[key]
                 run.rechecked_covered += 1
                 self.counters.rechecked_covered += 1
@@ -603,9 +647,13 @@ class DurabilityCore:
             self._asked_s.pop(flush_id, None)
             fields = attrs.asdict(verdict)
             del fields["timed_out"]
+            skipped = fields.pop("skipped_by_admission")
             # A timed-out flush was answered already: its outcome is journaled only.
             answer = [] if flush_id in run.timed_out else [verdict]
             effects += [*answer, JournalEvent(event=FlushVerdictRecorded(**fields))]
+            if skipped:
+                # Its own event, so a journal without admission refusals reads as before.
+                effects.append(JournalEvent(event=FlushSkippedByAdmission(flush_id=flush_id, records=skipped)))
         self._run = None
         if self._queued_flushes:
             queued, self._queued_flushes = tuple(self._queued_flushes), []
@@ -619,8 +667,11 @@ class DurabilityCore:
     def _verdict(self, run: _FlushRun, flush_id: int, now: float, *, timed_out: bool = False) -> FlushVerdict:
         in_scope = [r for r in self._records.values() if r.key in run.scope]
         missing = sum(r.status is RecordStatus.MISSING for r in in_scope)
-        pending = len(in_scope) - missing
-        durable = not timed_out and pending == 0 and missing == 0 and run.dropped == 0 and run.failed == 0
+        skipped = sum(r.status is RecordStatus.SKIPPED for r in in_scope)
+        pending = len(in_scope) - missing - skipped
+        durable = (
+            not timed_out and pending == 0 and missing == 0 and skipped == 0 and run.dropped == 0 and run.failed == 0
+        )
         return FlushVerdict(
             flush_id=flush_id,
             durable=durable,
@@ -633,6 +684,7 @@ class DurabilityCore:
             rechecked_covered=run.rechecked_covered,
             elapsed_s=now - run.began_s,
             timed_out=timed_out,
+            skipped_by_admission=skipped,
         )
 
     def timed_out_verdict(self, flush_id: int, now: float) -> FlushVerdict:
@@ -717,6 +769,8 @@ class DurabilityCore:
             "dirty": statuses.count(RecordStatus.DIRTY),
             "attempting": self._in_flight,
             "missing_records": statuses.count(RecordStatus.MISSING),
+            "held_records": statuses.count(RecordStatus.HELD),
+            "skipped_records": statuses.count(RecordStatus.SKIPPED),
             "armed_timers": sum(r.timer_armed for r in self._records.values()),
             "queued_flushes": len(self._queued_flushes),
             # Running totals; `missing_records` above is the current count.

@@ -28,6 +28,7 @@ from kvcellar.actors.durability import (
     RETRY_MAX_S_DEFAULT,
     RETRY_S_DEFAULT,
     SUBMIT_OUTCOMES,
+    AdmissionGranted,
     AttemptDeferred,
     AttemptResult,
     CheckCoverage,
@@ -74,6 +75,19 @@ class DurabilityPorts(Protocol):
     async def wait_queue_idle(self) -> None: ...
 
 
+class AdmissionPort(Protocol):
+    """SSD write admission as the coordinator sees it (`actors/admission.py`;
+    Trio thread only). Without one every snapshot is written."""
+
+    def admits(self, snapshot: SpillSnapshot) -> bool:
+        """Whether a timed attempt may write `snapshot` (a refusal is remembered as held)."""
+        ...
+
+    def was_skipped(self, key: RecordKey) -> bool:
+        """Whether `key` left RAM unwritten because admission refused its spill."""
+        ...
+
+
 class DurabilityCoordinator:
     """The Trio shell of `DurabilityCore`. Start with `nursery.start(run)`.
 
@@ -91,9 +105,11 @@ class DurabilityCoordinator:
         retry_s: float = RETRY_S_DEFAULT,
         retry_max_s: float = RETRY_MAX_S_DEFAULT,
         journal: Journal | None = None,
+        admission: AdmissionPort | None = None,
     ) -> None:
         self.core = DurabilityCore(debounce_s, busy_rearm_s, retry_s=retry_s, retry_max_s=retry_max_s)
         self._ports = ports
+        self._admission = admission
         # Closed, the attempts still in flight have nobody to report to: they are cancelled.
         self._actor = ActorShell("durability", self.core, self._perform, journal=journal, cancel_tasks_on_close=True)
         self._flush_ids = itertools.count(1)
@@ -111,6 +127,10 @@ class DurabilityCoordinator:
         # `on_put` hands a tuple of ints already: no second pass over a long prompt.
         token_tuple: tuple[int, ...] = tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
         self._send(Dirty(namespace=namespace, tokens=token_tuple))
+
+    def admission_granted(self, key: RecordKey) -> None:
+        """Admission now admits the snapshot it held back for `key` (Trio thread only)."""
+        self._send(AdmissionGranted(key=key))
 
     async def flush(self, timeout_s: float | None = None) -> FlushVerdict:
         """Force every put made before this call to the SSD tier and say whether
@@ -190,6 +210,12 @@ class DurabilityCoordinator:
         if answered is not None:
             answered.set(verdict)
 
+    def _why_missing(self, key: RecordKey) -> str:
+        """ "skipped" when admission refused the entry's spill, else "missing"."""
+        if self._admission is not None and self._admission.was_skipped(key):
+            return "skipped"
+        return "missing"
+
     def _covers(self, key: RecordKey) -> bool:
         try:
             return self._ports.covers(key.tokens, key.namespace)
@@ -206,10 +232,10 @@ class DurabilityCoordinator:
         self._send(QueueDrained(flush_id=flush_id))
 
     async def _attempt(self, start: StartAttempt) -> None:
-        outcome = await self._attempt_outcome(start.key)
+        outcome = await self._attempt_outcome(start.key, forced=start.forced)
         self._send(AttemptResult(key=start.key, version=start.version, outcome=outcome))
 
-    async def _attempt_outcome(self, key: RecordKey) -> str:
+    async def _attempt_outcome(self, key: RecordKey, *, forced: bool) -> str:
         ports, tokens, namespace = self._ports, key.tokens, key.namespace
 
         def engine_turn() -> str | SpillSnapshot:
@@ -228,7 +254,10 @@ class DurabilityCoordinator:
             log.exception("durability snapshot of %d tokens failed", len(tokens))
             return "failed"
         if isinstance(found, str):
-            return found
+            return self._why_missing(key) if found == "missing" else found
+        if not forced and self._admission is not None and not self._admission.admits(found):
+            # Held back: the snapshot's views go now; a flush forces the record.
+            return "held"
         try:
             outcome = await ports.submit(found)
         except Exception:

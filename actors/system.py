@@ -20,6 +20,7 @@ reason is logged at start and shown in `stats()["scheduler"]`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -33,12 +34,19 @@ from typing import Any
 import attrs
 import trio
 
+from kvcellar.actors.admission import (
+    ADMISSION_POLICY_DEFAULT,
+    COST_THRESHOLD_S_PER_GB_DEFAULT,
+    AdmissionCore,
+    AdmissionGate,
+)
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT, RecentRequests, recorded
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
+from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
@@ -57,6 +65,7 @@ from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSna
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme, warm_up_prototype_caches
 from kvcellar.store.ssd import SsdStore
+from kvcellar.store.write_wear import WearMonitor
 
 log = logging.getLogger("kvcellar.system")
 
@@ -95,6 +104,11 @@ class SystemConfig:
     memory_budget_bytes: int | None = None
     # Requests the `/stats/requests` ring keeps (the oldest goes first).
     recent_requests_max: int = RECENT_REQUESTS_MAX_DEFAULT
+    # Which background writes reach the SSD tier (`actors/admission.py`), and the
+    # tier's write budget in bytes a day (None: unlimited; `actors/write_budget.py`).
+    ssd_admission: str = ADMISSION_POLICY_DEFAULT
+    ssd_cost_threshold_s_per_gb: float = COST_THRESHOLD_S_PER_GB_DEFAULT
+    ssd_write_budget_bytes_per_day: int | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -154,6 +168,10 @@ class FlushResult:
     entries: int
     longest_durable_prefix_tokens: int
     note: str = ""
+    # Issue 21: prefixes that left RAM unwritten by SSD admission's choice (never
+    # durable), and the bytes this flush wrote past the write budget.
+    skipped_by_admission: int = 0
+    over_budget_bytes: int = 0
 
 
 class System:
@@ -182,6 +200,10 @@ class System:
         self.serial_reason = ""
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
+        self.admission: AdmissionGate | None = None
+        self.wear: WearMonitor | None = None
+        self.budgeted_writes: BudgetedWrites | None = None
+        self._flushes_running = 0
         self._shutdown_verdict: FlushResult | None = None
         self._shutdown_done: trio.Event | None = None
         # None when the budget is 0 (off). Owned by the engine thread but for
@@ -203,7 +225,7 @@ class System:
         lane is off, streaming its tokens; when it ends (done, cancelled or
         failed) it is recorded in `recent_requests`."""
         items = recorded(
-            self._generate_on_lane(request),
+            self._generate_measured(request),
             self.recent_requests,
             prompt_tokens=len(request.prompt_ids),
             clock_s=trio.current_time,
@@ -213,7 +235,36 @@ class System:
             async for item in stream:
                 yield item
 
-    async def _generate_on_lane(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
+    async def _generate_measured(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
+        """The request on its lane; under the cost admission policy its cold
+        prefill rate is measured on the way."""
+        if self.admission is None or not self.admission.measures_prefill:
+            async with aclosing(self._generate_on_a_lane(request)) as items:
+                async for item in items:
+                    yield item
+            return
+        async with aclosing(self._generate_measuring_prefill(request, self.admission)) as items:
+            async for item in items:
+                yield item
+
+    async def _generate_measuring_prefill(
+        self, request: GenerationRequest, admission: AdmissionGate
+    ) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
+        """The cost policy's prefill rate: a cold prefill's tokens over the
+        time to the first token (which includes any wait for the lane, so the
+        rate errs low and admission towards writing)."""
+        started_s, first_token_s = trio.current_time(), None
+        async with aclosing(self._generate_on_a_lane(request)) as items:
+            async for item in items:
+                if first_token_s is None:
+                    first_token_s = trio.current_time()
+                if isinstance(item, GenerationDone) and item.cache_tier != "ssd":
+                    admission.prefill_measured(item.prompt_tokens - item.cached_tokens, first_token_s - started_s)
+                yield item
+
+    async def _generate_on_a_lane(
+        self, request: GenerationRequest
+    ) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
         self.check_memory(request)
         if self.seams.logits_processors is not None:
             added = tuple(self.seams.logits_processors(request))
@@ -244,13 +295,31 @@ class System:
         """Persist everything dirty and say whether all of it is on disk. It
         always answers, by `timeout_s` (None: no bound): past it with
         `reason="timeout"` and the evidence so far, while a begun flush goes
-        on in the background (journaled). The verdict is kept as `last_flush`."""
-        verdict = await self._flush(timeout_s)
+        on in the background (journaled). A flush admits every write and
+        writes past the SSD write budget if it must, and says by how many
+        bytes. The verdict is kept as `last_flush`."""
+        verdict = await self._flush_within_budget(timeout_s)
         self.flushes += 1
         self.last_flush = (self.seams.wall_clock_s(), verdict)
         return verdict
 
-    async def _flush(self, timeout_s: float | None) -> FlushResult:
+    async def _flush_within_budget(self, timeout_s: float | None) -> FlushResult:
+        self._flushes_running += 1
+        try:
+            if self.budgeted_writes is None:
+                return await self._flush_everything(timeout_s)
+            with self.budgeted_writes.write_window() as over_budget_bytes:
+                result = await self._flush_everything(timeout_s)
+                return attrs.evolve(result, over_budget_bytes=over_budget_bytes())
+        finally:
+            self._flushes_running -= 1
+
+    @property
+    def flushing(self) -> bool:
+        """A flush is running: SSD admission lets every spill through meanwhile."""
+        return self._flushes_running > 0
+
+    async def _flush_everything(self, timeout_s: float | None) -> FlushResult:
         if self.store is None:
             return FlushResult(
                 durable=False,
@@ -276,6 +345,7 @@ class System:
             dropped=verdict.dropped,
             failed=verdict.failed,
             missing=verdict.missing,
+            skipped_by_admission=verdict.skipped_by_admission,
             pending_spills=self._pending_spills(),
             entries=len(self.store.entry_ids()),
             longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
@@ -351,13 +421,17 @@ class System:
             verdict = await self.flush(timeout_s=max(0.0, deadline - trio.current_time()))
             if self.queue is not None and self._pending_spills():
                 # Spills queued after the flush's drain (an idle demotion) or left by a timeout.
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(deadline), self._write_window():
                     await self.queue.wait_idle()
             self._warn_not_durable(verdict)
             self._shutdown_verdict = verdict
             return verdict
         finally:
             self._shutdown_done.set()
+
+    def _write_window(self) -> contextlib.AbstractContextManager[Any]:
+        """Shutdown's last writes do not wait for the write budget either."""
+        return self.budgeted_writes.write_window() if self.budgeted_writes is not None else contextlib.nullcontext()
 
     def _warn_not_durable(self, verdict: FlushResult) -> None:
         if verdict.reason == "timeout":
@@ -397,6 +471,7 @@ class System:
                 "longest_durable_prefix_tokens": self.store.longest_entry_tokens(),
                 "quarantined": store_stats["quarantined"],
                 "journal": store_stats["journal"],
+                **self._wear_stats(),
             }
         return {
             "prompt_cache": self.prompt_cache.stats(),
@@ -435,6 +510,16 @@ class System:
         stats["requests_refused"] += self._memory_refused_at_gate
         return stats
 
+    def _wear_stats(self) -> dict[str, Any]:
+        """Issue 21's `/stats` `ssd_cache` keys: the admission policy and its
+        counts, the write budget (None when unlimited) and the write wear
+        since this server started (`store/write_wear.py`)."""
+        return {
+            "admission": self.admission.stats() if self.admission is not None else {"policy": "always"},
+            "write_budget": self.budgeted_writes.stats() if self.budgeted_writes is not None else None,
+            "write_wear": self.wear.wear_stats() if self.wear is not None else None,
+        }
+
     def _scheduler_stats(self) -> dict[str, Any]:
         if self.scheduler is not None:
             return self.scheduler.stats()
@@ -468,7 +553,9 @@ class System:
         return await self.seams.run_blocking(lambda: journal.recent_events(limit, timeout_s=timeout_s))
 
 
-async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme) -> tuple[SsdStore | None, str]:
+async def _open_store(
+    config: SystemConfig, seams: SystemSeams, scheme: KvScheme, wear: WearMonitor
+) -> tuple[SsdStore | None, str]:
     """The SSD tier of this serving fingerprint and the tokenizer hash its
     entries' headers carry; (None, "") without the tier."""
     if config.ssd_dir is None:
@@ -499,9 +586,25 @@ async def _open_store(config: SystemConfig, seams: SystemSeams, scheme: KvScheme
             fingerprint_fields=fingerprint.as_dict(),
             verify=config.ssd_verify,
             safeguards=seams.safeguards,
+            event_listeners=(wear.on_event,),
         )
     )
+    await run_blocking(lambda: _seed_wear(wear, store))
     return store, fingerprint.tokenizer_sha256
+
+
+def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:
+    """What the journal knows at startup: the live entries (for dead writes),
+    and every write when there is a write budget (its bucket)."""
+    journal = store.journal
+    if journal is None or journal.degraded:
+        return
+    stored = (
+        [(record.time_ns, record.event.entry.bytes) for record in journal.events(kind="entry.stored")]
+        if wear.budgeted
+        else []
+    )
+    wear.seed(journal.entries(), stored)
 
 
 @asynccontextmanager
@@ -514,13 +617,18 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
     try:
         loaded = await engine.start()
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
+        # The simulator's store (`store_opener`) has no wear monitor: it models no drive wear.
+        wear: WearMonitor | None = None
         if seams.store_opener is not None:
             store, tokenizer_hash = seams.store_opener(config, scheme), ""
         else:
-            store, tokenizer_hash = await _open_store(config, seams, scheme)
+            wear = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
+            store, tokenizer_hash = await _open_store(config, seams, scheme, wear)
         try:
             async with trio.open_nursery() as nursery:
-                system = await _start_actors(nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash)
+                system = await _start_actors(
+                    nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear
+                )
                 try:
                     yield system
                     await system.shutdown()
@@ -542,6 +650,7 @@ async def _start_actors(
     scheme: KvScheme,
     store: SsdStore | None,
     tokenizer_hash: str,
+    wear: WearMonitor | None = None,
 ) -> System:
     journal = store.journal if store is not None else None
     token = trio.lowlevel.current_trio_token()
@@ -579,15 +688,24 @@ async def _start_actors(
         safeguards=seams.safeguards,
     )
     queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
-    queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
+    system.wear = wear
+    if wear is not None and wear.budgeted:
+        system.budgeted_writes = BudgetedWrites(wear, dropped_spills=lambda: queue.stats()["dropped"])
+    write = system.budgeted_writes.wrap(writer.write) if system.budgeted_writes is not None else writer.write
+    queue = SpillQueue(write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)
     system.queue = queue
     if system.memory_guard is not None:
         _give_guard_the_ssd_tier(system.memory_guard, store, queue, tokenizer_hash)
+    admission = system.admission = _admission_gate(config)
 
     def submit(snapshot: SpillSnapshot) -> None:
         # Runs inside run_sync_soon, where an exception would end the whole Trio run.
         try:
+            if admission is not None and not admission.admits_spill(
+                snapshot, forced=system.flushing, covered=store.covers(snapshot.tokens, snapshot.namespace)
+            ):
+                return  # the snapshot's views go with this frame: it leaves RAM unwritten
             queue.submit_nowait(snapshot)
         except Exception as e:
             log.warning("spill of %d tokens refused: %s", len(snapshot.tokens), e)
@@ -603,13 +721,44 @@ async def _start_actors(
             debounce_s=config.debounce_s,
             busy_rearm_s=config.busy_rearm_s,
             journal=journal,
+            admission=admission,
         )
         await nursery.start(durability.run)
         system.durability = durability
         prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(durability.dirty, namespace, tokens)
+    if admission is not None:
+        _observe_for_admission(token, prompt_cache, admission, system.durability)
     if config.demote_idle_s > 0:
         nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
     return system
+
+
+def _admission_gate(config: SystemConfig) -> AdmissionGate | None:
+    """SSD write admission; None for `always`, which admits every write without looking."""
+    if config.ssd_admission == "always":
+        return None
+    core = AdmissionCore(config.ssd_admission, cost_threshold_s_per_gb=config.ssd_cost_threshold_s_per_gb)
+    return AdmissionGate(core, clock_s=trio.current_time)
+
+
+def _observe_for_admission(
+    token: trio.lowlevel.TrioToken,
+    prompt_cache: PromptCache,
+    admission: AdmissionGate,
+    durability: DurabilityCoordinator | None,
+) -> None:
+    """The RAM tier's takes and puts reach admission on the Trio thread, in
+    order (`run_sync_soon` is FIFO), each put before the coordinator sees it."""
+
+    def put_seen(namespace: str, tokens: tuple[int, ...]) -> None:
+        admission.put(namespace, tokens)
+        if durability is not None:
+            durability.dirty(namespace, tokens)
+
+    prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(put_seen, namespace, tokens)
+    prompt_cache.on_take = lambda namespace, tokens: token.run_sync_soon(admission.taken, namespace, tokens)
+    if durability is not None:
+        admission.on_granted = durability.admission_granted
 
 
 async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:

@@ -171,6 +171,8 @@ SPECS += (
 _STRUCTURED = {(_SSD, "journal"), (_SCHEDULER, "batch_size_history")}
 _STRUCTURED |= {("requests", "ttft_seconds_buckets"), ("requests", "ttft_seconds_sum"), ("requests", "ttft_count")}
 _STRUCTURED |= {("flush", "last")}
+# Issue 21's nested sections, exported by `ssd_wear_families`.
+_STRUCTURED.update({(_SSD, "admission"), (_SSD, "write_budget"), (_SSD, "write_wear")})
 
 
 class StatsCollector(Collector):
@@ -187,6 +189,7 @@ class StatsCollector(Collector):
         yield _serving_info_family(stats)
         yield from request_ttft_families(_section(stats, "requests"))
         yield from last_flush_families(_section(stats, "flush").get("last"))
+        yield from ssd_wear_families(_section(stats, _SSD))
         yield from undescribed_families(stats)
 
 
@@ -312,6 +315,81 @@ def last_flush_families(last: Any) -> Iterator[GaugeMetricFamily]:
     )
 
 
+# (section key, field, family name, kind, help) of issue 21's SSD write-wear figures.
+_WEAR_SPECS = (
+    (
+        "write_wear",
+        "bytes_written",
+        "kvcellar_ssd_cache_written_bytes",
+        "counter",
+        "Bytes written to the SSD tier since start.",
+    ),
+    (
+        "write_wear",
+        "dead_writes",
+        "kvcellar_ssd_cache_dead_writes",
+        "counter",
+        "SSD entries evicted without ever being restored.",
+    ),
+    (
+        "write_wear",
+        "rewrites",
+        "kvcellar_ssd_cache_rewrites",
+        "counter",
+        "SSD entries superseded by a newer write of their prefix.",
+    ),
+    (
+        "admission",
+        "held",
+        "kvcellar_ssd_cache_admission_held",
+        "counter",
+        "Write-behind snapshots SSD admission held back.",
+    ),
+    (
+        "admission",
+        "skipped",
+        "kvcellar_ssd_cache_admission_skipped",
+        "counter",
+        "Spills SSD admission refused: entries left RAM unwritten.",
+    ),
+    (
+        "write_budget",
+        "level_bytes",
+        "kvcellar_ssd_cache_write_budget_level_bytes",
+        "gauge",
+        "Bytes the SSD write budget holds now (negative: overdrawn by flushes).",
+    ),
+    (
+        "write_budget",
+        "over_budget_bytes",
+        "kvcellar_ssd_cache_over_budget_bytes",
+        "counter",
+        "Bytes flushes wrote past the SSD write budget.",
+    ),
+    (
+        "write_budget",
+        "waits",
+        "kvcellar_ssd_cache_write_budget_waits",
+        "counter",
+        "Background writes that waited for the SSD write budget.",
+    ),
+)
+
+
+def ssd_wear_families(ssd: Mapping[str, Any]) -> Iterator[Metric]:
+    """Admission, write-budget and write-wear figures of `/stats` `ssd_cache`,
+    each present only when its section is (the budget only with one set)."""
+    for section, field, name, kind, help_text in _WEAR_SPECS:
+        values = _section(ssd, section)
+        if section == "write_wear":
+            values = _section(values, "total")
+        value = _number(values.get(field))
+        if value is None:
+            continue
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        yield family_type(name, help_text, value=value)
+
+
 __all__ = [
     "SPECS",
     "UNDESCRIBED_HELP",
@@ -324,5 +402,6 @@ __all__ = [
     "metrics_registry",
     "render_metrics",
     "request_ttft_families",
+    "ssd_wear_families",
     "undescribed_families",
 ]

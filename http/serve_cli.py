@@ -172,6 +172,33 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     type=click.Choice(["debug", "info", "warning", "error"]),
     help="Logging verbosity.",
 )
+@click.option(
+    "--ssd-admission",
+    "ssd_admission",
+    default="always",
+    show_default=True,
+    type=click.Choice(["always", "second-hit", "cost"]),
+    help="Which background writes reach the SSD tier: always; second-hit (once a prefix was taken twice, "
+    "or on leaving RAM after a hit); cost (when recomputing it takes longer than --ssd-cost-threshold "
+    "seconds per GB written). A flush and shutdown write everything regardless. Needs --ssd-cache.",
+)
+@click.option(
+    "--ssd-cost-threshold",
+    "ssd_cost_threshold_s_per_gb",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds of prefill per GB written above which --ssd-admission cost writes an entry.",
+)
+@click.option(
+    "--ssd-write-budget",
+    "ssd_write_budget_gb_per_day",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="SSD write budget in GB a day (a token bucket kept in the journal, so it survives restarts); "
+    "when it runs dry background writes wait and the oldest queued are dropped; a flush still writes "
+    "and says how far it went over. Unset: unlimited. Needs --ssd-cache.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -189,6 +216,9 @@ def serve_command(
     api_key: str | None,
     log_level: str,
     memory_budget_gb: float | None,
+    ssd_admission: str,
+    ssd_cost_threshold_s_per_gb: float,
+    ssd_write_budget_gb_per_day: float | None,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -203,6 +233,8 @@ def serve_command(
         raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
     if ssd_dir is None and (ssd_max_gb is not None or demote_idle_s is not None):
         log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
+    if ssd_dir is None and (ssd_admission != "always" or ssd_write_budget_gb_per_day is not None):
+        log.warning("--ssd-admission and --ssd-write-budget need --ssd-cache; ignored")
     config = SystemConfig(
         model_dir=resolve_model_dir(model),
         ssd_dir=ssd_dir,
@@ -217,6 +249,9 @@ def serve_command(
         # Only the SSD tier's directory name needs the fingerprint, so only it reads the memo.
         shard_digest_memo=ShardDigestMemo(shard_digest_memo_dir()) if ssd_dir is not None else None,
         memory_budget_bytes=None if memory_budget_gb is None else int(memory_budget_gb * GB),
+        ssd_admission=ssd_admission,
+        ssd_cost_threshold_s_per_gb=ssd_cost_threshold_s_per_gb,
+        ssd_write_budget_bytes_per_day=ssd_write_budget_bytes(ssd_write_budget_gb_per_day),
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)
@@ -228,3 +263,13 @@ def serve_command(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def ssd_write_budget_bytes(gb_per_day: float | None) -> int | None:
+    """`--ssd-write-budget` in bytes a day (GB are 10**9 bytes, as for the other sizes)."""
+    if gb_per_day is None:
+        return None
+    budget_bytes = int(gb_per_day * GB)
+    if budget_bytes <= 0:
+        raise UsageError(f"--ssd-write-budget {gb_per_day} GB/day is less than a byte a day")
+    return budget_bytes

@@ -147,6 +147,16 @@ class FlushTimedOutRecorded:
     elapsed_s: float
 
 
+@attrs.frozen(kw_only=True)
+class FlushSkippedByAdmission:
+    """Beside `flush.verdict`, only when not zero: `records` of the flush's
+    scope left RAM unwritten because SSD admission refused their spill."""
+
+    kind: ClassVar[str] = "flush.skipped_by_admission"
+    flush_id: int
+    records: int
+
+
 # -- gateway and batch-lane scheduler ---------------------------------------------
 
 
@@ -198,6 +208,7 @@ ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     FlushBegun,
     FlushVerdictRecorded,
     FlushTimedOutRecorded,
+    FlushSkippedByAdmission,
     RequestAdmitted,
     RequestFinished,
     MemoryRelieved,

@@ -29,6 +29,7 @@ from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.journal import ENTRY_COLUMNS, JOURNAL_FILE_NAME, Journal, JournalError, JournalEvent
 from kvcellar.store.kv_cli import header_as_json
+from kvcellar.store.write_wear import fold_journal
 
 QUARANTINE_DIR_NAME = "quarantine"
 SORT_KEYS = {"bytes": "bytes", "mtime": "mtime_ns", "tokens": "token_count"}
@@ -561,6 +562,7 @@ def journal_stats(root: Path, journal: Journal) -> dict[str, Any]:
         "quarantined": counts[ev.EntryQuarantined.kind],
         "quarantine_files": len(quarantine_files),
         "quarantine_bytes": sum(path.stat().st_size for path in quarantine_files if path.is_file()),
+        "write_wear": fold_journal(journal.events()).as_json(),
     }
 
 
@@ -571,7 +573,10 @@ def stats_command(directory: Path, fingerprint: str | None, as_json: bool) -> No
 
     Misses are not journaled: the hit rate is the share of stored entries that
     were restored at least once, and write amplification is bytes written per
-    byte restored (the whole file is read on a restore).
+    byte restored (the whole file is read on a restore). Write wear, since the
+    journal began and per UTC day: bytes written, bytes written per token
+    served from SSD, dead writes (evicted, never restored) and supersessions
+    that rewrote a prefix.
     """
     with opened_journal(directory, fingerprint) as (root, journal):
         stats = journal_stats(root, journal)
@@ -582,7 +587,7 @@ def stats_command(directory: Path, fingerprint: str | None, as_json: bool) -> No
     summary.add_column("what")
     summary.add_column("value", justify="right")
     for key, value in stats.items():
-        if key != "counts_by_kind":
+        if key not in ("counts_by_kind", "write_wear"):
             shown = "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
             summary.add_row(key.replace("_", " "), shown)
     kinds = Table(title="events by kind")
@@ -593,6 +598,21 @@ def stats_command(directory: Path, fingerprint: str | None, as_json: bool) -> No
     console = Console()
     console.print(summary)
     console.print(kinds)
+    console.print(write_wear_table(stats["write_wear"]))
+
+
+def write_wear_table(wear: dict[str, Any]) -> Table:
+    """The write-wear figures: one row for the whole journal, one per UTC day."""
+    table = Table(title="SSD write wear")
+    columns = ("bytes_written", "bytes_written_per_ssd_token", "dead_writes", "dead_write_bytes", "rewrites")
+    table.add_column("period")
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="right")
+    periods = [("total", wear["total"]), *wear["per_day"].items()]
+    for period, figures in periods:
+        values = [figures[column] for column in columns]
+        table.add_row(period, *("-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v) for v in values))
+    return table
 
 
 # -- verify ------------------------------------------------------------------

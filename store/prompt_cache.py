@@ -128,11 +128,15 @@ class PromptCache:
         on_put: Callable[[str, tuple[int, ...]], None] | None = None,
         clock_s: Callable[[], float] = time.monotonic,
         bill: Callable[[Sequence[Any], int], int] = logical_bytes,
+        on_take: Callable[[str, tuple[int, ...]], None] | None = None,
     ) -> None:
         self.bytes_max = bytes_max
         self.cold_tier = cold_tier
         self.spill_sink = spill_sink
         self.on_put = on_put
+        # Each served take: the namespace and the exact tokens of the RAM entry lent
+        # (from the cold tier: the prefix it served). SSD admission counts hits by it.
+        self.on_take = on_take
         self._clock_s = clock_s
         self._bill = bill
         self._entries: dict[str, _RamEntry] = {}
@@ -170,11 +174,13 @@ class PromptCache:
         ram_tokens = ram[1] if ram is not None else 0
         cold = self._cold_take(query, namespace, ram_tokens)
         if cold is not None:
+            self._notify_take(namespace, query[: cold.reused_tokens])
             return cold
         if ram is None:
             return TakeResult(caches=None, reused_tokens=0, tier="none")
         entry, usable = ram
         self._touch(entry)
+        self._notify_take(namespace, entry.tokens)
         lent = lend_caches(entry.caches, drop_tokens=entry.tokens.size - usable)
         return TakeResult(caches=lent, reused_tokens=usable, tier="ram", entry_id=entry.entry_id)
 
@@ -257,6 +263,10 @@ class PromptCache:
         self._evict_until_under_cap(keep=entry.entry_id)
         self._notify_put(namespace, token_array)
         return entry.entry_id
+
+    def _notify_take(self, namespace: str, served_tokens: np.ndarray) -> None:
+        if self.on_take is not None:
+            self.on_take(namespace, tuple(served_tokens.tolist()))
 
     def _notify_put(self, namespace: str, token_array: np.ndarray) -> None:
         if self.on_put is not None:

@@ -214,6 +214,7 @@ DURABILITY_BLIND = st.one_of(
     st.builds(dur.FlushTimedOut, flush_id=FLUSH_ID),
     st.builds(dur.QueueDrained, flush_id=FLUSH_ID),
     st.builds(dur.CoverageChecked, flush_id=FLUSH_ID, covered=st.frozensets(KEY)),
+    st.builds(dur.AdmissionGranted, key=KEY),
 )
 
 

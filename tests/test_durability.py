@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcellar.actors.durability import (
     OUTCOMES,
+    AdmissionGranted,
     AttemptDeferred,
     AttemptResult,
     CheckCoverage,
@@ -165,14 +166,18 @@ class CoreMachine(RuleBasedStateMachine):
         assert not verdict.timed_out
         left = [view for view in self.core.records() if view.key in self.scope[flush_id]]
         missing = sum(view.status is RecordStatus.MISSING for view in left)
-        assert (verdict.pending, verdict.missing_uncovered) == (len(left) - missing, missing)
+        skipped = sum(view.status is RecordStatus.SKIPPED for view in left)
+        assert (verdict.pending, verdict.missing_uncovered) == (len(left) - missing - skipped, missing)
+        assert verdict.skipped_by_admission == skipped
+        assert not any(view.status is RecordStatus.HELD for view in left), "a flush forces held records"
         if verdict.durable:
             assert verdict.pending == verdict.dropped == verdict.failed == verdict.missing_uncovered == 0
+            assert verdict.skipped_by_admission == 0
             assert verdict.reason == ""
             for key, version in self.owed[flush_id].items():
                 assert self.satisfied.get(key, 0) >= version, f"durable, but {key} v{version} was never stored"
         else:
-            assert verdict.reason in ("failed", "dropped", "missing", "pending")
+            assert verdict.reason in ("failed", "dropped", "missing", "skipped_by_admission", "pending")
             assert getattr(verdict, verdict.reason) > 0
 
     # -- rules -----------------------------------------------------------------
@@ -193,8 +198,8 @@ class CoreMachine(RuleBasedStateMachine):
     def settle_attempt(self, data: st.DataObject, outcome: str) -> None:
         key = data.draw(st.sampled_from(sorted(self.attempts, key=repr)))
         attempt = self.attempts.pop(key)
-        if outcome == "deferred" and attempt.forced:
-            outcome = "failed"
+        if outcome in ("deferred", "held") and attempt.forced:
+            outcome = "failed"  # a flush's attempt is neither deferred nor held back
         if outcome == "deferred":
             self.deliver(AttemptDeferred(key=key, version=attempt.version))
             return
@@ -212,6 +217,9 @@ class CoreMachine(RuleBasedStateMachine):
             assert view is not None, "a dropped, failed or missing attempt leaves the record"
         if outcome == "missing" and was_current:
             assert view.status is RecordStatus.MISSING
+        if outcome in ("held", "skipped") and was_current:
+            assert view.status is (RecordStatus.HELD if outcome == "held" else RecordStatus.SKIPPED)
+            assert not view.timer_armed, "a record admission refused waits for a flush, a put or a hit"
 
     def unanswered(self) -> list[int]:
         return sorted(self.asked - set(self.verdicts) - self.timed_out)
@@ -235,7 +243,8 @@ class CoreMachine(RuleBasedStateMachine):
         scope = self.scope[flush_id] if begun else frozenset(view.key for view in self.core.records())
         left = [view for view in self.core.records() if view.key in scope]
         missing = sum(view.status is RecordStatus.MISSING for view in left)
-        assert (answer.pending, answer.missing_uncovered) == (len(left) - missing, missing)
+        skipped = sum(view.status is RecordStatus.SKIPPED for view in left)
+        assert (answer.pending, answer.missing_uncovered) == (len(left) - missing - skipped, missing)
         if begun:
             faults = self.faults[flush_id]
             assert (answer.dropped, answer.failed) == (faults["dropped"], faults["failed"])
@@ -271,7 +280,18 @@ class CoreMachine(RuleBasedStateMachine):
         covered = data.draw(st.frozensets(st.sampled_from(check.keys)))
         self.deliver(CoverageChecked(flush_id=check.flush_id, covered=covered))
         for key in covered:
-            assert self.view(key) is None or self.view(key).status is not RecordStatus.MISSING
+            assert self.view(key) is None or self.view(key).status not in (RecordStatus.MISSING, RecordStatus.SKIPPED)
+
+    @rule(key=st.sampled_from(KEYS))
+    def admission_granted(self, key: RecordKey) -> None:
+        """SSD admission lets a held record go (or a stale grant: safe either way)."""
+        before = self.view(key)
+        self.deliver(AdmissionGranted(key=key))
+        after = self.view(key)
+        if before is not None and before.status is RecordStatus.HELD:
+            assert after.status is RecordStatus.DIRTY
+        else:
+            assert after == before, "a grant for a record that is not held changes nothing"
 
     @rule(dt=st.sampled_from([0.1, 1.0, 5.0]))
     def tick(self, dt: float) -> None:
