@@ -38,6 +38,7 @@ from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
+from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.errors import UsageError
@@ -45,8 +46,10 @@ from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError
 from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
+from kvcellar.store.s3_objects import ObjectStore, S3ObjectStore
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
+from kvcellar.store.shared_tier import SharedKeys, SharedLocation
 from kvcellar.store.ssd import SsdStore
 
 log = logging.getLogger("kvcellar.system")
@@ -81,6 +84,8 @@ class SystemConfig:
     # Rows of the batch lane; 1 keeps every request on the serial lane.
     batch_rows_max: int = 1
     kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
+    # The shared cold tier on an object store (needs the SSD tier); None: off.
+    shared_cache: SharedCacheConfig | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -112,6 +117,8 @@ class SystemSeams:
     disk: Disk | None = None
     safeguards: Safeguards = SAFEGUARDS
     logits_processors: Callable[[GenerationRequest], Sequence[Callable[[], Any]]] | None = None
+    # The shared tier's object store instead of S3 at `config.shared_cache.url` (the simulator's model).
+    shared_objects: ObjectStore | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -164,6 +171,7 @@ class System:
         self.serial_reason = ""
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
+        self.shared: SharedTier | None = None
         self._shutdown_verdict: FlushResult | None = None
         self._shutdown_done: trio.Event | None = None
 
@@ -177,6 +185,8 @@ class System:
         if self.seams.logits_processors is not None:
             added = tuple(self.seams.logits_processors(request))
             request = attrs.evolve(request, logits_processors=request.logits_processors + added)
+        if self.shared is not None:
+            await self.shared.before_request(request.prompt_ids, request.namespace)
         if self.scheduler is not None:
             # aclosing: a consumer that stops early cancels its row now, not when collected.
             async with aclosing(self.scheduler.generate(request)) as items:
@@ -233,6 +243,17 @@ class System:
             longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
             note=note,
         )
+
+    async def flush_shared(self, timeout_s: float | None = None) -> tuple[FlushResult, dict[str, Any]]:
+        """`flush`, then the shared tier's own verdict within what is left of
+        `timeout_s`: every local entry committed to the shared store or not,
+        with its evidence (`SharedTier.flush`)."""
+        started_s = trio.current_time()
+        verdict = await self.flush(timeout_s)
+        if self.shared is None:
+            return verdict, {"durable": False, "reason": "no shared tier"}
+        left_s = None if timeout_s is None else max(0.0, timeout_s - (trio.current_time() - started_s))
+        return verdict, await self.shared.flush(left_s)
 
     async def _flush_spills_only(self, timeout_s: float | None) -> FlushResult:
         """Write-behind off: drain what the spill queue holds (evictions,
@@ -356,6 +377,7 @@ class System:
             "ssd_cache": ssd,
             "kv_scheme": self.scheme.cache_key,
             "scheduler": self._scheduler_stats(),
+            "shared_cache": self.shared.stats() if self.shared is not None else {},
         }
 
     def _scheduler_stats(self) -> dict[str, Any]:
@@ -465,6 +487,8 @@ async def _start_actors(
         journal=journal,
     )
     if store is None:
+        if config.shared_cache is not None:
+            raise UsageError("the shared cache needs the SSD tier (--ssd-cache): downloads land there")
         return system
     writer = SsdWriter(
         store,
@@ -503,7 +527,38 @@ async def _start_actors(
         prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(durability.dirty, namespace, tokens)
     if config.demote_idle_s > 0:
         nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
+    if config.shared_cache is not None:
+        system.shared = await _start_shared_tier(nursery, config.shared_cache, seams, store, gateway)
     return system
+
+
+async def _start_shared_tier(
+    nursery: trio.Nursery, shared: SharedCacheConfig, seams: SystemSeams, store: SsdStore, gateway: Gateway
+) -> SharedTier:
+    """The shared cold tier over the SSD tier; its client reads the AWS config files, off the Trio thread."""
+    location = SharedLocation.parse(shared.url)
+    objects = seams.shared_objects
+    if objects is None:
+        objects = await seams.run_blocking(
+            lambda: S3ObjectStore.open(
+                location.bucket,
+                endpoint_url=shared.endpoint_url,
+                connect_timeout_s=shared.connect_timeout_s,
+                read_timeout_s=shared.read_timeout_s,
+                max_attempts=shared.max_attempts,
+            )
+        )
+    tier = SharedTier(
+        store,
+        objects,
+        SharedKeys(location.prefix, store.fingerprint),
+        shared,
+        gateway_busy=lambda: gateway.busy,
+        journal=store.journal,
+        run_blocking=seams.run_blocking,
+    )
+    await nursery.start(tier.run)
+    return tier
 
 
 async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:
