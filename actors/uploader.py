@@ -15,13 +15,13 @@ object-store call and every file access runs off the Trio thread
   while the gateway is idle (no request or batch row active or waiting), so
   an upload's reads never compete with a decode for the disk. A failure is
   counted and journaled; the entry is offered again on its next hit or flush.
-- Download: before a request is dispatched, a strictly longer usable prefix
-  in the shared index than on SSD starts one download (one per key at a
-  time) in the tier's own nursery; the request waits for it at most
-  `request_timeout_s`, then goes on (the download finishes in the
-  background and serves the next request). A key whose download failed is
-  not tried again before an exponential backoff passes; one that failed a
-  check is refused for as long as it stays listed.
+- Download: before a request is dispatched, a usable prefix in the shared
+  index longer than the SSD tier's by `download_min_gain_tokens` starts one
+  download (one per key at a time) in the tier's own nursery; the request
+  waits for it at most `request_timeout_s`, then goes on (the download
+  finishes in the background and serves the next request). A key whose
+  download failed is not tried again before an exponential backoff passes;
+  one that failed a check is refused for as long as it stays listed.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class SharedCacheConfig:
     idle_poll_s: float = 0.2
     retry_s: float = 5.0
     retry_max_s: float = 300.0
+    # A download must gain this many tokens over the SSD tier's match: a
+    # shared chat-template preamble alone is no reason to fetch a whole entry.
+    download_min_gain_tokens: int = 256
     upload: UploadPolicyConfig = attrs.field(factory=UploadPolicyConfig)
 
 
@@ -322,7 +325,8 @@ class SharedTier:
             if match is None:
                 return
             local = self.store.find(query, namespace)
-            if local is not None and local.usable_tokens >= match.usable_tokens:
+            local_tokens = local.usable_tokens if local is not None else 0
+            if match.usable_tokens - local_tokens < self.config.download_min_gain_tokens:
                 return
             done = self._downloads.get(match.manifest_key)
             if done is None:
@@ -334,7 +338,9 @@ class SharedTier:
             await done.wait()
         if bound.cancelled_caught:
             self.counters.download_timeouts += 1
-            log.warning("shared cache: a request went on without the shared tier after %g s", bound.deadline)
+            log.warning(
+                "shared cache: a request went on without the shared tier after %g s", self.config.request_timeout_s
+            )
 
     async def _download(self, key: str, done: trio.Event) -> None:
         try:
