@@ -8,6 +8,7 @@ answers 5xx/503 SlowDown, stalls, or cuts a download short."""
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -391,5 +392,44 @@ def test_store_faults_never_block_serving_longer_than_the_timeout(
             assert not any(path.name.endswith(".tmp") for path in system.store.directory.rglob("*"))
             warm = await _complete(client, FAULT_PROMPTS[3])
             assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm["usage"]["prompt_tokens"] - 1
+
+    trio.run(main)
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "throttled"])
+def test_a_failing_store_never_stops_serving_and_the_shared_flush_says_so(
+    model_dir_factory, tmp_path, bucket, proxy, fault
+):
+    """An unreachable store (a closed port), or one that throttles every
+    upload (503 SlowDown on PUT): requests are served, the local flush is
+    durable, the shared verdict is not, with the failures as its evidence."""
+    if fault == "unreachable":
+        endpoint = _closed_port_url()
+    else:
+        endpoint = proxy.url
+        proxy.faults[("PUT", "/team/")] = "slowdown"
+
+    async def main() -> None:
+        config = _config(model_dir_factory("llama"), tmp_path, shared_cache=_shared(bucket, endpoint))
+        async with serving(config) as (_, client):
+            reply = await _complete(client)
+            assert reply["choices"][0]["text"]
+            flushed = await client.post(FLUSH, params={"shared": "true", "timeout_s": "60"})
+            assert flushed.status_code == 503, flushed.text
+            verdict = flushed.json()
+            assert verdict["durable"] is True and verdict["shared_durable"] is False
+            assert verdict["shared"]["reason"] == "failed" and verdict["shared"]["committed"] == 0
+            assert verdict["shared"]["failed"] >= verdict["shared"]["entries"] >= 1
+            stats = await _shared_stats(client)
+            assert stats["upload_failures"] >= 1 and stats["uploads"] == 0
+            assert (stats["listing_failures"] >= 1) == (fault == "unreachable")
+            bad = await client.post(FLUSH, params={"shared": "maybe"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "shared"
 
     trio.run(main)
