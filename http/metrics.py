@@ -141,7 +141,12 @@ SPECS: tuple[MetricSpec, ...] = (
         _counter(_SHARED, "refreshes", "Completed refreshes of the shared index."),
         _gauge(_SHARED, "upload_queue", "Entries waiting to be uploaded."),
         _gauge(_SHARED, "upload_queue_max", "Bound of the upload queue."),
-        _gauge(_SHARED, "upload_bytes_today", "Bytes uploaded this UTC day (against the budget)."),
+        _gauge(
+            _SHARED,
+            "upload_bytes_today",
+            "Bytes uploaded this UTC day (against the budget).",
+            name="kvcellar_shared_cache_upload_today_bytes",
+        ),
         _gauge(
             _SHARED,
             "upload_bytes_per_day",
