@@ -6,10 +6,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from kvcellar.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvcellar.actors.uploader import SharedCacheConfig
 
 log = logging.getLogger("kvcellar.serve")
 
@@ -285,7 +289,7 @@ def shared_cache_config(
     bytes_per_day: int,
     request_timeout_s: float,
     refresh_s: float,
-):
+) -> SharedCacheConfig | None:
     """The shared tier's config from `serve`'s flags, None without `--shared-cache`.
     Raises `UsageError` for a malformed URL or a missing `--ssd-cache`."""
     from kvcellar.actors.uploader import SharedCacheConfig

@@ -743,12 +743,19 @@ class SsdStore:
     # -- adoption (entries fetched from elsewhere: the shared tier) ----------
 
     def adopt(
-        self, namespace: str, tokens: np.ndarray, fill: Callable[[Callable[[memoryview | bytes], None]], None]
+        self,
+        namespace: str,
+        tokens: np.ndarray,
+        fill: Callable[[Callable[[memoryview | bytes], None]], None],
+        *,
+        verify_tensors: bool = True,
     ) -> str:
         """Commit an entry file fetched from elsewhere (a shared-tier download)
         as if it had been stored here: `fill(write)` streams the file's bytes
         through `write` into a temp file beside its place; then the whole file
-        is verified (header, size and every tensor checksum) and must carry
+        is verified (header and size, and every tensor checksum unless
+        `verify_tensors` is false: a caller that checked a digest of the whole
+        file against a trusted record, since `restore` checks them again) and must carry
         this fingerprint, `namespace` and `tokens`; it is fsynced, renamed into place,
         directory-fsynced and indexed (supersession, eviction, `entry.stored`).
 
@@ -781,14 +788,19 @@ class SsdStore:
                     self.disk.unlink(temp_path)
             raise
         self.disk.close(handle)
-        header = self._verified_adoptee(temp_path, namespace, tokens)
+        header = self._verified_adoptee(temp_path, namespace, tokens, verify_tensors)
         self.disk.rename(temp_path, path)
         self.disk.fsync_dir(path.parent)
         return self._index_adopted(entry_id, namespace, path, header)
 
-    def _verified_adoptee(self, temp_path: Path, namespace: str, tokens: np.ndarray) -> kvfile.Header:
+    def _verified_adoptee(
+        self, temp_path: Path, namespace: str, tokens: np.ndarray, verify_tensors: bool
+    ) -> kvfile.Header:
         try:
-            header = kvfile.verify_file(temp_path, disk=self.disk)
+            if verify_tensors:
+                header = kvfile.verify_file(temp_path, disk=self.disk)
+            else:
+                header = kvfile.read_header(temp_path, disk=self.disk, safeguards=self.safeguards)
             if header.fingerprint.get("digest") != self.fingerprint:
                 raise CorruptEntry(f"{temp_path}: fingerprint is not this directory's", part="header")
             if header.namespace != namespace:
