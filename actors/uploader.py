@@ -11,9 +11,10 @@ object-store call and every file access runs off the Trio thread
   every `refresh_s`: list the fingerprint's keys, fetch unknown manifests,
   check them (`manifest_problem`), drop what is no longer listed.
 - Upload: an `entry.stored` of the SSD tier (or a second hit) offers the entry
-  to the policy; one worker uploads the queue one entry at a time, each only
-  while the gateway is idle (no request or batch row active or waiting), so
-  an upload's reads never compete with a decode for the disk. A failure is
+  to the policy; one worker uploads the queue one entry at a time, each
+  started only while the gateway is idle (no request or batch row active or
+  waiting) and held between two chunks while it is busy, so an upload's
+  reads and sends do not compete with a decode. A failure is
   counted and journaled; the entry is offered again on its next hit or flush.
 - Download: before a request is dispatched, a usable prefix in the shared
   index longer than the SSD tier's by `download_min_gain_tokens` starts one
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
@@ -71,7 +73,10 @@ class SharedCacheConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 20.0
     max_attempts: int = 3
-    idle_poll_s: float = 0.2
+    idle_poll_s: float = 0.05
+    # An upload holds between two chunks while the gateway is busy, at most
+    # this long at a time (an S3 server drops a connection idle for ~20 s).
+    upload_pause_max_s: float = 15.0
     retry_s: float = 5.0
     retry_max_s: float = 300.0
     # A download must gain this many tokens over the SSD tier's match: a
@@ -136,6 +141,8 @@ class SharedTier:
         self._first_refresh = trio.Event()
         self._downloads: dict[str, trio.Event] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # key -> (not before, last delay)
+        # Set while the gateway is idle: the upload's worker thread waits on it between chunks.
+        self._engine_idle = threading.Event()
 
     # -- running -------------------------------------------------------------
 
@@ -146,6 +153,7 @@ class SharedTier:
             self._nursery = nursery
             nursery.start_soon(self._refresh_forever)
             nursery.start_soon(self._upload_forever)
+            nursery.start_soon(self._track_idle_forever)
             task_status.started()
 
     async def _refresh_forever(self) -> None:
@@ -258,6 +266,19 @@ class SharedTier:
         key = self.keys.manifest_key(candidate.namespace, candidate.tokens_digest)
         self._record(sev.SharedUploadSkipped(entry_id=candidate.entry_id, key=key, reason=reason, detail=detail))
 
+    async def _track_idle_forever(self) -> None:
+        """Mirror the gateway's busy state into `_engine_idle` for the worker thread."""
+        while True:
+            if self._gateway_busy():
+                self._engine_idle.clear()
+            else:
+                self._engine_idle.set()
+            await trio.sleep(self.config.idle_poll_s)
+
+    def _pause_while_busy(self) -> None:
+        """The upload's pause (its worker thread): hold while a request runs."""
+        self._engine_idle.wait(timeout=self.config.upload_pause_max_s)
+
     async def _upload_forever(self) -> None:
         while True:
             await self._upload_wanted.wait()
@@ -285,7 +306,9 @@ class SharedTier:
             self._skipped(candidate, "gone")
             return
         try:
-            outcome = await self._run_blocking(upload_entry, self.store, self.objects, self.keys, entry, self._clock_ns)
+            outcome = await self._run_blocking(
+                upload_entry, self.store, self.objects, self.keys, entry, self._clock_ns, self._pause_while_busy
+            )
         except DiskError as e:
             self._skipped(candidate, "gone", str(e))
             return

@@ -159,13 +159,15 @@ def _converted(key: str) -> Iterator[None]:
 class DiskFileReader(io.RawIOBase):
     """A seekable reader over one file through `Disk` (botocore re-reads a
     body to retry it and to checksum it), so uploads stream from the SSD
-    tier's file instead of holding the entry in memory."""
+    tier's file instead of holding the entry in memory. `pause` runs before
+    every read, on botocore's thread."""
 
-    def __init__(self, disk: Disk, handle: Any, length_bytes: int) -> None:
+    def __init__(self, disk: Disk, handle: Any, length_bytes: int, pause: Callable[[], None] = lambda: None) -> None:
         self._disk = disk
         self._handle = handle
         self._length = length_bytes
         self._position = 0
+        self._pause = pause  # called before each read: the shared tier holds uploads while the engine decodes
 
     def readable(self) -> bool:
         return True
@@ -186,16 +188,20 @@ class DiskFileReader(io.RawIOBase):
         wanted = min(len(view), self._length - self._position)
         if wanted <= 0:
             return 0
+        self._pause()
         got = self._disk.read_into(self._handle, self._position, view[:wanted])
         self._position += got
         return got
 
 
-def iter_file_chunks(disk: Disk, handle: Any, length_bytes: int) -> Iterator[memoryview]:
-    """The file's bytes in `DOWNLOAD_CHUNK_BYTES` chunks, through `Disk`."""
+def iter_file_chunks(
+    disk: Disk, handle: Any, length_bytes: int, pause: Callable[[], None] = lambda: None
+) -> Iterator[memoryview]:
+    """The file's bytes in `DOWNLOAD_CHUNK_BYTES` chunks, through `Disk`; `pause` before each."""
     buffer = bytearray(DOWNLOAD_CHUNK_BYTES)
     offset = 0
     while offset < length_bytes:
+        pause()
         view = memoryview(buffer)[: min(DOWNLOAD_CHUNK_BYTES, length_bytes - offset)]
         got = disk.read_into(handle, offset, view)
         if got <= 0:

@@ -46,26 +46,33 @@ class UploadOutcome:
 
 
 def upload_entry(
-    store: SsdStore, objects: ObjectStore, keys: SharedKeys, entry: IndexedEntry, clock_ns: Callable[[], int]
+    store: SsdStore,
+    objects: ObjectStore,
+    keys: SharedKeys,
+    entry: IndexedEntry,
+    clock_ns: Callable[[], int],
+    pause: Callable[[], None] = lambda: None,
 ) -> UploadOutcome:
     """Share one local entry. Raises `DiskError` when its file is gone or
     unreadable, `CorruptEntry` when it fails its own checks (never uploaded),
-    `SharedStoreError` when the store fails."""
+    `SharedStoreError` when the store fails. `pause` runs before each step and
+    each chunk read (the shell holds it while the engine decodes)."""
     digest = tokens_sha256(entry.tokens)
     manifest_key = keys.manifest_key(entry.namespace, digest)
     if objects.exists(manifest_key):
         return UploadOutcome(outcome="already_shared", key=manifest_key, sent_bytes=0)
     disk = store.disk
+    pause()
     header = kvfile.verify_file(entry.path, disk=disk)  # a bad local file would poison the key for everyone
     handle = disk.open_read(entry.path)
     try:
         size_bytes = disk.size(handle)
         hasher = hashlib.sha256()
-        for chunk in iter_file_chunks(disk, handle, size_bytes):
+        for chunk in iter_file_chunks(disk, handle, size_bytes, pause):
             hasher.update(chunk)
         object_sha256 = hasher.hexdigest()
         object_key = keys.object_key(entry.namespace, digest, object_sha256)
-        objects.put_file(object_key, DiskFileReader(disk, handle, size_bytes), size_bytes)
+        objects.put_file(object_key, DiskFileReader(disk, handle, size_bytes, pause), size_bytes)
     finally:
         disk.close(handle)
     manifest = SharedManifest(
