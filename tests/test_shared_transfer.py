@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import pytest
 from moto.server import ThreadedMotoServer
+from polling import wait_until_sync
 from test_shared_tier import _credentials_and_bucket
 from test_ssd import BASE, FINGERPRINT, _prefill
 
@@ -244,3 +245,31 @@ def test_the_upload_policy_admits_bounds_and_budgets():
     assert policy.offer(_candidate("long", 100, size_bytes=200)) == "queued"
     tomorrow, _ = policy.next_upload(day_s + 86_400)
     assert tomorrow is not None and tomorrow.entry_id == "long" and policy.bytes_sent_today == 0
+
+
+def test_an_upload_holds_before_every_step_and_chunk_while_told_to(tmp_path, llama, objects):
+    """The shell's pause (held while the gateway is busy) runs before the
+    verification, each hashing chunk and each read botocore makes; while it
+    holds, nothing reaches the store."""
+    store, entry = _stored(tmp_path, "a", llama)
+    may_go = threading.Event()
+    pauses: list[int] = []
+
+    def pause() -> None:
+        pauses.append(len(_bucket_keys(objects)))
+        may_go.wait(timeout=30)
+
+    outcome: list[Any] = []
+
+    def upload() -> None:
+        outcome.append(upload_entry(store, objects, KEYS, entry, lambda: 1, pause))
+
+    thread = threading.Thread(target=upload)
+    thread.start()
+    wait_until_sync(lambda: len(pauses) == 1, what="the upload holding at its first pause")
+    assert thread.is_alive() and _bucket_keys(objects) == []  # it holds there until told to go
+    may_go.set()
+    thread.join(timeout=60)
+    assert outcome[0].outcome == "uploaded" and len(pauses) >= 3
+    assert pauses[0] == 0 and len(_bucket_keys(objects)) == 2
+    store.close()
