@@ -273,7 +273,13 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
+    decode = [run["decode_tok_s"] for mode in ("on", "off") for run in result["runs"]["decode"][mode]]
+    spread_pct = 100 * (max(decode) - min(decode)) / statistics.median(decode)
     return [
+        f"decode rates of all {len(decode)} decode runs spread over {spread_pct:.0f}% of their median: a "
+        f"smaller difference between the modes cannot be told from noise; uploads finished during the timed "
+        f"decodes: {result['uploads_finished_during_decode']} (an upload started while the gateway was idle "
+        f"holds before each chunk once it is busy)",
         f"model: {result['model']}; prompt {result['context_tokens']} random token ids, greedy; decode runs "
         f"generate {result['new_tokens']} tokens right after a {result['context_tokens']}-token request whose "
         f"entry was flushed to SSD, so its upload is queued as the decode starts (it waits for an idle "
