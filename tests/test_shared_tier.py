@@ -27,6 +27,8 @@ from polling import wait_until
 from test_flush import _config, serving
 
 from kvcellar.actors.uploader import SharedCacheConfig
+from kvcellar.errors import UsageError
+from kvcellar.http.serve_cli import shared_cache_config
 from kvcellar.store.journal import Journal
 from kvcellar.store.shared_tier import UploadPolicyConfig
 
@@ -433,3 +435,16 @@ def test_a_failing_store_never_stops_serving_and_the_shared_flush_says_so(
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "shared"
 
     trio.run(main)
+
+
+def test_the_serve_flags_check_the_url_and_need_the_ssd_tier(tmp_path):
+    flags = dict(endpoint_url=None, min_tokens=5, bytes_per_day=7, request_timeout_s=2.0, refresh_s=9.0)
+    assert shared_cache_config(None, tmp_path, **flags) is None
+    with pytest.raises(UsageError, match="s3://BUCKET/PREFIX"):
+        shared_cache_config("https://bucket/prefix", tmp_path, **flags)
+    with pytest.raises(UsageError, match="--ssd-cache"):
+        shared_cache_config("s3://bucket/prefix", None, **flags)
+    config = shared_cache_config("s3://bucket/prefix", tmp_path, **{**flags, "endpoint_url": "http://127.0.0.1:9"})
+    assert config is not None and (config.url, config.endpoint_url) == ("s3://bucket/prefix", "http://127.0.0.1:9")
+    assert (config.upload.min_tokens, config.upload.bytes_per_day) == (5, 7)
+    assert (config.request_timeout_s, config.refresh_s) == (2.0, 9.0)
