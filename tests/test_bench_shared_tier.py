@@ -8,14 +8,13 @@ import json
 from click.testing import CliRunner
 
 from kvcellar.bench import common, shared_tier
-from kvcellar.engine.demo_models import create_model
 
 
-def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path, monkeypatch):
+def test_benchmark_prints_its_figures_as_json_on_the_last_line(model_dir_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    model_dir = create_model("llama", tmp_path / "m")
+    model_dir = model_dir_factory("llama")
     docs_before = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
     arguments = ["--model", str(model_dir), "--dir", str(tmp_path / "bench"), "--context-tokens", "48"]
     outcome = CliRunner().invoke(shared_tier.main, [*arguments, "--new-tokens", "4", "--repeats", "1", "--json"])

@@ -14,10 +14,10 @@ from kvcellar.store.ssd import SsdStore
 
 
 def test_restored_shared_entries_are_always_committed_verified_uploads():
-    first = summary(simulate_shared(1, 12))
+    first = summary(simulate_shared(1, 6))
     assert first["failures"] == [] and first["restores_checked"] >= 3
     assert first["lost_uploads"] > 0 and first["corrupted"] > 0 and first["races"] > 0 and first["refused"] > 0
-    assert summary(simulate_shared(1, 12)) == first
+    assert summary(simulate_shared(1, 6)) == first
 
 
 def _unchecked_download(store: SsdStore, objects, manifest) -> str:
@@ -29,7 +29,7 @@ def _unchecked_download(store: SsdStore, objects, manifest) -> str:
 
 
 def test_the_invariant_catches_a_download_that_skips_the_manifest_check():
-    result = summary(simulate_shared(1, 20, download=_unchecked_download))
+    result = summary(simulate_shared(1, 4, download=_unchecked_download))
     assert result["failed"] >= 1
     assert "is not the committed upload" in result["failures"][0]
 
