@@ -71,3 +71,21 @@ class DirectoryLocked(StoreError):
 class ModelError(KvCellarError):
     """Raised when a model directory cannot be created or loaded (missing files,
     a config mlx-lm rejects). The operator's fault, or a damaged directory."""
+
+
+class SharedStoreError(StoreError):
+    """Raised by the shared cold tier's object-store boundary when the store
+    cannot be reached or answers an error (5xx, throttling, a timeout, a
+    broken stream), after botocore's bounded retries. The environment's
+    fault; serving goes on without the shared tier for that request or upload."""
+
+
+class SharedObjectMissing(SharedStoreError):
+    """Raised when an object the shared index names is gone from the store (a
+    deleted object whose manifest remains, or a manifest deleted since it was
+    listed). Nobody's fault at runtime: the index drops it."""
+
+
+class SharedKeyTaken(SharedStoreError):
+    """Raised when a conditional put (`If-None-Match: *`) finds the key already
+    written (HTTP 412): another server committed this entry first."""

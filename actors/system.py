@@ -46,6 +46,7 @@ from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT, RecentR
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
+from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
@@ -62,8 +63,10 @@ from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError, JournalEvent
 from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
+from kvcellar.store.s3_objects import ObjectStore, S3ObjectStore
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme, warm_up_prototype_caches
+from kvcellar.store.shared_tier import SharedKeys, SharedLocation
 from kvcellar.store.ssd import SsdStore
 from kvcellar.store.write_wear import WearMonitor
 
@@ -109,6 +112,8 @@ class SystemConfig:
     ssd_admission: str = ADMISSION_POLICY_DEFAULT
     ssd_cost_threshold_s_per_gb: float = COST_THRESHOLD_S_PER_GB_DEFAULT
     ssd_write_budget_bytes_per_day: int | None = None
+    # The shared cold tier on an object store (needs the SSD tier); None: off.
+    shared_cache: SharedCacheConfig | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -144,6 +149,8 @@ class SystemSeams:
     memory_meter: MemoryMeter | None = None
     # Stamps when a request ended and when a flush answered (`/stats/requests`, `/stats` `flush`).
     wall_clock_s: Callable[[], float] = time.time
+    # The shared tier's object store instead of S3 at `config.shared_cache.url` (the simulator's model).
+    shared_objects: ObjectStore | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -204,6 +211,7 @@ class System:
         self.wear: WearMonitor | None = None
         self.budgeted_writes: BudgetedWrites | None = None
         self._flushes_running = 0
+        self.shared: SharedTier | None = None
         self._shutdown_verdict: FlushResult | None = None
         self._shutdown_done: trio.Event | None = None
         # None when the budget is 0 (off). Owned by the engine thread but for
@@ -269,6 +277,8 @@ class System:
         if self.seams.logits_processors is not None:
             added = tuple(self.seams.logits_processors(request))
             request = attrs.evolve(request, logits_processors=request.logits_processors + added)
+        if self.shared is not None:
+            await self.shared.before_request(request.prompt_ids, request.namespace)
         if self.scheduler is not None:
             # aclosing: a consumer that stops early cancels its row now, not when collected.
             async with aclosing(self.scheduler.generate(request)) as items:
@@ -351,6 +361,17 @@ class System:
             longest_durable_prefix_tokens=self.store.longest_entry_tokens(),
             note=note,
         )
+
+    async def flush_shared(self, timeout_s: float | None = None) -> tuple[FlushResult, dict[str, Any]]:
+        """`flush`, then the shared tier's own verdict within what is left of
+        `timeout_s`: every local entry committed to the shared store or not,
+        with its evidence (`SharedTier.flush`)."""
+        started_s = trio.current_time()
+        verdict = await self.flush(timeout_s)
+        if self.shared is None:
+            return verdict, {"durable": False, "reason": "no shared tier"}
+        left_s = None if timeout_s is None else max(0.0, timeout_s - (trio.current_time() - started_s))
+        return verdict, await self.shared.flush(left_s)
 
     async def _flush_spills_only(self, timeout_s: float | None) -> FlushResult:
         """Write-behind off: drain what the spill queue holds (evictions,
@@ -479,6 +500,7 @@ class System:
             "ssd_cache": ssd,
             "kv_scheme": self.scheme.cache_key,
             "scheduler": self._scheduler_stats(),
+            "shared_cache": self.shared.stats() if self.shared is not None else {},
             "memory": self.memory_stats(),
             "requests": self.recent_requests.stats(),
             "flush": self._flush_stats(),
@@ -678,6 +700,8 @@ async def _start_actors(
         memory_guard=system.memory_guard,
     )
     if store is None:
+        if config.shared_cache is not None:
+            raise UsageError("the shared cache needs the SSD tier (--ssd-cache): downloads land there")
         return system
     writer = SsdWriter(
         store,
@@ -730,6 +754,8 @@ async def _start_actors(
         _observe_for_admission(token, prompt_cache, admission, system.durability)
     if config.demote_idle_s > 0:
         nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
+    if config.shared_cache is not None:
+        system.shared = await _start_shared_tier(nursery, config.shared_cache, seams, store, gateway)
     return system
 
 
@@ -759,6 +785,35 @@ def _observe_for_admission(
     prompt_cache.on_take = lambda namespace, tokens: token.run_sync_soon(admission.taken, namespace, tokens)
     if durability is not None:
         admission.on_granted = durability.admission_granted
+
+
+async def _start_shared_tier(
+    nursery: trio.Nursery, shared: SharedCacheConfig, seams: SystemSeams, store: SsdStore, gateway: Gateway
+) -> SharedTier:
+    """The shared cold tier over the SSD tier; its client reads the AWS config files, off the Trio thread."""
+    location = SharedLocation.parse(shared.url)
+    objects = seams.shared_objects
+    if objects is None:
+        objects = await seams.run_blocking(
+            lambda: S3ObjectStore.open(
+                location.bucket,
+                endpoint_url=shared.endpoint_url,
+                connect_timeout_s=shared.connect_timeout_s,
+                read_timeout_s=shared.read_timeout_s,
+                max_attempts=shared.max_attempts,
+            )
+        )
+    tier = SharedTier(
+        store,
+        objects,
+        SharedKeys(location.prefix, store.fingerprint),
+        shared,
+        gateway_busy=lambda: gateway.busy,
+        journal=store.journal,
+        run_blocking=seams.run_blocking,
+    )
+    await nursery.start(tier.run)
+    return tier
 
 
 async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:

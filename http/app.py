@@ -6,7 +6,8 @@ and not), `POST /v1/responses` (the stateless Responses API, http/responses.py;
 `GET /health`, `GET /stats`, `GET /metrics` (Prometheus text),
 `POST /admin/cache/flush` (optional `timeout_s`, default 60, in the query or a
 JSON body; 200 when durable, 503 with the reason and the evidence otherwise, a
-timeout included). A client that goes away
+timeout included; `?shared=true` also waits for the shared tier's uploads and
+adds `shared_durable` with its evidence). A client that goes away
 mid-generation cancels it between two steps; its reusable cache is still put
 back.
 
@@ -182,8 +183,11 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         # "write-behind off", faults) is a 503 carrying its reason and evidence.
         try:
             timeout_s = flush_timeout_s(request.query_params.get("timeout_s"), await request.body())
+            shared = shared_flush_flag(request.query_params.get("shared"))
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
+        if shared:
+            return await _shared_flush(system, timeout_s)
         verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
         return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
 
@@ -384,3 +388,24 @@ async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterat
         _, body = failure_body(e)
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def shared_flush_flag(query_value: str | None) -> bool:
+    """The flush route's `shared` (true/false, 1/0; absent: false). Raises
+    `BadRequest` naming `shared` for anything else."""
+    if query_value is None:
+        return False
+    value = query_value.strip().lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    raise BadRequest(f"shared={query_value!r}: expected true or false", param="shared")
+
+
+async def _shared_flush(system: System, timeout_s: float) -> Response:
+    """`?shared=true`: the local verdict as always, plus `shared_durable` and
+    the shared tier's evidence under `shared`; 200 only when both are durable."""
+    local, shared = await system.flush_shared(timeout_s=timeout_s)
+    verdict = {**attrs.asdict(local), "shared_durable": shared["durable"], "shared": shared}
+    return JSONResponse(verdict, status_code=200 if local.durable and shared["durable"] else 503)

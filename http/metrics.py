@@ -58,6 +58,7 @@ def _gauge(section: str, field: str, help: str, *, name: str = "", scale: float 
 
 
 _RAM, _GATEWAY, _SSD, _SCHEDULER = "prompt_cache", "gateway", "ssd_cache", "scheduler"
+_SHARED = "shared_cache"
 
 SPECS: tuple[MetricSpec, ...] = (
     _gauge(_RAM, "entries", "Entries the RAM prompt cache holds."),
@@ -165,6 +166,45 @@ SPECS += (
     _counter(_MEMORY, "relief_dropped_bytes", "Bytes of the RAM entries relief dropped without an SSD copy."),
     _counter(_MEMORY, "relief_failures", "Relief checks that could not get under the budget (a request failed)."),
     _counter(_MEMORY, "requests_refused", "Requests refused with insufficient_memory at admission."),
+    *(
+        _gauge(_SHARED, "objects", "Committed shared entries the local shared index knows."),
+        _gauge(_SHARED, "bytes", "Bytes of the shared entries the local shared index knows."),
+        _counter(_SHARED, "uploads", "Local entries committed to the shared store (object, then manifest)."),
+        _counter(_SHARED, "upload_bytes", "Bytes sent to the shared store by uploads."),
+        _counter(_SHARED, "already_shared", "Uploads skipped because the entry's manifest already existed."),
+        _counter(_SHARED, "conflicts_412", "Uploads whose conditional manifest put answered 412 (a lost race)."),
+        _counter(_SHARED, "upload_failures", "Uploads that failed (store unreachable, 5xx, throttled)."),
+        _counter(_SHARED, "upload_over_budget", "Uploads skipped as over the daily byte budget."),
+        _counter(_SHARED, "upload_queue_full", "Uploads refused because the upload queue was full."),
+        _counter(_SHARED, "below_admission", "Local entries not offered: too short and not hit often enough yet."),
+        _counter(_SHARED, "downloads", "Shared entries downloaded, verified and adopted into the SSD tier."),
+        _counter(_SHARED, "download_bytes", "Bytes received from the shared store by downloads."),
+        _counter(_SHARED, "download_failures", "Downloads that failed (unreachable, 5xx, partial, object gone)."),
+        _counter(_SHARED, "download_timeouts", "Requests that went on without a download after the timeout."),
+        _counter(_SHARED, "refused", "Shared manifests or objects refused by a check (objects quarantined)."),
+        _counter(_SHARED, "listing_failures", "Refreshes of the shared index that failed."),
+        _counter(_SHARED, "refreshes", "Completed refreshes of the shared index."),
+        _gauge(_SHARED, "upload_queue", "Entries waiting to be uploaded."),
+        _gauge(_SHARED, "upload_queue_max", "Bound of the upload queue."),
+        _gauge(
+            _SHARED,
+            "upload_bytes_today",
+            "Bytes uploaded this UTC day (against the budget).",
+            name="kvcellar_shared_cache_upload_today_bytes",
+        ),
+        _gauge(
+            _SHARED,
+            "upload_bytes_per_day",
+            "Daily upload byte budget.",
+            name="kvcellar_shared_cache_upload_budget_bytes",
+        ),
+        _gauge(
+            _SHARED,
+            "index_age_s",
+            "Seconds since the shared index was last refreshed (-1 before the first).",
+            name="kvcellar_shared_cache_index_age_seconds",
+        ),
+    ),
 )
 
 # Fields exported by their own families below, or text that is no number.

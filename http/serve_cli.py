@@ -6,10 +6,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from kvcellar.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvcellar.actors.uploader import SharedCacheConfig
 
 log = logging.getLogger("kvcellar.serve")
 
@@ -199,6 +203,49 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "when it runs dry background writes wait and the oldest queued are dropped; a flush still writes "
     "and says how far it went over. Unset: unlimited. Needs --ssd-cache.",
 )
+@click.option(
+    "--shared-cache",
+    "shared_cache_url",
+    default=None,
+    help="Shared cold tier on S3-compatible object storage, s3://BUCKET/PREFIX (off unless set; needs "
+    "--ssd-cache). Credentials and region: the standard AWS environment and config files.",
+)
+@click.option(
+    "--shared-cache-endpoint",
+    "shared_cache_endpoint",
+    default=None,
+    help="Endpoint URL of the object store (MinIO, R2, a local server); default: AWS S3.",
+)
+@click.option(
+    "--shared-upload-min-tokens",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Upload an entry to the shared tier once it holds this many tokens (or was hit twice).",
+)
+@click.option(
+    "--shared-upload-gb-per-day",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Egress budget of the shared tier's uploads per UTC day, in GB.",
+)
+@click.option(
+    "--shared-cache-timeout",
+    "shared_cache_timeout_s",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Most seconds a request waits on the shared tier (a download) before going on without it.",
+)
+@click.option(
+    "--shared-cache-refresh",
+    "shared_cache_refresh_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds between listings of the shared tier's manifests.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -219,6 +266,12 @@ def serve_command(
     ssd_admission: str,
     ssd_cost_threshold_s_per_gb: float,
     ssd_write_budget_gb_per_day: float | None,
+    shared_cache_url: str | None,
+    shared_cache_endpoint: str | None,
+    shared_upload_min_tokens: int,
+    shared_upload_gb_per_day: float,
+    shared_cache_timeout_s: float,
+    shared_cache_refresh_s: float,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -252,6 +305,15 @@ def serve_command(
         ssd_admission=ssd_admission,
         ssd_cost_threshold_s_per_gb=ssd_cost_threshold_s_per_gb,
         ssd_write_budget_bytes_per_day=ssd_write_budget_bytes(ssd_write_budget_gb_per_day),
+        shared_cache=shared_cache_config(
+            shared_cache_url,
+            ssd_dir,
+            endpoint_url=shared_cache_endpoint,
+            min_tokens=shared_upload_min_tokens,
+            bytes_per_day=int(shared_upload_gb_per_day * GB),
+            request_timeout_s=shared_cache_timeout_s,
+            refresh_s=shared_cache_refresh_s,
+        ),
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)
@@ -273,3 +335,38 @@ def ssd_write_budget_bytes(gb_per_day: float | None) -> int | None:
     if budget_bytes <= 0:
         raise UsageError(f"--ssd-write-budget {gb_per_day} GB/day is less than a byte a day")
     return budget_bytes
+
+
+def shared_cache_config(
+    url: str | None,
+    ssd_dir: Path | None,
+    *,
+    endpoint_url: str | None,
+    min_tokens: int,
+    bytes_per_day: int,
+    request_timeout_s: float,
+    refresh_s: float,
+) -> SharedCacheConfig | None:
+    """The shared tier's config from `serve`'s flags, None without `--shared-cache`.
+    Raises `UsageError` for a malformed URL or a missing `--ssd-cache`."""
+    from kvcellar.actors.uploader import SharedCacheConfig
+    from kvcellar.store.shared_tier import SharedLocation, UploadPolicyConfig
+
+    if url is None:
+        if endpoint_url is not None:
+            log.warning("--shared-cache-endpoint needs --shared-cache; ignored")
+        return None
+    SharedLocation.parse(url)
+    if ssd_dir is None:
+        raise UsageError("--shared-cache needs --ssd-cache: downloaded entries land in the SSD tier")
+    try:
+        import boto3  # noqa: F401
+    except ImportError as e:
+        raise UsageError("--shared-cache needs boto3: pip install 'kvcellar[s3]'") from e
+    return SharedCacheConfig(
+        url=url,
+        endpoint_url=endpoint_url,
+        request_timeout_s=request_timeout_s,
+        refresh_s=refresh_s,
+        upload=UploadPolicyConfig(min_tokens=min_tokens, bytes_per_day=bytes_per_day),
+    )

@@ -68,6 +68,12 @@ from kvcellar.store.mutations import MUTATIONS
     help="Leave the last run's disk image and journal here, laid out like --ssd-cache.",
 )
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON object on the last line.")
+@click.option(
+    "--shared-tier",
+    is_flag=True,
+    help="Run the shared cold tier's object-store model instead (conditional puts, listing lag, lost "
+    "uploads, corrupted and deleted objects): only --seed, --runs and --json apply.",
+)
 @click.pass_context
 def simulate_command(
     ctx: click.Context,
@@ -82,6 +88,7 @@ def simulate_command(
     mutate: tuple[str, ...],
     keep: Path | None,
     as_json: bool,
+    shared_tier: bool,
 ) -> None:
     """Run the real store and actors on a simulated disk under a seeded
     workload, inject crashes and faults, recover, and check the invariants.
@@ -92,6 +99,8 @@ def simulate_command(
     """
     seed = seed if seed is not None else random.SystemRandom().randrange(10**6)
     click.echo(f"SEED={seed}")
+    if shared_tier:
+        ctx.exit(_simulate_shared_tier(seed, runs, as_json))
     plan = SweepPlan(
         seed=seed,
         runs=runs,
@@ -249,3 +258,20 @@ def _summary_json(plan: SweepPlan, outcome: SweepOutcome) -> dict[str, Any]:
         "runs_per_s": round(len(results) / outcome.elapsed_s, 2) if outcome.elapsed_s else None,
         "exit_code": outcome.exit_code(),
     }
+
+
+def _simulate_shared_tier(seed: int, runs: int, as_json: bool) -> int:
+    """`--shared-tier`: exit 0 when every restored shared entry was a committed,
+    checksum-verified upload, 3 otherwise."""
+    from kvcellar.simulations.shared_store import simulate_shared, summary
+
+    result = summary(simulate_shared(seed, runs))
+    console = Console(stderr=True)
+    for name, value in result.items():
+        if name != "failures":
+            console.print(f"{name:>20}  {value}")
+    for failure in result["failures"]:
+        console.print(f"[red]{failure}[/red]")
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True))
+    return 3 if result["failures"] else 0

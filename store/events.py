@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from kvcellar.store.actor_events import ACTOR_EVENT_TYPES
+from kvcellar.store.shared_events import SHARED_EVENT_TYPES
 
 
 def tokens_digest(tokens: Iterable[int] | np.ndarray) -> str:
@@ -201,8 +202,9 @@ def _by_kind(classes: Iterable[type[Any]]) -> dict[str, type[Any]]:
     return by_kind
 
 
-# Every kind the journal can hold: the store's and the actors' (`store.actor_events`).
-EVENT_TYPES: dict[str, type[Any]] = _by_kind((*STORE_EVENT_TYPES, *ACTOR_EVENT_TYPES))
+# Every kind the journal can hold: the store's, the actors' (`store.actor_events`) and the
+# shared tier's (`store.shared_events`).
+EVENT_TYPES: dict[str, type[Any]] = _by_kind((*STORE_EVENT_TYPES, *ACTOR_EVENT_TYPES, *SHARED_EVENT_TYPES))
 
 
 def event_entry_id(event: Event) -> str:
