@@ -33,14 +33,17 @@ from typing import Any
 import attrs
 import trio
 
+from kvcellar.actors.checkpoint_writer import SPILL_QUEUE_SHARE, CheckpointWriter
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
+from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.errors import UsageError
+from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError
@@ -81,6 +84,8 @@ class SystemConfig:
     # Rows of the batch lane; 1 keeps every request on the serial lane.
     batch_rows_max: int = 1
     kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
+    # In-flight generation checkpoints every this many emitted tokens (spec §5.7); 0: off. Needs `ssd_dir`.
+    generation_checkpoint_tokens: int = 0
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -136,6 +141,11 @@ class FlushResult:
     entries: int
     longest_durable_prefix_tokens: int
     note: str = ""
+    # Generation checkpoints (spec §5.7) still queued or being written at the
+    # answer, and those whose write failed during the flush. Evidence only:
+    # a checkpoint is a restart point, not a prefix the verdict vouches for.
+    pending_checkpoints: int = 0
+    failed_checkpoints: int = 0
 
 
 class System:
@@ -164,6 +174,8 @@ class System:
         self.serial_reason = ""
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
+        self.checkpointing: Checkpointing | None = None
+        self.checkpoint_writer: CheckpointWriter | None = None
         self._shutdown_verdict: FlushResult | None = None
         self._shutdown_done: trio.Event | None = None
 
@@ -193,6 +205,7 @@ class System:
                 cancelled,
                 scheme=self.scheme,
                 prefill_step_tokens=self.config.prefill_step_tokens,
+                checkpointing=self.checkpointing,
             )
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
@@ -202,7 +215,26 @@ class System:
         """Persist everything dirty and say whether all of it is on disk. It
         always answers, by `timeout_s` (None: no bound): past it with
         `reason="timeout"` and the evidence so far, while a begun flush goes
-        on in the background (journaled)."""
+        on in the background (journaled). The generation checkpoints queued
+        are written first and reported as evidence."""
+        started_s = trio.current_time()
+        pending_checkpoints, failed_checkpoints = await self._drain_checkpoints(timeout_s)
+        left_s = None if timeout_s is None else max(0.0, timeout_s - (trio.current_time() - started_s))
+        verdict = await self._flush_prefixes(left_s)
+        return attrs.evolve(verdict, pending_checkpoints=pending_checkpoints, failed_checkpoints=failed_checkpoints)
+
+    async def _drain_checkpoints(self, timeout_s: float | None) -> tuple[int, int]:
+        """Wait (bounded) for the checkpoint writer; (still pending, failed meanwhile)."""
+        writer = self.checkpoint_writer
+        if writer is None:
+            return 0, 0
+        failed_before = writer.stats()["failed"]
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
+            await writer.wait_idle()
+        after = writer.stats()
+        return after["held"], after["failed"] - failed_before
+
+    async def _flush_prefixes(self, timeout_s: float | None) -> FlushResult:
         if self.store is None:
             return FlushResult(
                 durable=False,
@@ -356,6 +388,32 @@ class System:
             "ssd_cache": ssd,
             "kv_scheme": self.scheme.cache_key,
             "scheduler": self._scheduler_stats(),
+            "checkpoints": self._checkpoint_stats(),
+        }
+
+    def _checkpoint_stats(self) -> dict[str, Any]:
+        """/stats's `checkpoints` (empty when they are off)."""
+        if self.checkpointing is None or self.checkpoint_writer is None:
+            return {}
+        stored = self.checkpointing.store.stats()
+        queue = self.checkpoint_writer.stats()
+        return {
+            "interval_tokens": self.checkpointing.interval_tokens,
+            "written": stored["written"],
+            "bytes_written": stored["bytes_written"],
+            "resumed": stored["resumed"],
+            "tokens_saved": stored["tokens_saved"],
+            "skipped": stored["skipped"],
+            "pending": queue["pending"],
+            "pending_bytes": queue["pending_bytes"],
+            "failed": queue["failed"],
+            "dropped": queue["dropped"],
+            "invalidated": stored["invalidated"],
+            "removed": stored["removed"],
+            "quarantined": stored["quarantined"],
+            "restore_failures": stored["restore_failures"],
+            "files": stored["files"],
+            "queue_bytes_max": queue["queue_bytes_max"],
         }
 
     def _scheduler_stats(self) -> dict[str, Any]:
@@ -453,6 +511,11 @@ async def _start_actors(
     prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=seams.clock_s)
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
     system.gateway = gateway
+    queue_bytes = 0
+    if store is not None:
+        queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
+    if config.generation_checkpoint_tokens > 0:
+        queue_bytes = await _start_checkpoints(nursery, system, store, queue_bytes, token)
     system.scheduler, system.serial_reason = await open_batch_lane(
         nursery,
         engine=engine,
@@ -474,7 +537,6 @@ async def _start_actors(
         run_blocking=seams.run_blocking,
         safeguards=seams.safeguards,
     )
-    queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
     queue = SpillQueue(writer.write, bytes_max=queue_bytes, journal=journal)
     await nursery.start(queue.run)
     system.queue = queue
@@ -504,6 +566,32 @@ async def _start_actors(
     if config.demote_idle_s > 0:
         nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
     return system
+
+
+async def _start_checkpoints(
+    nursery: trio.Nursery, system: System, store: SsdStore | None, queue_bytes: int, token: trio.lowlevel.TrioToken
+) -> int:
+    """Open the checkpoint store and start its writer with its share of the
+    spill queue's budget (spec §5.7); returns what is left for the spill queue."""
+    config, seams = system.config, system.seams
+    if store is None:
+        raise UsageError("generation checkpoints need the SSD tier (serve --generation-checkpoint needs --ssd-cache)")
+    checkpoint_store = await seams.run_blocking(CheckpointStore.open, store)
+    share_bytes = int(queue_bytes * SPILL_QUEUE_SHARE)
+    writer = CheckpointWriter(
+        checkpoint_store, bytes_max=share_bytes, run_blocking=seams.run_blocking, journal=store.journal
+    )
+    await nursery.start(writer.run)
+    system.checkpoint_writer = writer
+    system.checkpointing = Checkpointing(
+        interval_tokens=config.generation_checkpoint_tokens,
+        store=checkpoint_store,
+        submit=lambda snapshot: token.run_sync_soon(writer.submit_nowait, snapshot),
+        invalidate=lambda key, attempt: token.run_sync_soon(writer.invalidate_nowait, key, attempt),
+        kv_scheme_key=system.scheme.cache_key,
+        safeguards=seams.safeguards,
+    )
+    return queue_bytes - share_bytes
 
 
 async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:

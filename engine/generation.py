@@ -27,6 +27,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.detokenize import TextAssembler
 from kvcellar.engine.engine import (
     PREFILL_STEP_TOKENS,
@@ -38,8 +39,10 @@ from kvcellar.engine.engine import (
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
+from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 
 SNAPSHOT_PREFILL_TOKENS_MIN = 512
@@ -132,6 +135,8 @@ class GenerationDone:
     completion_tokens: int
     cached_tokens: int
     cache_tier: str
+    # Emitted tokens a resumed generation took from its checkpoint (spec §5.7), replayed, not generated.
+    resumed_tokens: int = 0
 
 
 def _prefill_boundary_snapshot(
@@ -157,25 +162,35 @@ def _prefill_boundary_snapshot(
     return cache
 
 
-def run_generation(
+@attrs.define(kw_only=True)
+class _Start:
+    """Where decoding starts: `cache` covers the prompt and `emitted`, and
+    either `logits` give the next token or `pending` is it (a resume)."""
+
+    cache: list
+    reuse: Reuse
+    sampling: SerialSampling
+    logits: Any = None
+    emitted: tuple[int, ...] = ()
+    pending: int | None = None
+
+
+def _cold_start(
     loaded: LoadedModel,
     prompt_cache: PromptCache | None,
     request: GenerationRequest,
-    cancelled: threading.Event,
     *,
-    scheme: KvScheme | None = None,
-    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-    snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
-) -> Iterator[TokenDelta | GenerationDone]:
-    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`."""
-    params = request.params
+    scheme: KvScheme | None,
+    prefill_step_tokens: int,
+    snapshot_prefill_tokens_min: int,
+) -> _Start:
+    """Take what the tiers hold, prefill the rest (with the prompt-boundary snapshot)."""
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request)
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
     tiers = prompt_cache if reuse.use_cache else None
-    cached_tokens = reuse.cached_tokens
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
-    prefilled_tokens = cached_tokens
+    prefilled_tokens = reuse.cached_tokens
     boundary = reuse.boundary_snapshot_at(request)
     if boundary is not None and tiers is not None:
         cache = _prefill_boundary_snapshot(
@@ -189,21 +204,101 @@ def run_generation(
     if tiers is not None and reuse.snapshot_due(request, snapshot_prefill_tokens_min):
         mx.eval(logits)
         tiers.put(prompt, lend_caches(cache), request.namespace)
-    sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())
+    sampling = SerialSampling(request.params, loaded.tokenizer, prompt, request.make_logits_processors())
+    return _Start(cache=cache, reuse=reuse, sampling=sampling, logits=logits)
+
+
+def _resumed_start(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache | None,
+    request: GenerationRequest,
+    point: ResumePoint,
+    *,
+    scheme: KvScheme | None,
+    safeguards: Safeguards,
+) -> _Start:
+    """Go on from a checkpoint (spec §5.7): its caches cover the prompt and
+    the emitted tokens; the pending token and the sampler's key and history
+    are where the interrupted run stood, so the rest is what it would have been."""
+    prompt = list(request.prompt_ids)
+    use_cache = prompt_cache is not None and prompt_cache.enabled
+    reuse = Reuse(use_cache=use_cache, caches=None, cached_tokens=len(prompt), tier="checkpoint")
+    cache = scheme.convert(point.caches) if scheme is not None else point.caches
+    emitted, pending = point.emitted, point.checkpoint.pending_token
+    sampling = SerialSampling(
+        request.params,
+        loaded.tokenizer,
+        prompt + list(emitted) + [pending],
+        request.make_logits_processors(),
+        rng_key=point.checkpoint.sampler.rng_key,
+    )
+    if not safeguards.checkpoint_resumes_pending_token:
+        # The simulator's mutation: the bug of a resume that did not save the pending token.
+        logits = loaded.model(mx.array([[point.tokens[-1]]]), cache=cache)[:, -1, :]
+        return _Start(cache=cache, reuse=reuse, sampling=sampling, logits=logits, emitted=emitted)
+    return _Start(cache=cache, reuse=reuse, sampling=sampling, emitted=emitted, pending=pending)
+
+
+def run_generation(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache | None,
+    request: GenerationRequest,
+    cancelled: threading.Event,
+    *,
+    scheme: KvScheme | None = None,
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+    snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
+    checkpointing: Checkpointing | None = None,
+) -> Iterator[TokenDelta | GenerationDone]:
+    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`.
+    With `checkpointing`, an identical request's checkpoint is resumed (its
+    emitted tokens replayed first) and new ones are offered every interval."""
+    params = request.params
+    prompt = list(request.prompt_ids)
+    checkpoints = checkpointing.begin(request) if checkpointing is not None else None
+    point = checkpoints.resume() if checkpoints is not None else None
+    if point is not None:
+        safeguards = checkpointing.safeguards if checkpointing is not None else SAFEGUARDS
+        start = _resumed_start(loaded, prompt_cache, request, point, scheme=scheme, safeguards=safeguards)
+    else:
+        start = _cold_start(
+            loaded,
+            prompt_cache,
+            request,
+            scheme=scheme,
+            prefill_step_tokens=prefill_step_tokens,
+            snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
+        )
+    tiers = prompt_cache if start.reuse.use_cache else None
+    cache, sampling, logits, pending = start.cache, start.sampling, start.logits, start.pending
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
     produced = 0
     try:
+        for token_id in start.emitted:
+            # The replay: the client sees the checkpoint's tokens as ordinary ones.
+            produced += 1
+            yield TokenDelta(token_id=token_id, text=assembler.add(token_id))
+            fed.append(token_id)
         while produced < params.max_tokens and not cancelled.is_set():
-            token, logprobs = sampling.sample(logits)
-            token_id = item_int(token)
+            if pending is not None:
+                token, logprobs, token_id, pending = None, None, pending, None
+            else:
+                token, logprobs = sampling.sample(logits)
+                token_id = item_int(token)
+                if checkpoints is not None and checkpoints.due(produced):
+                    # The boundary: the caches cover every emitted token; `token_id` is sampled, not emitted.
+                    checkpoints.offer(prompt + fed, cache, token_id, produced + 1, sampling.rng_key)
             produced += 1
             text = assembler.add(token_id)
             yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
             if assembler.finished_by_stop or produced >= params.max_tokens:
                 break
-            logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]
+            fed_input = token.reshape(1, 1) if token is not None else mx.array([[token_id]])
+            logits = loaded.model(fed_input, cache=cache)[:, -1, :]
             fed.append(token_id)
+        if checkpoints is not None and not cancelled.is_set():
+            checkpoints.completed()
         tail = assembler.closing_text()
         if tail:
             yield TokenDelta(token_id=-1, text=tail)
@@ -216,6 +311,7 @@ def run_generation(
         finish_reason=assembler.finish_reason,
         prompt_tokens=len(prompt),
         completion_tokens=produced,
-        cached_tokens=cached_tokens,
-        cache_tier=reuse.tier,
+        cached_tokens=start.reuse.cached_tokens,
+        cache_tier=start.reuse.tier,
+        resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
     )

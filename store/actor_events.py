@@ -165,6 +165,63 @@ class RequestFinished:
     outcome: str
 
 
+# -- in-flight generation checkpoints (store/checkpoints.py, actors/checkpoint_writer.py) --
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointWritten:
+    """A checkpoint's file is committed (after the directory fsync) and indexed."""
+
+    kind: ClassVar[str] = "checkpoint.written"
+    request_key: str
+    attempt: int
+    emitted_tokens: int
+    bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointResumed:
+    """A request restored its checkpoint and goes on from its pending token."""
+
+    kind: ClassVar[str] = "checkpoint.resumed"
+    request_key: str
+    attempt: int
+    emitted_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointInvalidated:
+    """A request completed: its checkpoint is no longer resumable (its file's removal is queued)."""
+
+    kind: ClassVar[str] = "checkpoint.invalidated"
+    request_key: str
+    attempt: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointRemoved:
+    """An invalidated checkpoint's file was unlinked (`unlinked` false: a newer attempt owns it, or it was gone)."""
+
+    kind: ClassVar[str] = "checkpoint.removed"
+    request_key: str
+    attempt: int
+    unlinked: bool
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointNotWritten:
+    """A checkpoint snapshot that never became a file: `reason` is superseded
+    (a newer one of the request replaced it in the queue), byte_cap,
+    invalidated, shutdown, or failed (the write failed: `detail` says how)."""
+
+    kind: ClassVar[str] = "checkpoint.not_written"
+    request_key: str
+    attempt: int
+    emitted_tokens: int
+    reason: str
+    detail: str = ""
+
+
 ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     SpillEnqueued,
     SpillDropped,
@@ -179,4 +236,9 @@ ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     FlushTimedOutRecorded,
     RequestAdmitted,
     RequestFinished,
+    CheckpointWritten,
+    CheckpointResumed,
+    CheckpointInvalidated,
+    CheckpointRemoved,
+    CheckpointNotWritten,
 )
