@@ -526,6 +526,7 @@ async def _start_actors(
         kv_budget_bytes=config.kv_budget_bytes,
         prefill_step_tokens=config.prefill_step_tokens,
         journal=journal,
+        checkpointing=system.checkpointing,
     )
     if store is None:
         return system

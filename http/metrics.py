@@ -52,6 +52,7 @@ def _gauge(section: str, field: str, help: str, *, name: str = "", scale: float 
 
 
 _RAM, _GATEWAY, _SSD, _SCHEDULER = "prompt_cache", "gateway", "ssd_cache", "scheduler"
+_CHECKPOINTS = "checkpoints"
 
 SPECS: tuple[MetricSpec, ...] = (
     _gauge(_RAM, "entries", "Entries the RAM prompt cache holds."),
@@ -120,10 +121,25 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_SCHEDULER, "completed", "Batch rows that finished normally."),
     _counter(_SCHEDULER, "cancelled", "Batch rows cancelled (client gone)."),
     _counter(_SCHEDULER, "failed", "Batch rows that ended with an error."),
+    _gauge(_CHECKPOINTS, "interval_tokens", "Emitted tokens between two checkpoints of a generation."),
+    _counter(_CHECKPOINTS, "written", "Generation checkpoints written to the SSD tier."),
+    _counter(_CHECKPOINTS, "bytes_written", "Bytes of the generation checkpoints written."),
+    _counter(_CHECKPOINTS, "resumed", "Generations resumed from a checkpoint."),
+    _counter(_CHECKPOINTS, "tokens_saved", "Emitted tokens resumed generations took from checkpoints."),
+    _gauge(_CHECKPOINTS, "pending", "Checkpoints queued or being written."),
+    _gauge(_CHECKPOINTS, "pending_bytes", "Bytes of the checkpoints queued or being written."),
+    _counter(_CHECKPOINTS, "failed", "Checkpoints whose write failed."),
+    _counter(_CHECKPOINTS, "dropped", "Checkpoints dropped unwritten (superseded, over the cap, completed, shutdown)."),
+    _counter(_CHECKPOINTS, "invalidated", "Checkpoints of generations that completed."),
+    _counter(_CHECKPOINTS, "removed", "Checkpoint files of completed generations removed."),
+    _counter(_CHECKPOINTS, "quarantined", "Checkpoint files quarantined as unreadable or mismatched."),
+    _counter(_CHECKPOINTS, "restore_failures", "Checkpoint restores that failed (the request ran cold)."),
+    _gauge(_CHECKPOINTS, "files", "Checkpoint files the SSD tier holds."),
+    _gauge(_CHECKPOINTS, "queue_bytes_max", "Byte cap of the checkpoint queue (its share of the spill queue's)."),
 )
 
 # Fields exported by their own families below, or text that is no number.
-_STRUCTURED = {(_SSD, "journal"), (_SCHEDULER, "batch_size_history")}
+_STRUCTURED = {(_SSD, "journal"), (_SCHEDULER, "batch_size_history"), (_CHECKPOINTS, "skipped")}
 
 
 class StatsCollector(Collector):
@@ -138,6 +154,7 @@ class StatsCollector(Collector):
         yield journal_degraded_family(_section(stats, _SSD).get("journal"))
         yield batch_decode_steps_family(_section(stats, _SCHEDULER).get("batch_size_history"))
         yield _serving_info_family(stats)
+        yield checkpoints_skipped_family(_section(stats, _CHECKPOINTS).get("skipped"))
         yield from undescribed_families(stats)
 
 
@@ -228,12 +245,25 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def checkpoints_skipped_family(skipped: Any) -> CounterMetricFamily:
+    """Requests not checkpointed, by reason (logprobs, grammar, request_processors, no_prompt_cache)."""
+    family = CounterMetricFamily(
+        "kvcellar_checkpoints_skipped",
+        "Generations not checkpointed because a token replay cannot reconstruct them, by reason.",
+        labels=["reason"],
+    )
+    for reason, count in sorted((skipped or {}).items()):
+        family.add_metric([str(reason)], float(count))
+    return family
+
+
 __all__ = [
     "SPECS",
     "UNDESCRIBED_HELP",
     "MetricSpec",
     "StatsCollector",
     "batch_decode_steps_family",
+    "checkpoints_skipped_family",
     "described_families",
     "journal_degraded_family",
     "metrics_registry",

@@ -156,6 +156,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="Bearer token required by the /v1 API (or KVCELLAR_API_KEY).",
 )
 @click.option(
+    "--generation-checkpoint",
+    "generation_checkpoint_tokens",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Checkpoint each generation to the SSD tier every this many emitted tokens, so an identical "
+    "request after a crash or restart resumes where it was; 0 = off. Needs --ssd-cache.",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -177,6 +186,7 @@ def serve_command(
     max_tokens: int,
     admin_token: str | None,
     api_key: str | None,
+    generation_checkpoint_tokens: int,
     log_level: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
@@ -190,6 +200,7 @@ def serve_command(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ssd_dir is not None and prompt_cache_gb == 0:
         raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
+    check_generation_checkpoint(generation_checkpoint_tokens, ssd_dir)
     if ssd_dir is None and (ssd_max_gb is not None or demote_idle_s is not None):
         log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
     config = SystemConfig(
@@ -205,6 +216,7 @@ def serve_command(
         shutdown_timeout_s=shutdown_timeout_s(),
         # Only the SSD tier's directory name needs the fingerprint, so only it reads the memo.
         shard_digest_memo=ShardDigestMemo(shard_digest_memo_dir()) if ssd_dir is not None else None,
+        generation_checkpoint_tokens=generation_checkpoint_tokens,
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)
@@ -216,3 +228,9 @@ def serve_command(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def check_generation_checkpoint(tokens: int, ssd_dir: Path | None) -> None:
+    """`--generation-checkpoint N` needs the SSD tier: a clear start-up error otherwise."""
+    if tokens > 0 and ssd_dir is None:
+        raise UsageError("--generation-checkpoint needs --ssd-cache DIR: checkpoints are written to the SSD tier")
