@@ -39,7 +39,7 @@ from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
-from kvcellar.engine.checkpointing import Checkpointing
+from kvcellar.engine.checkpointing import Checkpointing, CheckpointListener
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.errors import UsageError
@@ -107,6 +107,8 @@ class SystemSeams:
     `logits_processors(request)`: logits-processor factories added to each
     request after its own (a test's `ForcedTokens` scripting a reply through
     the real engine, sampler and parsers); None adds none.
+    `checkpoint_listeners`: see what generation checkpoints are offered and
+    resumed, with their requests (the simulator's checkpoint invariants).
     """
 
     engine: Any = None
@@ -117,6 +119,8 @@ class SystemSeams:
     disk: Disk | None = None
     safeguards: Safeguards = SAFEGUARDS
     logits_processors: Callable[[GenerationRequest], Sequence[Callable[[], Any]]] | None = None
+    # Listeners of generation checkpoints (`Checkpointing.listeners`: the simulator's checks).
+    checkpoint_listeners: tuple[CheckpointListener, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -400,7 +404,7 @@ class System:
         return {
             "interval_tokens": self.checkpointing.interval_tokens,
             "written": stored["written"],
-            "bytes_written": stored["bytes_written"],
+            "written_bytes": stored["written_bytes"],
             "resumed": stored["resumed"],
             "tokens_saved": stored["tokens_saved"],
             "skipped": stored["skipped"],
@@ -413,7 +417,7 @@ class System:
             "quarantined": stored["quarantined"],
             "restore_failures": stored["restore_failures"],
             "files": stored["files"],
-            "queue_bytes_max": queue["queue_bytes_max"],
+            "queue_max_bytes": queue["queue_bytes_max"],
         }
 
     def _scheduler_stats(self) -> dict[str, Any]:
@@ -591,6 +595,7 @@ async def _start_checkpoints(
         invalidate=lambda key, attempt: token.run_sync_soon(writer.invalidate_nowait, key, attempt),
         kv_scheme_key=system.scheme.cache_key,
         safeguards=seams.safeguards,
+        listeners=seams.checkpoint_listeners,
     )
     return queue_bytes - share_bytes
 

@@ -79,6 +79,9 @@ def skip_reason(request: Any) -> str | None:
     return None
 
 
+CheckpointListener = Callable[[str, Any, GenerationCheckpoint], None]
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class Checkpointing:
     """`submit(snapshot)` and `invalidate(key, attempt)` hand over to the
@@ -90,6 +93,9 @@ class Checkpointing:
     invalidate: Callable[[str, int], None]
     kv_scheme_key: str
     safeguards: Safeguards = SAFEGUARDS
+    # Each sees ("offered" | "resumed", request, checkpoint) on the engine thread
+    # (the simulator's invariant checks); quick, no I/O.
+    listeners: tuple[CheckpointListener, ...] = ()
 
     def begin(self, request: Any) -> RequestCheckpoints | None:
         reason = skip_reason(request)
@@ -116,7 +122,12 @@ class RequestCheckpoints:
         point = self.port.store.restore(self.key, self.request.prompt_ids)
         if point is not None:
             self.resumed_tokens = point.checkpoint.emitted_tokens
+            self._notify("resumed", point.checkpoint)
         return point
+
+    def _notify(self, what: str, checkpoint: GenerationCheckpoint) -> None:
+        for listener in self.port.listeners:
+            listener(what, self.request, checkpoint)
 
     def due(self, emitted_tokens: int) -> bool:
         """Whether the boundary after `emitted_tokens` emitted tokens takes a checkpoint."""
@@ -147,6 +158,7 @@ class RequestCheckpoints:
         writer = self.port.store.plan(checkpoint, tokens, snapshot)
         segments = [writer.materialise_tensor(index) for index in range(writer.tensor_count)]
         self.offered += 1
+        self._notify("offered", checkpoint)
         self.port.submit(
             CheckpointSnapshot(
                 checkpoint=checkpoint,

@@ -123,7 +123,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_SCHEDULER, "failed", "Batch rows that ended with an error."),
     _gauge(_CHECKPOINTS, "interval_tokens", "Emitted tokens between two checkpoints of a generation."),
     _counter(_CHECKPOINTS, "written", "Generation checkpoints written to the SSD tier."),
-    _counter(_CHECKPOINTS, "bytes_written", "Bytes of the generation checkpoints written."),
+    _counter(_CHECKPOINTS, "written_bytes", "Bytes of the generation checkpoints written."),
     _counter(_CHECKPOINTS, "resumed", "Generations resumed from a checkpoint."),
     _counter(_CHECKPOINTS, "tokens_saved", "Emitted tokens resumed generations took from checkpoints."),
     _gauge(_CHECKPOINTS, "pending", "Checkpoints queued or being written."),
@@ -135,7 +135,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_CHECKPOINTS, "quarantined", "Checkpoint files quarantined as unreadable or mismatched."),
     _counter(_CHECKPOINTS, "restore_failures", "Checkpoint restores that failed (the request ran cold)."),
     _gauge(_CHECKPOINTS, "files", "Checkpoint files the SSD tier holds."),
-    _gauge(_CHECKPOINTS, "queue_bytes_max", "Byte cap of the checkpoint queue (its share of the spill queue's)."),
+    _gauge(_CHECKPOINTS, "queue_max_bytes", "Byte cap of the checkpoint queue (its share of the spill queue's)."),
 )
 
 # Fields exported by their own families below, or text that is no number.

@@ -200,7 +200,9 @@ class CheckpointInvalidated:
 
 @attrs.frozen(kw_only=True)
 class CheckpointRemoved:
-    """An invalidated checkpoint's file was unlinked (`unlinked` false: a newer attempt owns it, or it was gone)."""
+    """An invalidated checkpoint's removal: `unlinked`, the file is gone durably
+    (false: a newer attempt owns it, it was gone already, or the unlink or the
+    directory fsync failed)."""
 
     kind: ClassVar[str] = "checkpoint.removed"
     request_key: str

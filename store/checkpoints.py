@@ -95,7 +95,7 @@ class CheckpointSnapshot:
 class CheckpointCounters:
     # Published as /stats's `checkpoints`.
     written: int = 0  # files committed and indexed
-    bytes_written: int = 0
+    written_bytes: int = 0
     resumed: int = 0  # requests that went on from a checkpoint
     tokens_saved: int = 0  # emitted tokens those requests did not generate again
     invalidated: int = 0  # checkpoints of completed requests
@@ -285,7 +285,7 @@ class CheckpointStore:
                 attempt=attempt,
             )
             self.counters.written += 1
-            self.counters.bytes_written += file_bytes
+            self.counters.written_bytes += file_bytes
         self.ssd.record_event(
             CheckpointWritten(
                 request_key=key, attempt=attempt, emitted_tokens=checkpoint.emitted_tokens, bytes=file_bytes
@@ -302,9 +302,11 @@ class CheckpointStore:
         if not newer:
             try:
                 self.ssd.disk.unlink(self.directory / f"{request_key}{kvfile.FILE_SUFFIX}")
+                # Durable, so a power loss cannot bring a completed request's checkpoint back.
+                self.ssd.disk.fsync_dir(self.directory)
                 unlinked = True
             except DiskError as e:
-                log.debug("checkpoint %s not removed: %s", request_key, e)
+                log.debug("checkpoint %s not (durably) removed: %s", request_key, e)
         with self._lock:
             self.counters.removed += int(unlinked)
         self.ssd.record_event(CheckpointRemoved(request_key=request_key, attempt=attempt, unlinked=unlinked))

@@ -30,6 +30,7 @@ from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.errors import UnsupportedFormat
 from kvcellar.serialization import to_cbor
+from kvcellar.simulations.sweep import SweepPlan, run_sweep
 from kvcellar.store import kvfile
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.records import GenerationCheckpoint, SamplerState
@@ -40,6 +41,7 @@ GREEDY = SamplingParams(max_tokens=48)
 SEEDED = SamplingParams(max_tokens=48, temperature=0.9, seed=7)
 INTERVAL_TOKENS = 8
 STOP_AFTER_TOKENS = 27
+SIM_RUNS = 3
 
 
 def _checkpoint(key: str = "k" * 32, attempt: int = 1, emitted: int = 3) -> GenerationCheckpoint:
@@ -227,3 +229,30 @@ def test_requests_a_replay_cannot_reconstruct_are_skipped_by_reason(model_dir_fa
 def test_generation_checkpoint_without_the_ssd_tier_is_a_clear_start_up_error(capsys):
     assert main(["serve", "--generation-checkpoint", "64"]) == 2
     assert "--generation-checkpoint needs --ssd-cache" in capsys.readouterr().err
+
+
+def test_the_simulator_resumes_generations_cut_off_by_crashes_with_the_uninterrupted_output():
+    outcome = run_sweep(
+        SweepPlan(seed=0, runs=SIM_RUNS, faults="mixed", crash_points="random", shape_name="checkpoints")
+    )
+    assert not outcome.failures, [(r.seed, r.violations[0]) for r, _ in outcome.failures[:3]]
+    results = [result for result, _ in outcome.results]
+    assert sum(r.checkpoint_resumes for r in results) >= SIM_RUNS
+    assert 0 < sum(r.batch_rows > 1 for r in results) < len(results), "both lanes"
+
+
+@pytest.mark.parametrize(
+    ("mutation", "invariant"),
+    [
+        ("checkpoint-drops-pending-token", None),
+        ("checkpoint-key-without-sampling", "checkpoint_resumes_its_own_request"),
+    ],
+)
+def test_each_checkpoint_bug_is_caught_by_the_checkpoints_workload(mutation, invariant):
+    outcome = run_sweep(
+        SweepPlan(seed=0, runs=SIM_RUNS, faults="none", shape_name="checkpoints", mutations=frozenset({mutation})),
+        stop_on_failure=True,
+    )
+    assert outcome.failures, f"{mutation} went unnoticed"
+    result, _ = outcome.failures[0]
+    assert invariant is None or result.violations[0].invariant == invariant
