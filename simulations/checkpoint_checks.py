@@ -85,9 +85,11 @@ class CheckpointObserver:
                 completed = self._invalidated.get(event.request_key, event.attempt)
                 self._invalidated[event.request_key] = max(completed, event.attempt)
             case CheckpointResumed():
-                completed = self._invalidated.get(event.request_key)
-                if completed is not None and (event.attempt == EARLIER_PROCESS_ATTEMPT or event.attempt <= completed):
+                newest_completed = self._invalidated.get(event.request_key)
+                if newest_completed is not None and (
+                    event.attempt == EARLIER_PROCESS_ATTEMPT or event.attempt <= newest_completed
+                ):
                     self._violate(
                         "completed_checkpoint_never_restored",
-                        f"resumed attempt {event.attempt}'s checkpoint after attempt {completed} completed",
+                        f"resumed attempt {event.attempt}'s checkpoint after attempt {newest_completed} completed",
                     )
