@@ -63,12 +63,15 @@ class Invalidate:
     attempt: int
 
 
+OP_OUTCOMES = ("stored", "stale", "failed", "removed")
+
+
 @attrs.frozen(kw_only=True)
 class OpDone:
     """`outcome`: stored, stale (its attempt completed meanwhile), failed, removed."""
 
     op_id: int
-    outcome: str
+    outcome: str = attrs.field(validator=attrs.validators.in_(OP_OUTCOMES))
     detail: str = ""
 
 
@@ -150,6 +153,8 @@ class CheckpointQueueCore:
         accepted = _ACCEPTS.get(type(msg))
         if accepted is None or self.state not in accepted:
             raise IllegalTransition(f"the checkpoint queue cannot take {type(msg).__name__} in state {self.state.name}")
+        if isinstance(msg, Enqueue | Invalidate) and self._holds(msg.op_id):
+            raise IllegalTransition(f"operation {msg.op_id} is already held by the checkpoint queue")
         match msg:
             case Enqueue():
                 return self._on_enqueue(msg)
@@ -178,6 +183,9 @@ class CheckpointQueueCore:
             "queue_bytes_max": self.bytes_max,
             **{name: self.counts[name] for name in ("enqueued", "stored", "stale", "failed", "dropped", "removals")},
         }
+
+    def _holds(self, op_id: int) -> bool:
+        return op_id in self._queue or (self._in_flight is not None and self._in_flight.op_id == op_id)
 
     def _move(self, to: QueueState) -> None:
         if to not in _MOVES[self.state]:
