@@ -331,12 +331,22 @@ class CheckpointWriter:
             bytes=snapshot.bytes,
         )
         self._snapshots[msg.op_id] = snapshot
-        self._shell.send_nowait(msg)
+        if not self._send(msg):
+            del self._snapshots[msg.op_id]
 
     def invalidate_nowait(self, request_key: str, attempt: int) -> None:
         """A completed attempt: drop its queued snapshots, queue its file's removal."""
         if not self._closed:
-            self._shell.send_nowait(Invalidate(op_id=next(self._op_ids), request_key=request_key, attempt=attempt))
+            self._send(Invalidate(op_id=next(self._op_ids), request_key=request_key, attempt=attempt))
+
+    def _send(self, msg: CheckpointMessage) -> bool:
+        # Called from `run_sync_soon`, where an exception would end the whole Trio run.
+        try:
+            self._shell.send_nowait(msg)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            log.debug("checkpoint %s after the writer stopped: dropped", type(msg).__name__)
+            return False
+        return True
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (at once when stopped)."""
@@ -368,7 +378,11 @@ class CheckpointWriter:
 
     async def _write_one(self, op_id: int) -> None:
         snapshot = self._snapshots[op_id]
-        outcome, detail = await self._run_blocking(self._write_file, snapshot)
+        try:
+            outcome, detail = await self._run_blocking(self._write_file, snapshot)
+        except Exception as e:  # a checkpoint that cannot be written never takes the server down
+            log.error("checkpoint write of %s failed: %s", snapshot.checkpoint.request_key, e)
+            outcome, detail = "failed", str(e)
         del snapshot  # released by the core's Release, not pinned by this task
         self._shell.send_nowait(OpDone(op_id=op_id, outcome=outcome, detail=detail))
 
@@ -380,12 +394,16 @@ class CheckpointWriter:
             for index, segments in enumerate(snapshot.segments):
                 writer.write_segments(index, segments)
             writer.commit()
-        except (DiskError, OSError) as e:
+        except Exception as e:
             writer.abort()
-            log.warning("checkpoint of %s not written: %s", snapshot.checkpoint.request_key, e)
+            level = logging.WARNING if isinstance(e, DiskError) else logging.ERROR
+            log.log(level, "checkpoint of %s not written: %s", snapshot.checkpoint.request_key, e)
             return "failed", str(e)
         return ("stored" if self.store.commit(writer) else "stale"), ""
 
     async def _remove_one(self, effect: RemoveCheckpoint) -> None:
-        await self._run_blocking(self.store.remove, effect.request_key, effect.attempt)
+        try:
+            await self._run_blocking(self.store.remove, effect.request_key, effect.attempt)
+        except Exception as e:
+            log.error("removing the checkpoint of %s failed: %s", effect.request_key, e)
         self._shell.send_nowait(OpDone(op_id=effect.op_id, outcome="removed"))

@@ -24,12 +24,14 @@ the two callables, which hand work to the Trio thread.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from kvcellar.engine.engine import SamplingParams
+from kvcellar.errors import KvCellarError
 from kvcellar.serialization import to_cbor
 from kvcellar.store.checkpoints import CheckpointSnapshot, CheckpointStore, ResumePoint
 from kvcellar.store.lending import snapshot_caches
@@ -40,6 +42,9 @@ SKIP_LOGPROBS = "logprobs"
 SKIP_GRAMMAR = "grammar"
 SKIP_REQUEST_PROCESSORS = "request_processors"
 SKIP_NO_CACHE = "no_prompt_cache"
+# Counted when a generation's caches cannot be persisted (a kind without a codec): it goes on unchecked.
+SKIP_UNPERSISTABLE = "unpersistable_caches"
+log = logging.getLogger("kvcellar.checkpointing")
 _KEY_HEX_CHARS = 32
 
 
@@ -116,6 +121,7 @@ class RequestCheckpoints:
         self.attempt = attempt
         self.resumed_tokens = 0
         self.offered = 0
+        self.disabled = False
 
     def resume(self) -> ResumePoint | None:
         """The request's checkpoint restored, or None (none, or unusable: it runs cold)."""
@@ -132,7 +138,7 @@ class RequestCheckpoints:
     def due(self, emitted_tokens: int) -> bool:
         """Whether the boundary after `emitted_tokens` emitted tokens takes a checkpoint."""
         interval = self.port.interval_tokens
-        return emitted_tokens > self.resumed_tokens and emitted_tokens % interval == 0
+        return not self.disabled and emitted_tokens > self.resumed_tokens and emitted_tokens % interval == 0
 
     def offer(
         self,
@@ -154,9 +160,16 @@ class RequestCheckpoints:
             sampler=SamplerState(seed=self.request.params.seed, sample_index=sample_index, rng_key=rng_key),
             attempt=self.attempt,
         )
-        snapshot = snapshot_caches(caches)
-        writer = self.port.store.plan(checkpoint, tokens, snapshot)
-        segments = [writer.materialise_tensor(index) for index in range(writer.tensor_count)]
+        try:
+            snapshot = snapshot_caches(caches)
+            writer = self.port.store.plan(checkpoint, tokens, snapshot)
+            segments = [writer.materialise_tensor(index) for index in range(writer.tensor_count)]
+        except KvCellarError as e:
+            # A checkpoint is a restart point, never a reason for the request to fail.
+            log.warning("generation checkpoints off for this request: %s", e)
+            self.disabled = True
+            self.port.store.count_skipped(SKIP_UNPERSISTABLE)
+            return
         self.offered += 1
         self._notify("offered", checkpoint)
         self.port.submit(

@@ -15,6 +15,16 @@ and an untrimmable cache, recurrent state or a wrapped ring, serves the next
 turn only from an entry that is an exact prefix of it). A request without a
 boundary (completions) gets the whole-prompt snapshot after a cold prefill of
 `SNAPSHOT_PREFILL_TOKENS_MIN` or more.
+
+Generation checkpoints (spec §5.7, `engine/checkpointing.py`): with the port
+on, every N emitted tokens, right after the next token is sampled and before
+it is emitted (the caches then cover every emitted token), the caches, that
+pending token and the sampler's key go to the checkpoint writer. An identical
+request finding a checkpoint skips the tiers and the prefill: it replays the
+saved tokens as ordinary deltas, then emits the pending token and decodes on
+with the sampler where it stood, so greedy and seeded output is exactly the
+uninterrupted run's. Normal completion invalidates the checkpoint; a client
+gone (cancellation) leaves it for the next identical request.
 """
 
 from __future__ import annotations
