@@ -212,6 +212,8 @@ def test_a_request_cut_off_part_way_resumes_after_a_restart_with_the_uninterrupt
             resumed, done = await _generate(system, request)
             await system.flush()
             stats = system.stats()["checkpoints"]
+            kinds = {record.kind for record in system.store.journal.events()}
+        assert {"checkpoint.written", "checkpoint.resumed", "checkpoint.invalidated", "checkpoint.removed"} <= kinds
         assert resumed == reference and cut == reference[:STOP_AFTER_TOKENS]
         # The engine may run a little past the client's hang-up: the newest checkpoint is at least this far.
         saved = done.resumed_tokens
