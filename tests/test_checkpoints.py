@@ -180,7 +180,9 @@ def _config(model_dir: Path, ssd_dir: Path, rows: int) -> SystemConfig:
 
 
 CASES = [
-    *(("llama", rows, params) for rows in (1, 3) for params in (GREEDY, SEEDED)),
+    ("llama", 1, GREEDY),
+    ("llama", 1, SEEDED),
+    ("llama", 3, GREEDY),
     # Recurrent state cannot trim a token to recompute logits: the pending token is what makes these work.
     ("qwen3_next", 3, SEEDED),
     ("mamba2", 1, SEEDED),
