@@ -62,6 +62,7 @@ from kvcellar.actors.gateway import (
 )
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
+from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.engine.memory import MemoryGuard
@@ -408,6 +409,7 @@ class Scheduler:
         journal: Journal | None = None,
         wait_for_rows: bool = True,
         memory_guard: MemoryGuard | None = None,
+        checkpointing: Checkpointing | None = None,
     ) -> None:
         self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
         self.memory_guard = memory_guard
@@ -421,6 +423,7 @@ class Scheduler:
         self._snapshot_prefill_tokens_min = snapshot_prefill_tokens_min
         # BatchLoop's seam: False for an engine that runs jobs on the Trio thread.
         self._wait_for_rows = wait_for_rows
+        self._checkpointing = checkpointing
         self._rows: dict[int, _RowChannel] = {}
         self._drains: dict[int, Reply[None]] = {}
         self._waiter_ids = itertools.count(1)
@@ -535,6 +538,7 @@ class Scheduler:
             snapshot_prefill_tokens_min=self._snapshot_prefill_tokens_min,
             wait_for_rows=self._wait_for_rows,
             memory_guard=self.memory_guard,
+            checkpointing=self._checkpointing,
         )
         error = "the batch job was cancelled"
         try:
@@ -587,6 +591,7 @@ async def open_batch_lane(
     prefill_step_tokens: int = PREFILL_STEP_TOKENS,
     journal: Journal | None = None,
     memory_guard: MemoryGuard | None = None,
+    checkpointing: Checkpointing | None = None,
 ) -> tuple[Scheduler | None, str]:
     """Start the Scheduler when the gates allow it; otherwise log why requests
     take the serial lane. Returns the scheduler (or None) and that reason."""
@@ -615,6 +620,7 @@ async def open_batch_lane(
         journal=journal,
         wait_for_rows=getattr(engine, "blocking_waits", True),
         memory_guard=memory_guard,
+        checkpointing=checkpointing,
     )
     await nursery.start(scheduler.run)
     log.info("batch lane on: up to %d rows, KV budget %.3g GB", rows_max, kv_budget_bytes / 1e9)

@@ -40,6 +40,7 @@ from kvcellar.actors.admission import (
     AdmissionCore,
     AdmissionGate,
 )
+from kvcellar.actors.checkpoint_writer import SPILL_QUEUE_SHARE, CheckpointWriter
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT, RecentRequests, recorded
@@ -48,6 +49,7 @@ from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
 from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
+from kvcellar.engine.checkpointing import Checkpointing, CheckpointListener
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
@@ -59,6 +61,7 @@ from kvcellar.engine.memory import (
     default_memory_budget_bytes,
 )
 from kvcellar.errors import UsageError
+from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError, JournalEvent
@@ -114,6 +117,8 @@ class SystemConfig:
     ssd_write_budget_bytes_per_day: int | None = None
     # The shared cold tier on an object store (needs the SSD tier); None: off.
     shared_cache: SharedCacheConfig | None = None
+    # In-flight generation checkpoints every this many emitted tokens (spec §5.7); 0: off. Needs `ssd_dir`.
+    generation_checkpoint_tokens: int = 0
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -136,6 +141,8 @@ class SystemSeams:
     request after its own (a test's `ForcedTokens` scripting a reply through
     the real engine, sampler and parsers); None adds none. `memory_meter`:
     what the memory guard measures (None: MLX's allocator counters).
+    `checkpoint_listeners`: see what generation checkpoints are offered and
+    resumed, with their requests (the simulator's checkpoint invariants).
     """
 
     engine: Any = None
@@ -151,6 +158,8 @@ class SystemSeams:
     wall_clock_s: Callable[[], float] = time.time
     # The shared tier's object store instead of S3 at `config.shared_cache.url` (the simulator's model).
     shared_objects: ObjectStore | None = None
+    # Listeners of generation checkpoints (`Checkpointing.listeners`: the simulator's checks).
+    checkpoint_listeners: tuple[CheckpointListener, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -179,6 +188,11 @@ class FlushResult:
     # durable), and the bytes this flush wrote past the write budget.
     skipped_by_admission: int = 0
     over_budget_bytes: int = 0
+    # Generation checkpoints (spec §5.7) still queued or being written at the
+    # answer, and those whose write failed during the flush. Evidence only:
+    # a checkpoint is a restart point, not a prefix the verdict vouches for.
+    pending_checkpoints: int = 0
+    failed_checkpoints: int = 0
 
 
 class System:
@@ -212,6 +226,8 @@ class System:
         self.budgeted_writes: BudgetedWrites | None = None
         self._flushes_running = 0
         self.shared: SharedTier | None = None
+        self.checkpointing: Checkpointing | None = None
+        self.checkpoint_writer: CheckpointWriter | None = None
         self._shutdown_verdict: FlushResult | None = None
         self._shutdown_done: trio.Event | None = None
         # None when the budget is 0 (off). Owned by the engine thread but for
@@ -296,6 +312,7 @@ class System:
                 scheme=self.scheme,
                 prefill_step_tokens=self.config.prefill_step_tokens,
                 memory_guard=self.memory_guard,
+                checkpointing=self.checkpointing,
             )
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
@@ -330,6 +347,26 @@ class System:
         return self._flushes_running > 0
 
     async def _flush_everything(self, timeout_s: float | None) -> FlushResult:
+        """The generation checkpoints queued are written first and reported
+        as evidence, then every dirty prefix."""
+        started_s = trio.current_time()
+        pending_checkpoints, failed_checkpoints = await self._drain_checkpoints(timeout_s)
+        left_s = None if timeout_s is None else max(0.0, timeout_s - (trio.current_time() - started_s))
+        verdict = await self._flush_prefixes(left_s)
+        return attrs.evolve(verdict, pending_checkpoints=pending_checkpoints, failed_checkpoints=failed_checkpoints)
+
+    async def _drain_checkpoints(self, timeout_s: float | None) -> tuple[int, int]:
+        """Wait (bounded) for the checkpoint writer; (still pending, failed meanwhile)."""
+        writer = self.checkpoint_writer
+        if writer is None:
+            return 0, 0
+        failed_before = writer.stats()["failed"]
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
+            await writer.wait_idle()
+        after = writer.stats()
+        return after["held"], after["failed"] - failed_before
+
+    async def _flush_prefixes(self, timeout_s: float | None) -> FlushResult:
         if self.store is None:
             return FlushResult(
                 durable=False,
@@ -504,6 +541,7 @@ class System:
             "memory": self.memory_stats(),
             "requests": self.recent_requests.stats(),
             "flush": self._flush_stats(),
+            "checkpoints": self._checkpoint_stats(),
         }
 
     def check_memory(self, request: GenerationRequest) -> None:
@@ -540,6 +578,31 @@ class System:
             "admission": self.admission.stats() if self.admission is not None else {"policy": "always"},
             "write_budget": self.budgeted_writes.stats() if self.budgeted_writes is not None else None,
             "write_wear": self.wear.wear_stats() if self.wear is not None else None,
+        }
+
+    def _checkpoint_stats(self) -> dict[str, Any]:
+        """/stats's `checkpoints` (empty when they are off)."""
+        if self.checkpointing is None or self.checkpoint_writer is None:
+            return {}
+        stored = self.checkpointing.store.stats()
+        queue = self.checkpoint_writer.stats()
+        return {
+            "interval_tokens": self.checkpointing.interval_tokens,
+            "written": stored["written"],
+            "written_bytes": stored["written_bytes"],
+            "resumed": stored["resumed"],
+            "tokens_saved": stored["tokens_saved"],
+            "skipped": stored["skipped"],
+            "pending": queue["pending"],
+            "pending_bytes": queue["pending_bytes"],
+            "failed": queue["failed"],
+            "dropped": queue["dropped"],
+            "invalidated": stored["invalidated"],
+            "removed": stored["removed"],
+            "quarantined": stored["quarantined"],
+            "restore_failures": stored["restore_failures"],
+            "files": stored["files"],
+            "queue_max_bytes": queue["queue_bytes_max"],
         }
 
     def _scheduler_stats(self) -> dict[str, Any]:
@@ -687,6 +750,11 @@ async def _start_actors(
         # The batch lane's KV budget is bounded by the memory budget's headroom after the weights.
         headroom = system.memory_guard.budget_bytes - system.memory_guard.weights_bytes
         kv_budget_bytes = max(0, min(kv_budget_bytes, headroom))
+    queue_bytes = 0
+    if store is not None:
+        queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
+    if config.generation_checkpoint_tokens > 0:
+        queue_bytes = await _start_checkpoints(nursery, system, store, queue_bytes, token)
     system.scheduler, system.serial_reason = await open_batch_lane(
         nursery,
         engine=engine,
@@ -698,6 +766,7 @@ async def _start_actors(
         prefill_step_tokens=config.prefill_step_tokens,
         journal=journal,
         memory_guard=system.memory_guard,
+        checkpointing=system.checkpointing,
     )
     if store is None:
         if config.shared_cache is not None:
@@ -711,7 +780,6 @@ async def _start_actors(
         run_blocking=seams.run_blocking,
         safeguards=seams.safeguards,
     )
-    queue_bytes = config.spill_queue_bytes if config.spill_queue_bytes is not None else bytes_max_from_env()
     system.wear = wear
     if wear is not None and wear.budgeted:
         system.budgeted_writes = BudgetedWrites(wear, dropped_spills=lambda: queue.stats()["dropped"])
@@ -814,6 +882,33 @@ async def _start_shared_tier(
     )
     await nursery.start(tier.run)
     return tier
+
+
+async def _start_checkpoints(
+    nursery: trio.Nursery, system: System, store: SsdStore | None, queue_bytes: int, token: trio.lowlevel.TrioToken
+) -> int:
+    """Open the checkpoint store and start its writer with its share of the
+    spill queue's budget (spec §5.7); returns what is left for the spill queue."""
+    config, seams = system.config, system.seams
+    if store is None:
+        raise UsageError("generation checkpoints need the SSD tier (serve --generation-checkpoint needs --ssd-cache)")
+    checkpoint_store = await seams.run_blocking(CheckpointStore.open, store)
+    share_bytes = int(queue_bytes * SPILL_QUEUE_SHARE)
+    writer = CheckpointWriter(
+        checkpoint_store, bytes_max=share_bytes, run_blocking=seams.run_blocking, journal=store.journal
+    )
+    await nursery.start(writer.run)
+    system.checkpoint_writer = writer
+    system.checkpointing = Checkpointing(
+        interval_tokens=config.generation_checkpoint_tokens,
+        store=checkpoint_store,
+        submit=lambda snapshot: token.run_sync_soon(writer.submit_nowait, snapshot),
+        invalidate=lambda key, attempt: token.run_sync_soon(writer.invalidate_nowait, key, attempt),
+        kv_scheme_key=system.scheme.cache_key,
+        safeguards=seams.safeguards,
+        listeners=seams.checkpoint_listeners,
+    )
+    return queue_bytes - share_bytes
 
 
 async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:

@@ -16,6 +16,18 @@ end), and when the first one ends the row's caches, extracted, hold exactly
 `prompt[:boundary]` and are put; a row without a boundary puts its
 prompt-only caches after a cold prefill of `snapshot_prefill_tokens_min` or
 more.
+
+Generation checkpoints (spec §5.7, `engine/checkpointing.py`): mlx-lm's
+generation step feeds the token it sampled last step and samples the next,
+so right after a step each running row is at the checkpoint boundary: its
+caches cover every token it emitted and its next token is sampled, not
+emitted. A row whose emitted count reaches a multiple of the interval offers
+its extracted caches with that pending token and its sampler's key. A row
+that resumes replays its checkpoint's tokens and the pending token as
+ordinary tokens at admission, then joins the batch like any other with the
+restored caches and `[pending]` as its last segment (mlx-lm feeds it and
+samples the next), its own sampler chain set to the saved key and its
+penalty history the checkpoint's tokens.
 The job ends when the Scheduler sends `END_OF_BATCH`, which it does only when
 no row is active or waiting (or when its consumer has gone). While no row is
 active it waits on the inbox; with `wait_for_rows=False` (an engine that runs
@@ -44,6 +56,7 @@ import attrs
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as mlx_cache
 
+from kvcellar.engine.checkpointing import Checkpointing, RequestCheckpoints
 from kvcellar.engine.detokenize import TextAssembler
 from kvcellar.engine.engine import (
     PREFILL_STEP_TOKENS,
@@ -51,6 +64,8 @@ from kvcellar.engine.engine import (
     SamplingParams,
     make_params_sampler,
     release_cached_buffers,
+    resume_sampler,
+    sampler_key_words,
 )
 from kvcellar.engine.generation import (
     SNAPSHOT_PREFILL_TOKENS_MIN,
@@ -62,7 +77,9 @@ from kvcellar.engine.generation import (
 )
 from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
 from kvcellar.engine.sampling import build_processors
+from kvcellar.engine.scalars import item_int
 from kvcellar.store import signature as sig
+from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
@@ -166,6 +183,9 @@ class _Row:
     prefilled_tokens: int = 0
     # The tier entries that are this row's own (lent from, put by it): never relief victims.
     own_entry_ids: set[str] = attrs.field(factory=set)
+    checkpoints: RequestCheckpoints | None = None
+    # The row's own sampler (a seeded chain), whose key a checkpoint records; None when shared or greedy.
+    sampler: Any = None
 
 
 def _keep(state: _Row, entry_id: str | None) -> None:
@@ -188,11 +208,13 @@ class BatchLoop:
         snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
         wait_for_rows: bool = True,
         memory_guard: MemoryGuard | None = None,
+        checkpointing: Checkpointing | None = None,
     ) -> None:
         self.prompt_cache = prompt_cache
         self.memory_guard = memory_guard if memory_guard is not None and memory_guard.enabled else None
         # Decode steps since the guard last checked (a check is due every DECODE_CHECK_TOKENS).
         self._decode_steps_unchecked = 0
+        self.checkpointing = checkpointing
         self.inbox = inbox
         self.rows_max = rows_max
         self.cancelled = cancelled
@@ -259,11 +281,16 @@ class BatchLoop:
             events.append(RowDone(row_id=row.row_id, outcome="cancelled"))
             return
         try:
-            self._insert(row)
+            checkpoints = self.checkpointing.begin(row.request) if self.checkpointing is not None else None
+            point = checkpoints.resume() if checkpoints is not None else None
+            if checkpoints is not None and point is not None:
+                self._insert_resumed(row, checkpoints, point, events)
+            else:
+                self._insert(row, checkpoints)
         except Exception as e:  # a bad row fails alone; the batch goes on
             events.append(RowDone(row_id=row.row_id, outcome="failed", error=e))
 
-    def _insert(self, row: BatchRow) -> None:
+    def _insert(self, row: BatchRow, checkpoints: RequestCheckpoints | None = None) -> None:
         assert self._generator is not None and self._loaded is not None
         request, params = row.request, row.request.params
         prompt = list(request.prompt_ids)
@@ -275,13 +302,14 @@ class BatchLoop:
         cached_tokens = reuse.cached_tokens
         boundary = reuse.boundary_snapshot_at(request)
         segments = [prompt[cached_tokens:]] if boundary is None else [prompt[cached_tokens:boundary], prompt[boundary:]]
+        sampler = self._sampler(params)
         (uid,) = self._generator.insert_segments(
             # A cold row has no caches: mlx-lm takes None for it, which its annotation does not say.
             [segments],
             max_tokens=[params.max_tokens],
             caches=cast("list[list[Any]]", [reuse.caches]),
             all_tokens=[prompt[:cached_tokens]],
-            samplers=[self._sampler(params)],
+            samplers=[sampler],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
         )
         self._rows[uid] = _Row(
@@ -296,6 +324,8 @@ class BatchLoop:
             boundary=boundary,
             assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings),
             own_entry_ids=own_entry_ids,
+            checkpoints=checkpoints,
+            sampler=sampler if params.seed is not None else None,
         )
 
     def _sampler(self, params: SamplingParams) -> Any:
@@ -310,6 +340,59 @@ class BatchLoop:
         if key not in self._shared_samplers:
             self._shared_samplers[key] = make_params_sampler(params)
         return self._shared_samplers[key]
+
+    def _insert_resumed(
+        self, row: BatchRow, checkpoints: RequestCheckpoints, point: ResumePoint, events: list[RowToken | RowDone]
+    ) -> None:
+        """Replay a checkpoint's tokens and its pending token, then join the
+        batch from the restored caches (see the module doc)."""
+        assert self._generator is not None and self._loaded is not None and self.prompt_cache is not None
+        request, params = row.request, row.request.params
+        prompt, pending = list(request.prompt_ids), point.checkpoint.pending_token
+        if self.memory_guard is not None:
+            footprint = self.memory_guard.footprint.request_bytes(len(prompt), params.max_tokens)
+            self.memory_guard.admit(footprint, self._own_entry_ids())
+        state = _Row(
+            row=row,
+            uid=-1,
+            prompt=prompt,
+            cached_tokens=len(prompt),
+            cache_tier="checkpoint",
+            use_cache=self.prompt_cache.enabled,
+            snapshot=False,
+            boundary=None,
+            assembler=TextAssembler(self._loaded.tokenizer, params.stop_token_ids, request.stop_strings),
+            checkpoints=checkpoints,
+        )
+        for token_id in (*point.emitted, pending):
+            state.produced += 1
+            events.append(
+                RowToken(row_id=row.row_id, delta=TokenDelta(token_id=token_id, text=state.assembler.add(token_id)))
+            )
+        if state.assembler.finished_by_stop or state.produced >= params.max_tokens:
+            self._finish(state, "completed", events, removed=(point.caches, list(point.tokens)))
+            return
+        sampler = self._sampler(params)
+        resume_sampler(sampler, point.checkpoint.sampler.rng_key)
+        (state.uid,) = self._generator.insert_segments(
+            [[[pending]]],
+            max_tokens=[params.max_tokens - state.produced],
+            caches=[point.caches],
+            all_tokens=[list(point.tokens)],
+            samplers=[sampler],
+            logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
+        )
+        state.sampler = sampler if params.seed is not None else None
+        self._rows[state.uid] = state
+
+    def _offer_checkpoint(self, state: _Row) -> None:
+        """At the step boundary: the row's caches cover its emitted tokens, its next token is sampled."""
+        assert self._generator is not None and state.checkpoints is not None
+        generation = self._generator._generation_batch  # mlx-lm keeps the sampled, unfed tokens here
+        index = generation.uids.index(state.uid)
+        pending = item_int(generation._next_tokens[index])
+        caches, tokens = self._generator.extract_cache([state.uid])[state.uid]
+        state.checkpoints.offer(tokens, caches, pending, state.produced + 1, sampler_key_words(state.sampler))
 
     # -- stepping ----------------------------------------------------------------
 
@@ -344,6 +427,8 @@ class BatchLoop:
                 self._finish(state, "completed", events, removed=(response.prompt_cache, response.all_tokens))
             elif state.assembler.finished_by_stop:
                 self._finish(state, "completed", events, removed=None)
+            elif state.checkpoints is not None and state.checkpoints.due(state.produced):
+                self._offer_checkpoint(state)
         return len(generation_responses)
 
     def _put_snapshot(self, state: _Row) -> None:
@@ -378,7 +463,9 @@ class BatchLoop:
         """End a row: extract its caches (unless the generator already did)
         before the batch is filtered, put them back, report the end."""
         assert self._generator is not None
-        del self._rows[state.uid]
+        self._rows.pop(state.uid, None)
+        if outcome == "completed" and state.checkpoints is not None:
+            state.checkpoints.completed()
         if removed is None:
             removed = self._generator.remove([state.uid], return_prompt_caches=True).get(state.uid)
         caches, tokens = removed if removed is not None else (None, [])
@@ -395,6 +482,7 @@ class BatchLoop:
             completion_tokens=state.produced,
             cached_tokens=state.cached_tokens,
             cache_tier=state.cache_tier,
+            resumed_tokens=state.checkpoints.resumed_tokens if state.checkpoints is not None else 0,
         )
         events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done, error=error))
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import mlx.core as mx
@@ -127,6 +127,30 @@ class _SeededSampler:
             logprobs = apply_top_k(logprobs, params.top_k)
         self._key, draw = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
+
+    @property
+    def key_words(self) -> tuple[int, ...]:
+        """The chain's key now (uint32 words): where a checkpoint resumes it."""
+        words = cast(list[int], self._key.tolist())  # a key is a 1-d uint32 array
+        return tuple(int(word) for word in words)
+
+    def resume_at(self, key_words: tuple[int, ...]) -> None:
+        """Go on from a key `key_words` recorded (spec §5.7: the original sampler step)."""
+        self._key = mx.array(key_words, dtype=mx.uint32)
+
+
+def sampler_key_words(sampler: Any) -> tuple[int, ...]:
+    """A seeded sampler's key words; () for greedy and unseeded samplers (nothing to resume)."""
+    return sampler.key_words if isinstance(sampler, _SeededSampler) else ()
+
+
+def resume_sampler(sampler: Any, key_words: tuple[int, ...]) -> None:
+    """Set a seeded sampler's chain to `key_words`; refuses a key for a sampler without one."""
+    if not key_words:
+        return
+    if not isinstance(sampler, _SeededSampler):
+        raise UsageError("a sampler key was recorded for a request whose sampler has none")
+    sampler.resume_at(key_words)
 
 
 def generate_tokens(

@@ -15,6 +15,16 @@ and an untrimmable cache, recurrent state or a wrapped ring, serves the next
 turn only from an entry that is an exact prefix of it). A request without a
 boundary (completions) gets the whole-prompt snapshot after a cold prefill of
 `SNAPSHOT_PREFILL_TOKENS_MIN` or more.
+
+Generation checkpoints (spec §5.7, `engine/checkpointing.py`): with the port
+on, every N emitted tokens, right after the next token is sampled and before
+it is emitted (the caches then cover every emitted token), the caches, that
+pending token and the sampler's key go to the checkpoint writer. An identical
+request finding a checkpoint skips the tiers and the prefill: it replays the
+saved tokens as ordinary deltas, then emits the pending token and decodes on
+with the sampler where it stood, so greedy and seeded output is exactly the
+uninterrupted run's. Normal completion invalidates the checkpoint; a client
+gone (cancellation) leaves it for the next identical request.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvcellar.engine.checkpointing import Checkpointing, RequestCheckpoints
 from kvcellar.engine.detokenize import TextAssembler
 from kvcellar.engine.engine import (
     PREFILL_STEP_TOKENS,
@@ -39,8 +50,10 @@ from kvcellar.engine.memory import GuardedRequest, MemoryGuard
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
+from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 
 SNAPSHOT_PREFILL_TOKENS_MIN = 512
@@ -141,6 +154,8 @@ class GenerationDone:
     completion_tokens: int
     cached_tokens: int
     cache_tier: str
+    # Emitted tokens a resumed generation took from its checkpoint (spec §5.7), replayed, not generated.
+    resumed_tokens: int = 0
 
 
 def _prefill_boundary_snapshot(
@@ -168,32 +183,41 @@ def _prefill_boundary_snapshot(
     return cache
 
 
-def run_generation(
+@attrs.define(kw_only=True)
+class _Start:
+    """Where decoding starts: `cache` covers the prompt and `emitted`, and
+    either `logits` give the next token or `pending` is it (a resume).
+    `memory` is the request's side of the memory guard."""
+
+    cache: list
+    reuse: Reuse
+    sampling: SerialSampling
+    memory: GuardedRequest
+    logits: Any = None
+    emitted: tuple[int, ...] = ()
+    pending: int | None = None
+
+
+def _cold_start(
     loaded: LoadedModel,
     prompt_cache: PromptCache | None,
     request: GenerationRequest,
-    cancelled: threading.Event,
     *,
-    scheme: KvScheme | None = None,
-    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-    snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
-    memory_guard: MemoryGuard | None = None,
-) -> Iterator[TokenDelta | GenerationDone]:
-    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`.
-    With `memory_guard`, the request is admitted against its budget after the
-    tiers lent it a prefix, and relief runs before each prefill chunk and
-    every 256 decode tokens (engine/memory.py); `InsufficientMemory` fails
-    this request alone."""
-    params = request.params
+    scheme: KvScheme | None,
+    prefill_step_tokens: int,
+    snapshot_prefill_tokens_min: int,
+    memory_guard: MemoryGuard | None,
+) -> _Start:
+    """Take what the tiers hold, admit the request against the memory budget,
+    prefill the rest (with the prompt-boundary snapshot)."""
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request)
     memory = GuardedRequest(memory_guard, (reuse.entry_id,))
-    memory.admit(len(prompt), params.max_tokens)
+    memory.admit(len(prompt), request.params.max_tokens)
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
     tiers = prompt_cache if reuse.use_cache else None
-    cached_tokens = reuse.cached_tokens
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
-    prefilled_tokens = cached_tokens
+    prefilled_tokens = reuse.cached_tokens
     boundary = reuse.boundary_snapshot_at(request)
     if boundary is not None and tiers is not None:
         cache = _prefill_boundary_snapshot(
@@ -208,22 +232,137 @@ def run_generation(
     if tiers is not None and reuse.snapshot_due(request, snapshot_prefill_tokens_min):
         mx.eval(logits)
         memory.keep(tiers.put_entry(prompt, lend_caches(cache), request.namespace))
-    sampling = SerialSampling(params, loaded.tokenizer, prompt, request.make_logits_processors())
+    sampling = SerialSampling(request.params, loaded.tokenizer, prompt, request.make_logits_processors())
+    return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, logits=logits)
+
+
+def _resumed_start(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache | None,
+    request: GenerationRequest,
+    point: ResumePoint,
+    *,
+    scheme: KvScheme | None,
+    safeguards: Safeguards,
+    memory_guard: MemoryGuard | None,
+) -> _Start:
+    """Go on from a checkpoint (spec §5.7): its caches cover the prompt and
+    the emitted tokens; the pending token and the sampler's key and history
+    are where the interrupted run stood, so the rest is what it would have been."""
+    prompt = list(request.prompt_ids)
+    memory = GuardedRequest(memory_guard)
+    memory.admit(len(prompt), request.params.max_tokens)
+    use_cache = prompt_cache is not None and prompt_cache.enabled
+    reuse = Reuse(use_cache=use_cache, caches=None, cached_tokens=len(prompt), tier="checkpoint")
+    cache = scheme.convert(point.caches) if scheme is not None else point.caches
+    emitted, pending = point.emitted, point.checkpoint.pending_token
+    sampling = SerialSampling(
+        request.params,
+        loaded.tokenizer,
+        prompt + list(emitted) + [pending],
+        request.make_logits_processors(),
+        rng_key=point.checkpoint.sampler.rng_key,
+    )
+    if not safeguards.checkpoint_resumes_pending_token:
+        # The simulator's mutation: the bug of a resume that did not save the pending token.
+        logits = loaded.model(mx.array([[point.tokens[-1]]]), cache=cache)[:, -1, :]
+        return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, logits=logits, emitted=emitted)
+    return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, emitted=emitted, pending=pending)
+
+
+def _start(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache | None,
+    request: GenerationRequest,
+    checkpoints: RequestCheckpoints | None,
+    *,
+    scheme: KvScheme | None,
+    prefill_step_tokens: int,
+    snapshot_prefill_tokens_min: int,
+    memory_guard: MemoryGuard | None,
+    safeguards: Safeguards,
+) -> _Start:
+    """A resume when the request has a checkpoint, else a cold start."""
+    point = checkpoints.resume() if checkpoints is not None else None
+    if point is not None:
+        return _resumed_start(
+            loaded, prompt_cache, request, point, scheme=scheme, safeguards=safeguards, memory_guard=memory_guard
+        )
+    return _cold_start(
+        loaded,
+        prompt_cache,
+        request,
+        scheme=scheme,
+        prefill_step_tokens=prefill_step_tokens,
+        snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
+        memory_guard=memory_guard,
+    )
+
+
+def run_generation(
+    loaded: LoadedModel,
+    prompt_cache: PromptCache | None,
+    request: GenerationRequest,
+    cancelled: threading.Event,
+    *,
+    scheme: KvScheme | None = None,
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+    snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
+    memory_guard: MemoryGuard | None = None,
+    checkpointing: Checkpointing | None = None,
+) -> Iterator[TokenDelta | GenerationDone]:
+    """Yield a `TokenDelta` per sampled token, then one `GenerationDone`.
+    With `memory_guard`, the request is admitted against its budget after the
+    tiers lent it a prefix, and relief runs before each prefill chunk and
+    every 256 decode tokens (engine/memory.py); `InsufficientMemory` fails
+    this request alone. With `checkpointing`, an identical request's
+    checkpoint is resumed (its emitted tokens replayed first) and new ones
+    are offered every interval."""
+    params = request.params
+    prompt = list(request.prompt_ids)
+    checkpoints = checkpointing.begin(request) if checkpointing is not None else None
+    start = _start(
+        loaded,
+        prompt_cache,
+        request,
+        checkpoints,
+        scheme=scheme,
+        prefill_step_tokens=prefill_step_tokens,
+        snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
+        memory_guard=memory_guard,
+        safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
+    )
+    tiers = prompt_cache if start.reuse.use_cache else None
+    cache, sampling, logits, pending, memory = start.cache, start.sampling, start.logits, start.pending, start.memory
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
     produced = 0
     try:
+        for token_id in start.emitted:
+            # The replay: the client sees the checkpoint's tokens as ordinary ones.
+            produced += 1
+            yield TokenDelta(token_id=token_id, text=assembler.add(token_id))
+            fed.append(token_id)
         while produced < params.max_tokens and not cancelled.is_set():
-            token, logprobs = sampling.sample(logits)
-            token_id = item_int(token)
+            if pending is not None:
+                token, logprobs, token_id, pending = None, None, pending, None
+            else:
+                token, logprobs = sampling.sample(logits)
+                token_id = item_int(token)
+                if checkpoints is not None and checkpoints.due(produced):
+                    # The boundary: the caches cover every emitted token; `token_id` is sampled, not emitted.
+                    checkpoints.offer(prompt + fed, cache, token_id, produced + 1, sampling.rng_key)
             produced += 1
             text = assembler.add(token_id)
             yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
             if assembler.finished_by_stop or produced >= params.max_tokens:
                 break
             memory.decode_check(produced, len(prompt) + produced, cache)
-            logits = loaded.model(token.reshape(1, 1), cache=cache)[:, -1, :]
+            fed_input = token.reshape(1, 1) if token is not None else mx.array([[token_id]])
+            logits = loaded.model(fed_input, cache=cache)[:, -1, :]
             fed.append(token_id)
+        if checkpoints is not None and not cancelled.is_set():
+            checkpoints.completed()
         tail = assembler.closing_text()
         if tail:
             yield TokenDelta(token_id=-1, text=tail)
@@ -236,6 +375,7 @@ def run_generation(
         finish_reason=assembler.finish_reason,
         prompt_tokens=len(prompt),
         completion_tokens=produced,
-        cached_tokens=cached_tokens,
-        cache_tier=reuse.tier,
+        cached_tokens=start.reuse.cached_tokens,
+        cache_tier=start.reuse.tier,
+        resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
     )

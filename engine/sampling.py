@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import make_logits_processors
 
-from kvcellar.engine.engine import SamplingParams, make_params_sampler
+from kvcellar.engine.engine import SamplingParams, make_params_sampler, resume_sampler, sampler_key_words
 from kvcellar.engine.scalars import item_float, item_int
 from kvcellar.engine.structured import GrammarMask, token_table
 
@@ -104,9 +104,18 @@ class SerialSampling:
     row's (a `TokenBuffer` holding the prompt, fed each sampled token)."""
 
     def __init__(
-        self, params: SamplingParams, tokenizer: Any, prompt: Sequence[int], extra_processors: Sequence[Any] = ()
+        self,
+        params: SamplingParams,
+        tokenizer: Any,
+        prompt: Sequence[int],
+        extra_processors: Sequence[Any] = (),
+        *,
+        rng_key: tuple[int, ...] = (),
     ) -> None:
         self.sampler = make_params_sampler(params)
+        # A resumed generation (spec §5.7) passes its prompt, its emitted tokens
+        # and its pending token as `prompt`, and the seeded chain's key it had.
+        resume_sampler(self.sampler, rng_key)
         # The request's own processors (`GenerationRequest.logits_processors`) apply last, as on the batch lane.
         self.processors = build_processors(params, tokenizer) + list(extra_processors)
         self._context = TokenBuffer(list(prompt[:-1])) if self.processors else None
@@ -123,3 +132,8 @@ class SerialSampling:
         mx.eval(token, logprobs)
         self._next_input = item_int(token)
         return token, logprobs
+
+    @property
+    def rng_key(self) -> tuple[int, ...]:
+        """The seeded chain's key after the draws so far (() when not seeded)."""
+        return sampler_key_words(self.sampler)

@@ -268,7 +268,15 @@ def _usage(job: CompletionJob, done: GenerationDone | None, completion_tokens: i
         "completion_tokens": completion_tokens,
         "total_tokens": job.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": completion_details(done),
     }
+
+
+def completion_details(done: GenerationDone | None) -> dict[str, int]:
+    """`usage.completion_tokens_details`: `resumed_tokens`, the completion
+    tokens an in-flight checkpoint restored (spec §5.7) and replayed instead
+    of generating them again (counted in `completion_tokens` too)."""
+    return {"resumed_tokens": done.resumed_tokens if done else 0}
 
 
 def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:

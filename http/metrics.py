@@ -59,6 +59,7 @@ def _gauge(section: str, field: str, help: str, *, name: str = "", scale: float 
 
 _RAM, _GATEWAY, _SSD, _SCHEDULER = "prompt_cache", "gateway", "ssd_cache", "scheduler"
 _SHARED = "shared_cache"
+_CHECKPOINTS = "checkpoints"
 
 SPECS: tuple[MetricSpec, ...] = (
     _gauge(_RAM, "entries", "Entries the RAM prompt cache holds."),
@@ -214,6 +215,26 @@ _STRUCTURED |= {("flush", "last")}
 # Issue 21's nested sections, exported by `ssd_wear_families`.
 _STRUCTURED.update({(_SSD, "admission"), (_SSD, "write_budget"), (_SSD, "write_wear")})
 
+# Generation checkpoints' section (spec §5.7), appended after the others.
+SPECS += (
+    _gauge(_CHECKPOINTS, "interval_tokens", "Emitted tokens between two checkpoints of a generation."),
+    _counter(_CHECKPOINTS, "written", "Generation checkpoints written to the SSD tier."),
+    _counter(_CHECKPOINTS, "written_bytes", "Bytes of the generation checkpoints written."),
+    _counter(_CHECKPOINTS, "resumed", "Generations resumed from a checkpoint."),
+    _counter(_CHECKPOINTS, "tokens_saved", "Emitted tokens resumed generations took from checkpoints."),
+    _gauge(_CHECKPOINTS, "pending", "Checkpoints queued or being written."),
+    _gauge(_CHECKPOINTS, "pending_bytes", "Bytes of the checkpoints queued or being written."),
+    _counter(_CHECKPOINTS, "failed", "Checkpoints whose write failed."),
+    _counter(_CHECKPOINTS, "dropped", "Checkpoints dropped unwritten (superseded, over the cap, completed, shutdown)."),
+    _counter(_CHECKPOINTS, "invalidated", "Checkpoints of generations that completed."),
+    _counter(_CHECKPOINTS, "removed", "Checkpoint files of completed generations removed."),
+    _counter(_CHECKPOINTS, "quarantined", "Checkpoint files quarantined as unreadable or mismatched."),
+    _counter(_CHECKPOINTS, "restore_failures", "Checkpoint restores that failed (the request ran cold)."),
+    _gauge(_CHECKPOINTS, "files", "Checkpoint files the SSD tier holds."),
+    _gauge(_CHECKPOINTS, "queue_max_bytes", "Byte cap of the checkpoint queue (its share of the spill queue's)."),
+)
+_STRUCTURED.add((_CHECKPOINTS, "skipped"))
+
 
 class StatsCollector(Collector):
     """Typed families over `stats()`, read afresh on every scrape."""
@@ -230,6 +251,7 @@ class StatsCollector(Collector):
         yield from request_ttft_families(_section(stats, "requests"))
         yield from last_flush_families(_section(stats, "flush").get("last"))
         yield from ssd_wear_families(_section(stats, _SSD))
+        yield checkpoints_skipped_family(_section(stats, _CHECKPOINTS).get("skipped"))
         yield from undescribed_families(stats)
 
 
@@ -430,12 +452,25 @@ def ssd_wear_families(ssd: Mapping[str, Any]) -> Iterator[Metric]:
         yield family_type(name, help_text, value=value)
 
 
+def checkpoints_skipped_family(skipped: Any) -> CounterMetricFamily:
+    """Requests not checkpointed, by reason (logprobs, grammar, request_processors, no_prompt_cache)."""
+    family = CounterMetricFamily(
+        "kvcellar_checkpoints_skipped",
+        "Generations not checkpointed because a token replay cannot reconstruct them, by reason.",
+        labels=["reason"],
+    )
+    for reason, count in sorted((skipped or {}).items()):
+        family.add_metric([str(reason)], float(count))
+    return family
+
+
 __all__ = [
     "SPECS",
     "UNDESCRIBED_HELP",
     "MetricSpec",
     "StatsCollector",
     "batch_decode_steps_family",
+    "checkpoints_skipped_family",
     "described_families",
     "journal_degraded_family",
     "last_flush_families",

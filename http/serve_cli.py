@@ -170,6 +170,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "working set); 0 = off.",
 )
 @click.option(
+    "--generation-checkpoint",
+    "generation_checkpoint_tokens",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Checkpoint each generation to the SSD tier every this many emitted tokens, so an identical "
+    "request after a crash or restart resumes where it was; 0 = off. Needs --ssd-cache.",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -261,6 +270,7 @@ def serve_command(
     max_tokens: int,
     admin_token: str | None,
     api_key: str | None,
+    generation_checkpoint_tokens: int,
     log_level: str,
     memory_budget_gb: float | None,
     ssd_admission: str,
@@ -284,6 +294,7 @@ def serve_command(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ssd_dir is not None and prompt_cache_gb == 0:
         raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
+    check_generation_checkpoint(generation_checkpoint_tokens, ssd_dir)
     if ssd_dir is None and (ssd_max_gb is not None or demote_idle_s is not None):
         log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
     if ssd_dir is None and (ssd_admission != "always" or ssd_write_budget_gb_per_day is not None):
@@ -314,6 +325,7 @@ def serve_command(
             request_timeout_s=shared_cache_timeout_s,
             refresh_s=shared_cache_refresh_s,
         ),
+        generation_checkpoint_tokens=generation_checkpoint_tokens,
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)
@@ -370,3 +382,9 @@ def shared_cache_config(
         refresh_s=refresh_s,
         upload=UploadPolicyConfig(min_tokens=min_tokens, bytes_per_day=bytes_per_day),
     )
+
+
+def check_generation_checkpoint(tokens: int, ssd_dir: Path | None) -> None:
+    """`--generation-checkpoint N` needs the SSD tier: a clear start-up error otherwise."""
+    if tokens > 0 and ssd_dir is None:
+        raise UsageError("--generation-checkpoint needs --ssd-cache DIR: checkpoints are written to the SSD tier")

@@ -20,7 +20,7 @@ from kvcellar.errors import UsageError
 from kvcellar.simulations.harness import CACHE_DIR, FINGERPRINT, SIM_ROOT, simulate
 from kvcellar.simulations.sweep import SweepOutcome, SweepPlan, parse_faults, run_sweep
 from kvcellar.store.journal import JOURNAL_FILE_NAME
-from kvcellar.store.mutations import MUTATIONS
+from kvcellar.store.mutations import ALL_MUTATIONS
 
 
 @click.command("simulate")
@@ -44,7 +44,7 @@ from kvcellar.store.mutations import MUTATIONS
     "workload_name",
     default="default",
     show_default=True,
-    help="default, or a small one: chat, fork, hybrid.",
+    help="default, or a small one: chat, fork, hybrid, checkpoints (long generations cut off by crashes).",
 )
 @click.option("--real-model", is_flag=True, help="Run the demo MLX model inline instead of the fake engine.")
 @click.option(
@@ -58,7 +58,7 @@ from kvcellar.store.mutations import MUTATIONS
     "--mutate",
     "mutate",
     multiple=True,
-    type=click.Choice(sorted(MUTATIONS)),
+    type=click.Choice(sorted(ALL_MUTATIONS)),
     help="Switch a deliberate durability bug on (the checkers must catch it).",
 )
 @click.option(

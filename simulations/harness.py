@@ -38,7 +38,7 @@ from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenD
 from kvcellar.errors import KvCellarError
 from kvcellar.simulations import determinism
 from kvcellar.simulations.boundary import BoundaryChecks, BoundarySchedule, SeededBlocking
-from kvcellar.simulations.fake_engine import InlineEngine, fake_loaded_model
+from kvcellar.simulations.fake_engine import FakeModel, InlineEngine, fake_loaded_model, next_token
 from kvcellar.simulations.observer import Observer
 from kvcellar.simulations.sim_disk import FaultConfig, SimDisk, SimulatedCrash
 from kvcellar.simulations.workload import (
@@ -142,6 +142,8 @@ class RunResult:
     # Decode steps of the batch lane by how many rows shared them.
     decode_steps_by_rows: dict[int, int] = attrs.Factory(dict)
     journal_kinds: dict[str, int] = attrs.Factory(dict)
+    # Generations the checkpoints workload resumed from a checkpoint.
+    checkpoint_resumes: int = 0
     kept_disk: Any = attrs.field(default=None, repr=False)
     kept_journal: bytes | None = attrs.field(default=None, repr=False)
 
@@ -214,6 +216,8 @@ class _Run:
     phase_puts_from: int = 0
     entry_numbers: Any = attrs.Factory(itertools.count)
     decode_steps_by_rows: Counter[int] = attrs.Factory(Counter)
+    # The checkpoints workload: the request (or burst) a crash cut off, sent again after recovery.
+    cut_off: Request | Burst | None = None
 
     def clock_ns(self) -> int:
         return EPOCH_NS + int(self.clock.current_time() * 1e9)
@@ -266,6 +270,7 @@ def _config(run: _Run) -> SystemConfig:
         # The fake model's memory is no real footprint, and the guard's probe
         # would take an engine turn of virtual time: off, as `--memory-budget 0`.
         memory_budget_bytes=0,
+        generation_checkpoint_tokens=run.options.shape.generation_checkpoint_tokens,
     )
 
 
@@ -278,10 +283,13 @@ def _seams(run: _Run) -> SystemSeams:
         run_blocking=SeededBlocking(run.schedule),
         store_opener=lambda config, scheme: _open_store(run, observed=True),
         safeguards=run.safeguards,
+        checkpoint_listeners=(run.observer.checkpoints.listener,),
     )
 
 
-async def _request(run: _Run, system: Any, request: Request) -> None:
+async def _request(run: _Run, system: Any, request: Request, *, variant: bool = False) -> None:
+    """Send a conversation's next request; a `variant` (the checkpoints
+    workload's changed policy) leaves the conversation as it was."""
     history = run.conversations.setdefault(request.conversation, run.system_prompt)
     prompt = history + request.user_tokens
     generation = GenerationRequest(
@@ -302,7 +310,42 @@ async def _request(run: _Run, system: Any, request: Request) -> None:
             return
         run.observer.violate("request_succeeds", f"a request failed: {e}", kind="crash")
         return
-    run.conversations[request.conversation] = prompt + tuple(produced)
+    if run.options.shape.generation_checkpoint_tokens:
+        _check_output(run, prompt, request.max_tokens, produced)
+    if not variant:
+        run.conversations[request.conversation] = prompt + tuple(produced)
+
+
+def _check_output(run: _Run, prompt: tuple[int, ...], max_tokens: int, produced: list[int]) -> None:
+    """A completed generation, resumed or not, is the fake model's greedy
+    continuation: what an uninterrupted run produces."""
+    if not isinstance(run.loaded.model, FakeModel):
+        return
+    tokens, expected = list(prompt), []
+    for _ in range(max_tokens):
+        expected.append(next_token(tokens[-1], len(tokens) - 1))
+        tokens.append(expected[-1])
+    if produced != expected:
+        first = next((i for i, (a, b) in enumerate(zip(produced, expected, strict=False)) if a != b), None)
+        run.observer.violate(
+            "generation_output_exact",
+            f"a {len(prompt)}-token prompt's {len(produced)} tokens differ from the uninterrupted "
+            f"{len(expected)} (first at {first})",
+        )
+
+
+async def _send_cut_off_again(run: _Run, system: Any) -> None:
+    """After a crash cut a request off: first a changed policy (one more
+    token), which must start normally, then the identical request, which
+    resumes its checkpoint."""
+    step = run.cut_off
+    if step is None:
+        return
+    requests = step.requests if isinstance(step, Burst) else (step,)
+    for request in requests:
+        await _request(run, system, attrs.evolve(request, max_tokens=request.max_tokens + 1), variant=True)
+    await _step(run, system, step)
+    run.cut_off = None
 
 
 def _record_verdict(run: _Run, system: Any, durable: bool, puts_before: int) -> None:
@@ -355,6 +398,7 @@ async def _phase(run: _Run, steps: list[Step], index: int, *, last: bool) -> tup
     try:
         async with open_system(_config(run), _seams(run)) as system:
             run.observer.attach(system)
+            await _send_cut_off_again(run, system)
             while index < len(steps):
                 step = steps[index]
                 index += 1
@@ -425,6 +469,9 @@ async def _workload(run: _Run, steps: list[Step]) -> None:
         outcome, index = await _phase(run, steps, index, last=True)
         if outcome == "crashed":
             _recover_from_crash(run)
+            cut = steps[index - 1] if index > 0 else None
+            if run.options.shape.generation_checkpoint_tokens and isinstance(cut, Request | Burst):
+                run.cut_off = run.cut_off or cut
             continue
         if outcome == "end":
             return
@@ -492,6 +539,7 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
         batch_rows=run.lane.rows,
         decode_steps_by_rows=dict(sorted(run.decode_steps_by_rows.items())),
         journal_kinds=dict(run.journal.kinds),
+        checkpoint_resumes=run.observer.checkpoints.resumes,
         kept_disk=disk if keep else None,
         kept_journal=run.journal.durable if keep else None,
     )

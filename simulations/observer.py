@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvcellar.simulations.checkpoint_checks import CheckpointObserver
 from kvcellar.simulations.fake_engine import FakeModel, cache_arrays
 from kvcellar.simulations.sim_disk import SimDisk
 from kvcellar.store import events as ev
@@ -71,6 +72,7 @@ class Observer:
         self.restores = 0
         self.evicted_since_put = 0
         self._put_epochs: list[int] = []
+        self.checkpoints = CheckpointObserver(self.violate)
 
     def violate(self, invariant: str, detail: str, kind: str = "correctness") -> None:
         self.violations.append(Violation(invariant=invariant, detail=detail, kind=kind))
@@ -78,6 +80,7 @@ class Observer:
     # -- hooks ------------------------------------------------------------------
 
     def attach(self, system: Any) -> None:
+        self.checkpoints.new_process()
         cache = system.prompt_cache
         # `put_entry` is the one chokepoint: `put` and the lanes' own puts go through it.
         put = cache.put_entry
@@ -98,7 +101,7 @@ class Observer:
     def store_listeners(self) -> dict[str, Any]:
         """`SsdStore.open`'s listener arguments for the system's store: every
         event it journals is followed, every restore checked."""
-        return {"event_listeners": (self.follow,), "restore_listeners": (self.restored,)}
+        return {"event_listeners": (self.follow, self.checkpoints.follow), "restore_listeners": (self.restored,)}
 
     def restored(self, match: Any, entry: Any, caches: Sequence[Any]) -> None:
         self.restores += 1

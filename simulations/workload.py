@@ -81,6 +81,11 @@ class WorkloadShape:
     restarts: bool = True
     crashes: bool = True
     namespaces: tuple[str, ...] = ("", "team-b")
+    # In-flight generation checkpoints every this many tokens (0: off, the
+    # default). On, the workload is `build_checkpoint_workload`'s: long
+    # generations, crashes in the middle of them, and each request a crash
+    # cut off sent again after recovery (first changed, then identical).
+    generation_checkpoint_tokens: int = 0
 
 
 SMALL_SHAPES = {
@@ -92,6 +97,16 @@ SMALL_SHAPES = {
     ),
     "hybrid": WorkloadShape(
         steps=7, conversations=2, restarts=False, crashes=False, long_prompt_rate=0.0, namespaces=("", "team-b")
+    ),
+    "checkpoints": WorkloadShape(
+        steps=8,
+        conversations=2,
+        system_prompt_tokens=(16, 32),
+        user_tokens=(4, 16),
+        long_prompt_rate=0.0,
+        max_tokens=(24, 72),
+        namespaces=("", "team-b"),
+        generation_checkpoint_tokens=8,
     ),
 }
 
@@ -117,6 +132,8 @@ def system_prompt(seed: int, shape: WorkloadShape) -> tuple[int, ...]:
 
 
 def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[Step]:
+    if shape.generation_checkpoint_tokens:
+        return build_checkpoint_workload(seed, shape)
     rng = random.Random(f"workload-{seed}")
     conversations = shape.conversations
     steps: list[Step] = [_request(rng, shape, c) for c in range(min(conversations, 2))]
@@ -148,5 +165,29 @@ def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[St
             steps.append(Restart())
         elif shape.crashes:
             steps.append(Crash(within_ops=rng.randint(1, 60), power=rng.random() < 0.75))
+    steps.append(Flush())
+    return steps
+
+
+def build_checkpoint_workload(seed: int, shape: WorkloadShape) -> list[Step]:
+    """Long generations, most of them preceded by a crash due within the next
+    disk operations (the checkpoint writes happen while they generate), a
+    burst now and then (rows of the batch lane checkpoint independently),
+    and flushes and restarts between them."""
+    rng = random.Random(f"checkpoint-workload-{seed}")
+    steps: list[Step] = []
+    while len(steps) < shape.steps:
+        roll = rng.random()
+        if roll < 0.55 and shape.crashes:
+            steps.append(Crash(within_ops=rng.randint(4, 48), power=rng.random() < 0.5))
+        elif roll < 0.62 and shape.restarts:
+            steps.append(Restart())
+        elif roll < 0.72:
+            steps.append(Flush())
+        if rng.random() < 0.2:
+            requests = tuple(_request(rng, shape, rng.randrange(shape.conversations)) for _ in range(2))
+            steps.append(Burst(requests=requests))
+        else:
+            steps.append(_request(rng, shape, rng.randrange(shape.conversations)))
     steps.append(Flush())
     return steps

@@ -196,6 +196,65 @@ class MemoryRelieved:
     satisfied: bool
 
 
+# -- in-flight generation checkpoints (store/checkpoints.py, actors/checkpoint_writer.py) --
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointWritten:
+    """A checkpoint's file is committed (after the directory fsync) and indexed."""
+
+    kind: ClassVar[str] = "checkpoint.written"
+    request_key: str
+    attempt: int
+    emitted_tokens: int
+    bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointResumed:
+    """A request restored its checkpoint and goes on from its pending token."""
+
+    kind: ClassVar[str] = "checkpoint.resumed"
+    request_key: str
+    attempt: int
+    emitted_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointInvalidated:
+    """A request completed: its checkpoint is no longer resumable (its file's removal is queued)."""
+
+    kind: ClassVar[str] = "checkpoint.invalidated"
+    request_key: str
+    attempt: int
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointRemoved:
+    """An invalidated checkpoint's removal: `unlinked`, the file is gone durably
+    (false: a newer attempt owns it, it was gone already, or the unlink or the
+    directory fsync failed)."""
+
+    kind: ClassVar[str] = "checkpoint.removed"
+    request_key: str
+    attempt: int
+    unlinked: bool
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointNotWritten:
+    """A checkpoint snapshot that never became a file: `reason` is superseded
+    (a newer one of the request replaced it in the queue), byte_cap,
+    invalidated, shutdown, or failed (the write failed: `detail` says how)."""
+
+    kind: ClassVar[str] = "checkpoint.not_written"
+    request_key: str
+    attempt: int
+    emitted_tokens: int
+    reason: str
+    detail: str = ""
+
+
 ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     SpillEnqueued,
     SpillDropped,
@@ -212,4 +271,9 @@ ACTOR_EVENT_TYPES: tuple[type[Any], ...] = (
     RequestAdmitted,
     RequestFinished,
     MemoryRelieved,
+    CheckpointWritten,
+    CheckpointResumed,
+    CheckpointInvalidated,
+    CheckpointRemoved,
+    CheckpointNotWritten,
 )

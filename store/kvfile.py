@@ -1,4 +1,9 @@
-"""The `.kvc` file format, version 1: one prefix entry (tokens + caches) per file.
+"""The `.kvc` file format: one prefix entry (tokens + caches) per file.
+Version 1 is an ordinary entry; version 2 an in-flight generation checkpoint
+(spec §5.7), whose header adds `generation_checkpoint` (the request key, the
+pending token, the sampler state). A build that reads only version 1 refuses
+a checkpoint as an unsupported version rather than restore half of it, and
+this build refuses a header whose version and checkpoint part disagree.
 
 Layout (all integers little-endian):
 
@@ -42,12 +47,14 @@ from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageErr
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store import codecs
 from kvcellar.store.disk import Disk, RealDisk
-from kvcellar.store.records import CacheRecord, Header, TensorRecord
+from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, TensorRecord
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = frozenset({FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION})
 ALIGNMENT_BYTES = 16 * 1024
 FILE_SUFFIX = ".kvc"
 TEMP_SUFFIX = ".tmp"
@@ -116,6 +123,7 @@ class KvFileWriter:
         *,
         temp_id: str | None = None,
         safeguards: Safeguards = SAFEGUARDS,
+        generation_checkpoint: GenerationCheckpoint | None = None,
     ) -> None:
         self.path = Path(path)
         self.disk = disk or RealDisk()
@@ -128,7 +136,7 @@ class KvFileWriter:
         records, self._producers = codecs.plan_caches(caches, token_count)
         info = _coerce_meta(meta)
         self._header = Header(
-            format_version=FORMAT_VERSION,
+            format_version=FORMAT_VERSION if generation_checkpoint is None else CHECKPOINT_FORMAT_VERSION,
             fingerprint=dict(info.fingerprint),
             namespace=info.namespace,
             tokenizer_hash=info.tokenizer_hash,
@@ -139,6 +147,7 @@ class KvFileWriter:
             caches=tuple(records),
             payload_offset=0,
             file_bytes=0,
+            generation_checkpoint=generation_checkpoint,
         )
         self._header = _place_tensors(self._header)
         self._tensors = list(self._header.tensor_records())
@@ -197,7 +206,8 @@ class KvFileWriter:
         planned_bytes = to_cbor(self._header)
         if len(header_bytes) != len(planned_bytes):
             raise AssertionError("patched header changed length: checksum slots must be fixed-width")
-        self.disk.write_at(self._handle, 0, _preamble(header_bytes, header.payload_offset) + header_bytes)
+        preamble = _preamble(header_bytes, header.payload_offset, header.format_version)
+        self.disk.write_at(self._handle, 0, preamble + header_bytes)
         self._fsync_data()
         self.disk.close(self._handle)
         self._handle = None
@@ -276,10 +286,10 @@ def _with_checksums(header: Header, checksums: Mapping[str, bytes]) -> Header:
     return attrs.evolve(header, caches=tuple(patch(record) for record in header.caches))
 
 
-def _preamble(header_bytes: bytes, payload_offset: int) -> bytes:
-    unsigned = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), 0, payload_offset)
+def _preamble(header_bytes: bytes, payload_offset: int, version: int = FORMAT_VERSION) -> bytes:
+    unsigned = _PREAMBLE.pack(MAGIC, version, len(header_bytes), 0, payload_offset)
     digest = xxhash.xxh3_64_intdigest(unsigned + header_bytes)
-    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), digest, payload_offset)
+    return _PREAMBLE.pack(MAGIC, version, len(header_bytes), digest, payload_offset)
 
 
 def write_entry(writer: KvFileWriter) -> Header:
@@ -335,8 +345,9 @@ def _read_header_from(
     if got < PREAMBLE_BYTES:
         raise CorruptEntry(f"{path}: truncated preamble ({got} of {PREAMBLE_BYTES} bytes)", part="preamble")
     _, version, header_length, header_digest, payload_offset = _PREAMBLE.unpack_from(first)
-    if version != FORMAT_VERSION:
-        raise UnsupportedFormat(f"{path}: format version {version}; this build reads version {FORMAT_VERSION}")
+    if version not in READABLE_FORMAT_VERSIONS:
+        readable = ", ".join(str(v) for v in sorted(READABLE_FORMAT_VERSIONS))
+        raise UnsupportedFormat(f"{path}: format version {version}; this build reads versions {readable}")
     if header_length > _HEADER_BYTES_MAX:
         raise CorruptEntry(f"{path}: header length {header_length} is implausible", part="header")
     header_end = PREAMBLE_BYTES + header_length
@@ -354,6 +365,8 @@ def _read_header_from(
         raise CorruptEntry(f"{path}: header checksum matches but it does not decode: {e}", part="header") from e
     if header.format_version != version or header.payload_offset != payload_offset:
         raise CorruptEntry(f"{path}: header disagrees with the preamble", part="header")
+    if (header.generation_checkpoint is not None) != (version == CHECKPOINT_FORMAT_VERSION):
+        raise CorruptEntry(f"{path}: a version {version} header with the wrong checkpoint part", part="header")
     actual_bytes = size_bytes if size_bytes is not None else disk.size(handle)
     if actual_bytes < header.file_bytes:
         raise CorruptEntry(f"{path}: truncated ({actual_bytes} of {header.file_bytes} bytes)", part="size")

@@ -42,11 +42,28 @@ SAFEGUARD_OFF = {
 }
 
 
+# Bugs of in-flight generation checkpoints (spec §5.7): the default workload
+# never checkpoints, so these are caught by the `checkpoints` workload instead.
+CHECKPOINT_MUTATIONS = {
+    "checkpoint-drops-pending-token": "a resumed generation ignores its saved pending token and feeds its last "
+    "emitted token again",
+    "checkpoint-key-without-sampling": "a checkpoint's request key leaves out the sampling fields, so a request "
+    "with other sampling resumes it",
+}
+SAFEGUARD_OFF.update(
+    {
+        "checkpoint-drops-pending-token": "checkpoint_resumes_pending_token",
+        "checkpoint-key-without-sampling": "checkpoint_key_has_sampling",
+    }
+)
+ALL_MUTATIONS = {**MUTATIONS, **CHECKPOINT_MUTATIONS}
+
+
 def safeguards_without(names: Iterable[str]) -> Safeguards:
     """Every safeguard on except those the named bugs switch off; raises
     `UsageError` for an unknown name."""
     wanted = frozenset(names)
-    unknown = sorted(wanted - MUTATIONS.keys())
+    unknown = sorted(wanted - ALL_MUTATIONS.keys())
     if unknown:
-        raise UsageError(f"unknown mutation {', '.join(unknown)}; choose from {', '.join(MUTATIONS)}")
+        raise UsageError(f"unknown mutation {', '.join(unknown)}; choose from {', '.join(ALL_MUTATIONS)}")
     return attrs.evolve(SAFEGUARDS, **{SAFEGUARD_OFF[name]: False for name in wanted})

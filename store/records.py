@@ -12,6 +12,9 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
+from cattrs.gen import make_dict_unstructure_fn, override
+
+from kvcellar.serialization import converter
 
 
 @attrs.frozen(kw_only=True)
@@ -39,6 +42,37 @@ class CacheRecord:
 
 
 @attrs.frozen(kw_only=True)
+class SamplerState:
+    """What a sampler needs to go on exactly where it stopped (spec §5.7):
+    `sample_index` draws made so far (the emitted tokens and the pending one),
+    and, for a seeded sampler, the key its chain holds after them (the
+    uint32 words of `mx.random.key`; empty for greedy and unseeded sampling).
+    History-dependent processors (the penalties) need only the token history,
+    which the entry's tokens and the pending token are."""
+
+    seed: int | None
+    sample_index: int
+    rng_key: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class GenerationCheckpoint:
+    """The header part of an in-flight generation checkpoint (format version
+    2): the entry's tokens are the prompt and the `emitted_tokens` emitted
+    after it; the caches cover all of them; `pending_token` was sampled and
+    not yet emitted. `request_key` names the request (`store.checkpoints.
+    request_key`); `attempt` orders the attempts of one process."""
+
+    request_key: str
+    prompt_tokens: int
+    emitted_tokens: int
+    namespace: str
+    pending_token: int
+    sampler: SamplerState
+    attempt: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class Header:
     format_version: int
     fingerprint: dict[str, str]
@@ -51,6 +85,9 @@ class Header:
     caches: tuple[CacheRecord, ...]
     payload_offset: int
     file_bytes: int
+    # Only a checkpoint entry has it (and only it is format version 2); an
+    # ordinary header encodes without the key, byte for byte as before.
+    generation_checkpoint: GenerationCheckpoint | None = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -74,3 +111,8 @@ def _walk_tensors(records: Sequence[CacheRecord]) -> Iterator[TensorRecord]:
     for record in records:
         yield from record.tensors
         yield from _walk_tensors(record.children)
+
+
+converter.register_unstructure_hook(
+    Header, make_dict_unstructure_fn(Header, converter, generation_checkpoint=override(omit_if_default=True))
+)

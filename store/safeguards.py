@@ -31,6 +31,10 @@ class Safeguards:
     restore_outside_index_lock: bool = True
     # `Journal`: an append's transaction runs on the journal's owner, not on the caller's thread.
     append_on_journal_owner: bool = True
+    # `Checkpointing`: a checkpoint's request key covers the sampling fields.
+    checkpoint_key_has_sampling: bool = True
+    # The serial lane: a resumed generation goes on from its saved pending token.
+    checkpoint_resumes_pending_token: bool = True
 
 
 SAFEGUARDS = Safeguards()

@@ -57,6 +57,8 @@ from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_of
 log = logging.getLogger("kvcellar.ssd")
 
 QUARANTINE_DIR_NAME = "quarantine"
+# In-flight generation checkpoints (`store.checkpoints`): never prefix entries.
+CHECKPOINT_DIR_NAME = "checkpoints"
 LOCK_FILE_NAME = "lock"
 QUARANTINE_BYTES_MAX_DEFAULT = 1 << 30
 _NS_HASH_HEX_CHARS = 16
@@ -288,7 +290,7 @@ class SsdStore:
         known = {row["path"]: row for row in journaled.values()}
         trusted: set[str] = set()
         for entry in self.disk.scandir(self.directory):
-            if not entry.is_dir or entry.name == QUARANTINE_DIR_NAME:
+            if not entry.is_dir or entry.name in (QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME):
                 continue
             ns_dir = self.directory / entry.name
             for item in self.disk.scandir(ns_dir):
@@ -345,6 +347,8 @@ class SsdStore:
             return f"namespace {header.namespace!r} does not belong in directory {ns_dir_name}"
         if not _is_entry_id(path.stem):
             return "file name is not an entry id"
+        if header.generation_checkpoint is not None:
+            return "a generation checkpoint outside the checkpoints directory"
         return ""
 
     def _reconcile_journal(self, journaled: dict[str, dict[str, Any]], trusted: set[str]) -> None:
@@ -846,6 +850,28 @@ class SsdStore:
         contract as `open`'s `event_listeners`."""
         with self._lock:
             self._event_listeners = (*self._event_listeners, listener)
+
+    # -- for the checkpoint store (store/checkpoints.py) -------------------------
+
+    @property
+    def fingerprint_fields(self) -> dict[str, str]:
+        return self._fingerprint_fields
+
+    def clock_ns(self) -> int:
+        return self._clock_ns()
+
+    def make_durable_dir(self, path: Path) -> None:
+        """Create a directory under the fingerprint directory, durably."""
+        self._make_durable_dirs(path, self.directory)
+
+    def quarantine_file(self, path: Path, reason: str) -> None:
+        """Move a bad file that is not an indexed entry aside."""
+        self._quarantine(path, "", reason)
+
+    def record_event(self, event: Any) -> None:
+        """Journal an event of another part of the tier (the listeners see it too)."""
+        with self._lock:
+            self._event(event)
 
     # -- introspection -------------------------------------------------------
 

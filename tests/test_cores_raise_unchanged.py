@@ -21,6 +21,7 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcellar.actors import checkpoint_writer as ckw
 from kvcellar.actors import durability as dur
 from kvcellar.actors import gateway as gw
 from kvcellar.actors import scheduler as sch
@@ -302,3 +303,35 @@ def ssd_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
 @given(st.data())
 def test_ssd_writer_core_is_unchanged_when_it_raises(data: st.DataObject) -> None:
     run_core(ssw.SsdWriterCore(), data, SSD_BLIND, ssd_answers)
+
+
+# -- CheckpointWriter (generation checkpoints) ---------------------------------------
+
+CHECKPOINT_BLIND = st.one_of(
+    st.builds(
+        ckw.Enqueue,
+        op_id=IDS,
+        request_key=st.sampled_from(["a", "b"]),
+        attempt=SMALL,
+        emitted_tokens=SMALL,
+        bytes=st.integers(min_value=0, max_value=50),
+    ),
+    st.builds(ckw.Invalidate, op_id=IDS, request_key=st.sampled_from(["a", "b"]), attempt=SMALL),
+    st.builds(ckw.OpDone, op_id=IDS, outcome=st.sampled_from(ckw.OP_OUTCOMES)),
+    st.builds(ckw.AwaitIdle, waiter_id=IDS),
+    st.just(ckw.Shutdown()),
+)
+
+
+def checkpoint_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
+    if isinstance(effect, ckw.WriteCheckpoint):
+        return [st.builds(ckw.OpDone, op_id=st.just(effect.op_id), outcome=st.sampled_from(["stored", "failed"]))]
+    if isinstance(effect, ckw.RemoveCheckpoint):
+        return [st.just(ckw.OpDone(op_id=effect.op_id, outcome="removed"))]
+    return []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_checkpoint_queue_core_is_unchanged_when_it_raises(data: st.DataObject) -> None:
+    run_core(ckw.CheckpointQueueCore(bytes_max=60), data, CHECKPOINT_BLIND, checkpoint_answers)
