@@ -25,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import click
 import trio
 from rich.console import Console
 
-from kvcellar.actors.system import SystemConfig, open_system
+from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
@@ -90,8 +91,34 @@ async def _timed(system: Any, request: GenerationRequest) -> dict[str, Any]:
     }
 
 
-async def _one_run(model_dir: Path, ssd_dir: Path, checkpoint_tokens: int, request: GenerationRequest) -> dict:
-    async with open_system(_config(model_dir, ssd_dir, checkpoint_tokens)) as system:
+def _hold_the_engine_past(emitted_tokens_min: int) -> Any:
+    """A checkpoint listener that stops the engine thread for good at the
+    first checkpoint offered after one covering `emitted_tokens_min`: that one
+    was handed to the writer (a worker thread writes it), and the generation
+    can no longer complete (and invalidate it) before the parent's SIGKILL,
+    however fast this machine decodes."""
+    covered = threading.Event()
+    never = threading.Event()
+
+    def listener(what: str, request: Any, checkpoint: Any) -> None:
+        if what != "offered":
+            return
+        if covered.is_set():
+            never.wait()
+        if checkpoint.emitted_tokens >= emitted_tokens_min:
+            covered.set()
+
+    return listener
+
+
+async def _one_run(
+    model_dir: Path,
+    ssd_dir: Path,
+    checkpoint_tokens: int,
+    request: GenerationRequest,
+    seams: SystemSeams | None = None,
+) -> dict:
+    async with open_system(_config(model_dir, ssd_dir, checkpoint_tokens), seams) as system:
         run = await _timed(system, request)
         await system.flush()
         run["checkpoints"] = system.stats()["checkpoints"]
@@ -102,20 +129,30 @@ def child(arguments_json: str) -> None:
     """A fresh process's part of (b): open the system, time the request, print the figures."""
     arguments = json.loads(arguments_json)
     request = _request(arguments["options"])
+    hold_past = arguments.get("hold_past_tokens")
+    seams = SystemSeams(checkpoint_listeners=(_hold_the_engine_past(hold_past),)) if hold_past else None
     run = trio.run(
-        _one_run, Path(arguments["model_dir"]), Path(arguments["ssd_dir"]), arguments["checkpoint_tokens"], request
+        _one_run,
+        Path(arguments["model_dir"]),
+        Path(arguments["ssd_dir"]),
+        arguments["checkpoint_tokens"],
+        request,
+        seams,
     )
     sys.stdout.write(json.dumps(run) + "\n")
     sys.stdout.flush()
     os._exit(0)  # as `serve` does: MLX's static destructors can abort at interpreter exit
 
 
-def _child_process(model_dir: Path, ssd_dir: Path, options: dict[str, Any]) -> subprocess.Popen:
+def _child_process(
+    model_dir: Path, ssd_dir: Path, options: dict[str, Any], hold_past_tokens: int | None = None
+) -> subprocess.Popen:
     arguments = {
         "model_dir": str(model_dir),
         "ssd_dir": str(ssd_dir),
         "checkpoint_tokens": options["checkpoint_tokens"],
         "options": options,
+        "hold_past_tokens": hold_past_tokens,
     }
     code = f"from kvcellar.bench.checkpoints import child; child({json.dumps(json.dumps(arguments))})"
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -143,8 +180,10 @@ def _newest_checkpoint_tokens(ssd_dir: Path) -> int:
 def _kill_part_way(model_dir: Path, ssd_dir: Path, options: dict[str, Any]) -> int:
     """Run the request in a child and SIGKILL it once a durable checkpoint
     covers `kill_at` of the tokens; returns the checkpoint's emitted tokens."""
-    process = _child_process(model_dir, ssd_dir, options)
     wanted = int(options["kill_at"] * options["new_tokens"])
+    # The child's engine stops at the checkpoint after the one covering `wanted`,
+    # so the kill lands part-way whatever the decode speed (no race with completion).
+    process = _child_process(model_dir, ssd_dir, options, hold_past_tokens=wanted)
     deadline = time.monotonic() + CHILD_DEADLINE_S
     while (emitted := _newest_checkpoint_tokens(ssd_dir)) < wanted:
         if process.poll() is not None or time.monotonic() > deadline:
