@@ -23,176 +23,60 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
-from kvcellar.actors.admission import (
-    ADMISSION_POLICY_DEFAULT,
-    COST_THRESHOLD_S_PER_GB_DEFAULT,
-    AdmissionCore,
-    AdmissionGate,
-)
+from kvcellar.actors.admission import AdmissionGate
 from kvcellar.actors.checkpoint_writer import SPILL_QUEUE_SHARE, CheckpointWriter
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
-from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT, RecentRequests, recorded
-from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT, Scheduler, open_batch_lane
+from kvcellar.actors.recent_requests import RecentRequests, recorded
+from kvcellar.actors.scheduler import Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
 from kvcellar.actors.ssd_writer import SsdWriter
-from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
+from kvcellar.actors.system_config import (
+    JOURNAL_CATCH_UP_S,
+    WRITE_BEHIND_ENV,
+    FlushResult,
+    SystemConfig,
+    SystemSeams,
+    write_behind_from_env,
+)
+from kvcellar.actors.system_wiring import (
+    DurabilityPorts,
+    admission_gate,
+    demote_idle_forever,
+    give_guard_the_ssd_tier,
+    observe_for_admission,
+    open_memory_guard,
+    open_store,
+    start_shared_tier,
+)
+from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
-from kvcellar.engine.checkpointing import Checkpointing, CheckpointListener
-from kvcellar.engine.engine import PREFILL_STEP_TOKENS, EngineThread, LoadedModel
+from kvcellar.engine.checkpointing import Checkpointing
+from kvcellar.engine.engine import EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
-    Footprint,
     MemoryGuard,
     MemoryMeter,
     MlxMemoryMeter,
-    WorkspaceModel,
-    default_memory_budget_bytes,
 )
 from kvcellar.errors import UsageError
 from kvcellar.store.checkpoints import CheckpointStore
-from kvcellar.store.disk import Disk
-from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.journal import JournalError, JournalEvent
-from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT, PromptCache, SpillSnapshot
-from kvcellar.store.s3_objects import ObjectStore, S3ObjectStore
-from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
-from kvcellar.store.scheme import KvScheme, resolve_kv_scheme, warm_up_prototype_caches
-from kvcellar.store.shared_tier import SharedKeys, SharedLocation
+from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
+from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
 from kvcellar.store.write_wear import WearMonitor
 
 log = logging.getLogger("kvcellar.system")
-
-WRITE_BEHIND_ENV = "KVCELLAR_SSD_WRITEBEHIND"
-# How long a flush waits for the journal thread to apply what is queued.
-JOURNAL_CATCH_UP_S = 5.0
-
-
-def write_behind_from_env(environ: Any = os.environ) -> bool:
-    return environ.get(WRITE_BEHIND_ENV, "1").strip() != "0"
-
-
-@attrs.frozen(kw_only=True)
-class SystemConfig:
-    model_dir: Path
-    ssd_dir: Path | None = None
-    ssd_bytes_max: int | None = None
-    ssd_verify: bool = True
-    prompt_cache_bytes: int = BYTES_MAX_DEFAULT
-    spill_queue_bytes: int | None = None
-    write_behind: bool | None = None
-    demote_idle_s: float = 300.0
-    kv_quant: str = "bf16"
-    debounce_s: float = 1.0
-    busy_rearm_s: float = 5.0
-    prefill_step_tokens: int = PREFILL_STEP_TOKENS
-    shutdown_timeout_s: float = 120.0
-    # Digests of weight and tokenizer files kept across starts (`serve` passes
-    # one persisted under the user cache); None hashes every file each start.
-    shard_digest_memo: ShardDigestMemo | None = attrs.field(default=None, eq=False)
-    # Rows of the batch lane; 1 keeps every request on the serial lane.
-    batch_rows_max: int = 1
-    kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
-    # What MLX may hold live, weights included (engine/memory.py): None is the
-    # default (75 % of physical memory, at most Metal's working set), 0 is off.
-    memory_budget_bytes: int | None = None
-    # Requests the `/stats/requests` ring keeps (the oldest goes first).
-    recent_requests_max: int = RECENT_REQUESTS_MAX_DEFAULT
-    # Which background writes reach the SSD tier (`actors/admission.py`), and the
-    # tier's write budget in bytes a day (None: unlimited; `actors/write_budget.py`).
-    ssd_admission: str = ADMISSION_POLICY_DEFAULT
-    ssd_cost_threshold_s_per_gb: float = COST_THRESHOLD_S_PER_GB_DEFAULT
-    ssd_write_budget_bytes_per_day: int | None = None
-    # The shared cold tier on an object store (needs the SSD tier); None: off.
-    shared_cache: SharedCacheConfig | None = None
-    # In-flight generation checkpoints every this many emitted tokens (spec §5.7); 0: off. Needs `ssd_dir`.
-    generation_checkpoint_tokens: int = 0
-
-
-StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class SystemSeams:
-    """What a test or the simulator replaces; every default is the real thing.
-
-    `engine`: an object with EngineThread's start/call/stream/stop (the
-    simulator's runs inline; None starts an `EngineThread` on the model,
-    recording each engine turn in `turn_log` when given). `clock_s`: the RAM
-    tier's clock (idle demotion). `run_blocking`: how blocking file I/O runs
-    off the Trio thread (fingerprint hashing, store open, writes, the journal
-    catch-up). `store_opener(config, scheme)`: opens the SSD tier instead of
-    `SsdStore.open` (the simulator's SimDisk and in-memory journal); else the
-    tier opens on `disk` (None: the real one). `safeguards`: the store's and
-    the writer's durability policy (the simulator's mutations turn some off).
-    `logits_processors(request)`: logits-processor factories added to each
-    request after its own (a test's `ForcedTokens` scripting a reply through
-    the real engine, sampler and parsers); None adds none. `memory_meter`:
-    what the memory guard measures (None: MLX's allocator counters).
-    `checkpoint_listeners`: see what generation checkpoints are offered and
-    resumed, with their requests (the simulator's checkpoint invariants).
-    """
-
-    engine: Any = None
-    turn_log: list[tuple[str, float, float]] | None = None
-    clock_s: Callable[[], float] = time.monotonic
-    run_blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync
-    store_opener: StoreOpener | None = None
-    disk: Disk | None = None
-    safeguards: Safeguards = SAFEGUARDS
-    logits_processors: Callable[[GenerationRequest], Sequence[Callable[[], Any]]] | None = None
-    memory_meter: MemoryMeter | None = None
-    # Stamps when a request ended and when a flush answered (`/stats/requests`, `/stats` `flush`).
-    wall_clock_s: Callable[[], float] = time.time
-    # The shared tier's object store instead of S3 at `config.shared_cache.url` (the simulator's model).
-    shared_objects: ObjectStore | None = None
-    # Listeners of generation checkpoints (`Checkpointing.listeners`: the simulator's checks).
-    checkpoint_listeners: tuple[CheckpointListener, ...] = ()
-
-
-@attrs.frozen(kw_only=True)
-class FlushResult:
-    """The flush verdict with its evidence (spec §5.6). `reason` says why it
-    is not durable ("" when it is): "timeout" (the bound passed; the evidence
-    is what was known then), "no SSD tier", "write-behind off" (puts are not
-    tracked, so no put can be vouched for; the spill queue was drained), or
-    the first of "failed", "dropped", "missing", "pending" that is not zero.
-    `pending`: records of the flush's scope still dirty (with write-behind
-    off: spills still queued); `dropped`/`failed`: writes that settled so
-    during the flush; `missing`: prefixes gone from RAM and not covered on
-    SSD; `pending_spills`: snapshots queued or being written at the answer."""
-
-    durable: bool
-    reason: str = ""
-    pending: int
-    dropped: int
-    failed: int
-    missing: int
-    pending_spills: int = 0
-    entries: int
-    longest_durable_prefix_tokens: int
-    note: str = ""
-    # Issue 21: prefixes that left RAM unwritten by SSD admission's choice (never
-    # durable), and the bytes this flush wrote past the write budget.
-    skipped_by_admission: int = 0
-    over_budget_bytes: int = 0
-    # Generation checkpoints (spec §5.7) still queued or being written at the
-    # answer, and those whose write failed during the flush. Evidence only:
-    # a checkpoint is a restart point, not a prefix the verdict vouches for.
-    pending_checkpoints: int = 0
-    failed_checkpoints: int = 0
 
 
 class System:
@@ -638,60 +522,6 @@ class System:
         return await self.seams.run_blocking(lambda: journal.recent_events(limit, timeout_s=timeout_s))
 
 
-async def _open_store(
-    config: SystemConfig, seams: SystemSeams, scheme: KvScheme, wear: WearMonitor
-) -> tuple[SsdStore | None, str]:
-    """The SSD tier of this serving fingerprint and the tokenizer hash its
-    entries' headers carry; (None, "") without the tier."""
-    if config.ssd_dir is None:
-        return None, ""
-    if config.prompt_cache_bytes <= 0:
-        raise UsageError("the SSD tier needs the RAM tier: a prompt-cache size of 0 cannot be combined with it")
-    memo = config.shard_digest_memo if config.shard_digest_memo is not None else ShardDigestMemo(None)
-    bytes_hashed_before, started_s = memo.bytes_hashed, time.perf_counter()
-    # Hashing reads every weight byte on a cold memo: a worker thread's job, not the Trio thread's.
-    run_blocking = seams.run_blocking
-    fingerprint = await run_blocking(
-        lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo)
-    )
-    log.info(
-        "serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
-        fingerprint.digest,
-        time.perf_counter() - started_s,
-        memo.bytes_hashed - bytes_hashed_before,
-        memo.path or "(in RAM only)",
-    )
-    # The scan, the reconciliation and the startup supersession are disk work too.
-    store = await run_blocking(
-        lambda: SsdStore.open(
-            config.ssd_dir,
-            fingerprint.digest,
-            config.ssd_bytes_max,
-            seams.disk,
-            fingerprint_fields=fingerprint.as_dict(),
-            verify=config.ssd_verify,
-            safeguards=seams.safeguards,
-            event_listeners=(wear.on_event,),
-        )
-    )
-    await run_blocking(lambda: _seed_wear(wear, store))
-    return store, fingerprint.tokenizer_sha256
-
-
-def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:
-    """What the journal knows at startup: the live entries (for dead writes),
-    and every write when there is a write budget (its bucket)."""
-    journal = store.journal
-    if journal is None or journal.degraded:
-        return
-    stored = (
-        [(record.time_ns, record.event.entry.bytes) for record in journal.events(kind="entry.stored")]
-        if wear.budgeted
-        else []
-    )
-    wear.seed(journal.entries(), stored)
-
-
 @asynccontextmanager
 async def open_system(config: SystemConfig, seams: SystemSeams | None = None) -> AsyncIterator[System]:
     """Start everything in one nursery; on exit shut down gracefully (stop
@@ -708,7 +538,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
             store, tokenizer_hash = seams.store_opener(config, scheme), ""
         else:
             wear = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
-            store, tokenizer_hash = await _open_store(config, seams, scheme, wear)
+            store, tokenizer_hash = await open_store(config, seams, scheme, wear)
         try:
             async with trio.open_nursery() as nursery:
                 system = await _start_actors(
@@ -744,7 +574,7 @@ async def _start_actors(
     prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=seams.clock_s)
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
     system.gateway = gateway
-    system.memory_guard = await _open_memory_guard(engine, config, system.memory_meter, scheme, prompt_cache, journal)
+    system.memory_guard = await open_memory_guard(engine, config, system.memory_meter, scheme, prompt_cache, journal)
     kv_budget_bytes = config.kv_budget_bytes
     if system.memory_guard is not None:
         # The batch lane's KV budget is bounded by the memory budget's headroom after the weights.
@@ -788,8 +618,8 @@ async def _start_actors(
     await nursery.start(queue.run)
     system.queue = queue
     if system.memory_guard is not None:
-        _give_guard_the_ssd_tier(system.memory_guard, store, queue, tokenizer_hash)
-    admission = system.admission = _admission_gate(config)
+        give_guard_the_ssd_tier(system.memory_guard, store, queue, tokenizer_hash)
+    admission = system.admission = admission_gate(config)
 
     def submit(snapshot: SpillSnapshot) -> None:
         # Runs inside run_sync_soon, where an exception would end the whole Trio run.
@@ -809,7 +639,7 @@ async def _start_actors(
     write_behind = config.write_behind if config.write_behind is not None else write_behind_from_env()
     if write_behind:
         durability = DurabilityCoordinator(
-            _DurabilityPorts(gateway, prompt_cache, store, queue),
+            DurabilityPorts(gateway, prompt_cache, store, queue),
             debounce_s=config.debounce_s,
             busy_rearm_s=config.busy_rearm_s,
             journal=journal,
@@ -819,69 +649,12 @@ async def _start_actors(
         system.durability = durability
         prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(durability.dirty, namespace, tokens)
     if admission is not None:
-        _observe_for_admission(token, prompt_cache, admission, system.durability)
+        observe_for_admission(token, prompt_cache, admission, system.durability)
     if config.demote_idle_s > 0:
-        nursery.start_soon(_demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
+        nursery.start_soon(demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
     if config.shared_cache is not None:
-        system.shared = await _start_shared_tier(nursery, config.shared_cache, seams, store, gateway)
+        system.shared = await start_shared_tier(nursery, config.shared_cache, seams, store, gateway)
     return system
-
-
-def _admission_gate(config: SystemConfig) -> AdmissionGate | None:
-    """SSD write admission; None for `always`, which admits every write without looking."""
-    if config.ssd_admission == "always":
-        return None
-    core = AdmissionCore(config.ssd_admission, cost_threshold_s_per_gb=config.ssd_cost_threshold_s_per_gb)
-    return AdmissionGate(core, clock_s=trio.current_time)
-
-
-def _observe_for_admission(
-    token: trio.lowlevel.TrioToken,
-    prompt_cache: PromptCache,
-    admission: AdmissionGate,
-    durability: DurabilityCoordinator | None,
-) -> None:
-    """The RAM tier's takes and puts reach admission on the Trio thread, in
-    order (`run_sync_soon` is FIFO), each put before the coordinator sees it."""
-
-    def put_seen(namespace: str, tokens: tuple[int, ...]) -> None:
-        admission.put(namespace, tokens)
-        if durability is not None:
-            durability.dirty(namespace, tokens)
-
-    prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(put_seen, namespace, tokens)
-    prompt_cache.on_take = lambda namespace, tokens: token.run_sync_soon(admission.taken, namespace, tokens)
-    if durability is not None:
-        admission.on_granted = durability.admission_granted
-
-
-async def _start_shared_tier(
-    nursery: trio.Nursery, shared: SharedCacheConfig, seams: SystemSeams, store: SsdStore, gateway: Gateway
-) -> SharedTier:
-    """The shared cold tier over the SSD tier; its client reads the AWS config files, off the Trio thread."""
-    location = SharedLocation.parse(shared.url)
-    objects = seams.shared_objects
-    if objects is None:
-        objects = await seams.run_blocking(
-            lambda: S3ObjectStore.open(
-                location.bucket,
-                endpoint_url=shared.endpoint_url,
-                connect_timeout_s=shared.connect_timeout_s,
-                read_timeout_s=shared.read_timeout_s,
-                max_attempts=shared.max_attempts,
-            )
-        )
-    tier = SharedTier(
-        store,
-        objects,
-        SharedKeys(location.prefix, store.fingerprint),
-        shared,
-        gateway_busy=lambda: gateway.busy,
-        journal=store.journal,
-        run_blocking=seams.run_blocking,
-    )
-    await nursery.start(tier.run)
-    return tier
 
 
 async def _start_checkpoints(
@@ -909,97 +682,3 @@ async def _start_checkpoints(
         listeners=seams.checkpoint_listeners,
     )
     return queue_bytes - share_bytes
-
-
-async def _demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:
-    """Idle demotion (spec §4): entries unused past the threshold spill to SSD."""
-    while True:
-        await trio.sleep(max(threshold_s / 4, 1.0))
-        await gateway.run_when_idle(lambda _: prompt_cache.demote_idle(threshold_s))
-
-
-class _DurabilityPorts:
-    """What the durability coordinator needs of the rest of the system."""
-
-    def __init__(self, gateway: Gateway, prompt_cache: PromptCache, store: SsdStore, queue: SpillQueue) -> None:
-        self._gateway = gateway
-        self._prompt_cache = prompt_cache
-        self._store = store
-        self._queue = queue
-
-    def gateway_busy(self) -> bool:
-        return self._gateway.busy
-
-    async def run_when_idle(self, step: Any) -> Any:
-        return await self._gateway.run_when_idle(lambda _: step())
-
-    def snapshot_exact(self, tokens: Any, namespace: str) -> SpillSnapshot | None:
-        return self._prompt_cache.snapshot_exact(tokens, namespace)
-
-    def covers(self, tokens: Any, namespace: str) -> bool:
-        return self._store.covers(tokens, namespace)
-
-    async def submit(self, snapshot: SpillSnapshot) -> str:
-        return await self._queue.submit(snapshot)
-
-    async def wait_queue_idle(self) -> None:
-        await self._queue.wait_idle()
-
-
-async def _open_memory_guard(
-    engine: Any,
-    config: SystemConfig,
-    meter: MemoryMeter,
-    scheme: KvScheme,
-    prompt_cache: PromptCache,
-    journal: Any,
-) -> MemoryGuard | None:
-    """The memory guard (engine/memory.py), or None with a budget of 0. One
-    engine turn measures the weights (what MLX holds once the model is
-    loaded) and warms up the prototype caches the footprints are projected from."""
-    budget_bytes = default_memory_budget_bytes() if config.memory_budget_bytes is None else config.memory_budget_bytes
-    if budget_bytes <= 0:
-        log.info("memory guard off (--memory-budget 0)")
-        return None
-
-    def probe(loaded: LoadedModel) -> tuple[int, list, WorkspaceModel]:
-        weights_bytes = meter.active_bytes()
-        return weights_bytes, warm_up_prototype_caches(loaded.model), WorkspaceModel.from_model(loaded.model)
-
-    weights_bytes, prototypes, workspace = await engine.call(probe, label="memory-probe")
-    footprint = Footprint(
-        scheme=scheme, prototypes=prototypes, workspace=workspace, prefill_step_tokens=config.prefill_step_tokens
-    )
-    guard = MemoryGuard(
-        budget_bytes,
-        meter,
-        footprint=footprint,
-        weights_bytes=weights_bytes,
-        prompt_cache=prompt_cache,
-        journal=journal,
-    )
-    if weights_bytes >= budget_bytes:
-        log.warning("memory budget %.3g GB is below the weights' %.3g GB", budget_bytes / 1e9, weights_bytes / 1e9)
-    log.info(
-        "memory budget %.3g GB: %.3g GB of weights, %.3g GB of headroom",
-        budget_bytes / 1e9,
-        weights_bytes / 1e9,
-        max(0, budget_bytes - weights_bytes) / 1e9,
-    )
-    return guard
-
-
-def _give_guard_the_ssd_tier(guard: MemoryGuard, store: SsdStore, queue: SpillQueue, tokenizer_hash: str) -> None:
-    """Relief persists synchronously into the SSD tier, on the engine thread:
-    the released entry's own caches are written and then freed, never handed
-    to the spill queue as a deferred clone that keeps them resident."""
-
-    def persist(snapshot: SpillSnapshot) -> str:
-        if store.covers(snapshot.tokens, snapshot.namespace):
-            return "covered"
-        stored = store.store(snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=tokenizer_hash)
-        return "stored" if stored is not None else "failed"
-
-    guard.persist = persist
-    # Read by `stats()` on the Trio thread, the queue's owner.
-    guard.spill_pinned_bytes = lambda: queue.stats()["pending_bytes"]

@@ -1,0 +1,241 @@
+"""How `open_system` wires the tiers to the actors: the SSD tier's open,
+SSD write admission, the shared tier, the memory guard and the durability
+coordinator's ports. Functions of the parts they wire, none of `System`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import trio
+
+from kvcellar.actors.admission import AdmissionCore, AdmissionGate
+from kvcellar.actors.durability_shell import DurabilityCoordinator
+from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.spill_queue import SpillQueue
+from kvcellar.actors.system_config import SystemConfig, SystemSeams
+from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
+from kvcellar.engine.engine import LoadedModel
+from kvcellar.engine.memory import (
+    Footprint,
+    MemoryGuard,
+    MemoryMeter,
+    WorkspaceModel,
+    default_memory_budget_bytes,
+)
+from kvcellar.errors import UsageError
+from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
+from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
+from kvcellar.store.s3_objects import S3ObjectStore
+from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
+from kvcellar.store.shared_tier import SharedKeys, SharedLocation
+from kvcellar.store.ssd import SsdStore
+from kvcellar.store.write_wear import WearMonitor
+
+log = logging.getLogger("kvcellar.system")
+
+
+async def open_store(
+    config: SystemConfig, seams: SystemSeams, scheme: KvScheme, wear: WearMonitor
+) -> tuple[SsdStore | None, str]:
+    """The SSD tier of this serving fingerprint and the tokenizer hash its
+    entries' headers carry; (None, "") without the tier."""
+    if config.ssd_dir is None:
+        return None, ""
+    if config.prompt_cache_bytes <= 0:
+        raise UsageError("the SSD tier needs the RAM tier: a prompt-cache size of 0 cannot be combined with it")
+    memo = config.shard_digest_memo if config.shard_digest_memo is not None else ShardDigestMemo(None)
+    bytes_hashed_before, started_s = memo.bytes_hashed, time.perf_counter()
+    # Hashing reads every weight byte on a cold memo: a worker thread's job, not the Trio thread's.
+    run_blocking = seams.run_blocking
+    fingerprint = await run_blocking(
+        lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo)
+    )
+    log.info(
+        "serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",
+        fingerprint.digest,
+        time.perf_counter() - started_s,
+        memo.bytes_hashed - bytes_hashed_before,
+        memo.path or "(in RAM only)",
+    )
+    # The scan, the reconciliation and the startup supersession are disk work too.
+    store = await run_blocking(
+        lambda: SsdStore.open(
+            config.ssd_dir,
+            fingerprint.digest,
+            config.ssd_bytes_max,
+            seams.disk,
+            fingerprint_fields=fingerprint.as_dict(),
+            verify=config.ssd_verify,
+            safeguards=seams.safeguards,
+            event_listeners=(wear.on_event,),
+        )
+    )
+    await run_blocking(lambda: _seed_wear(wear, store))
+    return store, fingerprint.tokenizer_sha256
+
+
+def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:
+    """What the journal knows at startup: the live entries (for dead writes),
+    and every write when there is a write budget (its bucket)."""
+    journal = store.journal
+    if journal is None or journal.degraded:
+        return
+    stored = (
+        [(record.time_ns, record.event.entry.bytes) for record in journal.events(kind="entry.stored")]
+        if wear.budgeted
+        else []
+    )
+    wear.seed(journal.entries(), stored)
+
+
+def admission_gate(config: SystemConfig) -> AdmissionGate | None:
+    """SSD write admission; None for `always`, which admits every write without looking."""
+    if config.ssd_admission == "always":
+        return None
+    core = AdmissionCore(config.ssd_admission, cost_threshold_s_per_gb=config.ssd_cost_threshold_s_per_gb)
+    return AdmissionGate(core, clock_s=trio.current_time)
+
+
+def observe_for_admission(
+    token: trio.lowlevel.TrioToken,
+    prompt_cache: PromptCache,
+    admission: AdmissionGate,
+    durability: DurabilityCoordinator | None,
+) -> None:
+    """The RAM tier's takes and puts reach admission on the Trio thread, in
+    order (`run_sync_soon` is FIFO), each put before the coordinator sees it."""
+
+    def put_seen(namespace: str, tokens: tuple[int, ...]) -> None:
+        admission.put(namespace, tokens)
+        if durability is not None:
+            durability.dirty(namespace, tokens)
+
+    prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(put_seen, namespace, tokens)
+    prompt_cache.on_take = lambda namespace, tokens: token.run_sync_soon(admission.taken, namespace, tokens)
+    if durability is not None:
+        admission.on_granted = durability.admission_granted
+
+
+async def start_shared_tier(
+    nursery: trio.Nursery, shared: SharedCacheConfig, seams: SystemSeams, store: SsdStore, gateway: Gateway
+) -> SharedTier:
+    """The shared cold tier over the SSD tier; its client reads the AWS config files, off the Trio thread."""
+    location = SharedLocation.parse(shared.url)
+    objects = seams.shared_objects
+    if objects is None:
+        objects = await seams.run_blocking(
+            lambda: S3ObjectStore.open(
+                location.bucket,
+                endpoint_url=shared.endpoint_url,
+                connect_timeout_s=shared.connect_timeout_s,
+                read_timeout_s=shared.read_timeout_s,
+                max_attempts=shared.max_attempts,
+            )
+        )
+    tier = SharedTier(
+        store,
+        objects,
+        SharedKeys(location.prefix, store.fingerprint),
+        shared,
+        gateway_busy=lambda: gateway.busy,
+        journal=store.journal,
+        run_blocking=seams.run_blocking,
+    )
+    await nursery.start(tier.run)
+    return tier
+
+
+async def demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, threshold_s: float) -> None:
+    """Idle demotion (spec §4): entries unused past the threshold spill to SSD."""
+    while True:
+        await trio.sleep(max(threshold_s / 4, 1.0))
+        await gateway.run_when_idle(lambda _: prompt_cache.demote_idle(threshold_s))
+
+
+class DurabilityPorts:
+    """What the durability coordinator needs of the rest of the system."""
+
+    def __init__(self, gateway: Gateway, prompt_cache: PromptCache, store: SsdStore, queue: SpillQueue) -> None:
+        self._gateway = gateway
+        self._prompt_cache = prompt_cache
+        self._store = store
+        self._queue = queue
+
+    def gateway_busy(self) -> bool:
+        return self._gateway.busy
+
+    async def run_when_idle(self, step: Any) -> Any:
+        return await self._gateway.run_when_idle(lambda _: step())
+
+    def snapshot_exact(self, tokens: Any, namespace: str) -> SpillSnapshot | None:
+        return self._prompt_cache.snapshot_exact(tokens, namespace)
+
+    def covers(self, tokens: Any, namespace: str) -> bool:
+        return self._store.covers(tokens, namespace)
+
+    async def submit(self, snapshot: SpillSnapshot) -> str:
+        return await self._queue.submit(snapshot)
+
+    async def wait_queue_idle(self) -> None:
+        await self._queue.wait_idle()
+
+
+async def open_memory_guard(
+    engine: Any,
+    config: SystemConfig,
+    meter: MemoryMeter,
+    scheme: KvScheme,
+    prompt_cache: PromptCache,
+    journal: Any,
+) -> MemoryGuard | None:
+    """The memory guard (engine/memory.py), or None with a budget of 0. One
+    engine turn measures the weights (what MLX holds once the model is
+    loaded) and warms up the prototype caches the footprints are projected from."""
+    budget_bytes = default_memory_budget_bytes() if config.memory_budget_bytes is None else config.memory_budget_bytes
+    if budget_bytes <= 0:
+        log.info("memory guard off (--memory-budget 0)")
+        return None
+
+    def probe(loaded: LoadedModel) -> tuple[int, list, WorkspaceModel]:
+        weights_bytes = meter.active_bytes()
+        return weights_bytes, warm_up_prototype_caches(loaded.model), WorkspaceModel.from_model(loaded.model)
+
+    weights_bytes, prototypes, workspace = await engine.call(probe, label="memory-probe")
+    footprint = Footprint(
+        scheme=scheme, prototypes=prototypes, workspace=workspace, prefill_step_tokens=config.prefill_step_tokens
+    )
+    guard = MemoryGuard(
+        budget_bytes,
+        meter,
+        footprint=footprint,
+        weights_bytes=weights_bytes,
+        prompt_cache=prompt_cache,
+        journal=journal,
+    )
+    if weights_bytes >= budget_bytes:
+        log.warning("memory budget %.3g GB is below the weights' %.3g GB", budget_bytes / 1e9, weights_bytes / 1e9)
+    log.info(
+        "memory budget %.3g GB: %.3g GB of weights, %.3g GB of headroom",
+        budget_bytes / 1e9,
+        weights_bytes / 1e9,
+        max(0, budget_bytes - weights_bytes) / 1e9,
+    )
+    return guard
+
+
+def give_guard_the_ssd_tier(guard: MemoryGuard, store: SsdStore, queue: SpillQueue, tokenizer_hash: str) -> None:
+    """Relief persists synchronously into the SSD tier, on the engine thread:
+    the released entry's own caches are written and then freed, never handed
+    to the spill queue as a deferred clone that keeps them resident."""
+
+    def persist(snapshot: SpillSnapshot) -> str:
+        if store.covers(snapshot.tokens, snapshot.namespace):
+            return "covered"
+        stored = store.store(snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=tokenizer_hash)
+        return "stored" if stored is not None else "failed"
+
+    guard.persist = persist
+    # Read by `stats()` on the Trio thread, the queue's owner.
+    guard.spill_pinned_bytes = lambda: queue.stats()["pending_bytes"]
