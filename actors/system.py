@@ -377,6 +377,7 @@ class System:
                 "longest_durable_prefix_tokens": self.store.longest_entry_tokens(),
                 "quarantined": store_stats["quarantined"],
                 "journal": store_stats["journal"],
+                "verify_tensors": store_stats["verify_tensors"],
             }
         return {
             "prompt_cache": self.prompt_cache.stats(),

@@ -162,6 +162,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     type=click.Choice(["debug", "info", "warning", "error"]),
     help="Logging verbosity.",
 )
+@click.option(
+    "--ssd-cache-verify",
+    "ssd_cache_verify",
+    default="on",
+    show_default=True,
+    type=click.Choice(["on", "off"]),
+    help="Check every tensor's xxh3-64 checksum when restoring from the SSD tier (off: a corrupted "
+    "tensor is restored as it is on disk; the header is always checked). Needs --ssd-cache.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -178,6 +187,7 @@ def serve_command(
     admin_token: str | None,
     api_key: str | None,
     log_level: str,
+    ssd_cache_verify: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -205,6 +215,7 @@ def serve_command(
         shutdown_timeout_s=shutdown_timeout_s(),
         # Only the SSD tier's directory name needs the fingerprint, so only it reads the memo.
         shard_digest_memo=ShardDigestMemo(shard_digest_memo_dir()) if ssd_dir is not None else None,
+        ssd_verify=ssd_cache_verify == "on",
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)

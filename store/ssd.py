@@ -760,6 +760,7 @@ class SsdStore:
                 "bytes_max": self.bytes_max,
                 **counters,
                 "journal": journal,
+                "verify_tensors": self.verify,
             }
 
 
