@@ -313,15 +313,19 @@ def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, pa
     return buffer
 
 
-_FIRST_READ_BYTES = 64 * 1024
+# One page: a longer first read runs into the payload (the header ends before
+# the first 16 KiB boundary past it), and a startup scan paid for those pages,
+# often read from disk, at every file. A longer header takes a second read.
+_FIRST_READ_BYTES = 4 * 1024
 
 
 def _read_header_from(
     disk: Disk, handle: Any, path: Path, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
 ) -> Header:
     """Parse and check the preamble and header. One read covers both for
-    headers up to ~64 KiB (a startup scan reads thousands of them);
-    `size_bytes`, when the caller already knows it, saves an fstat."""
+    headers up to ~4 KiB, two for longer ones, never a payload byte (a
+    startup scan reads thousands of them); `size_bytes`, when the caller
+    already knows it, saves an fstat."""
     first = bytearray(_FIRST_READ_BYTES)
     got = disk.read_into(handle, 0, memoryview(first))
     if got == 0 or first[: min(got, len(MAGIC))] != MAGIC[: min(got, len(MAGIC))]:
