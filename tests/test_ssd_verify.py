@@ -9,12 +9,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvcellar.huge_pages import HUGE_PAGES_TUNABLE, TUNABLES_ENV, host_reexec_environment
 from kvcellar.store import kvfile
 from kvcellar.store.ssd import QUARANTINE_DIR_NAME, SsdStore
 
@@ -64,7 +66,7 @@ def _stats_of_a_server(model_dir, *args):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**{key: value for key, value in os.environ.items() if key != TUNABLES_ENV}, "HF_HUB_OFFLINE": "1"},
     )
     try:
         deadline = time.monotonic() + 120
@@ -73,7 +75,9 @@ def _stats_of_a_server(model_dir, *args):
                 pytest.fail(f"server exited: {process.stdout.read()}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+                    stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+                    environ_path = Path(f"/proc/{process.pid}/environ")
+                    return stats, environ_path.read_bytes().split(b"\0") if environ_path.exists() else []
             except httpx.HTTPError:
                 time.sleep(0.3)
         pytest.fail("server did not become healthy")
@@ -82,9 +86,14 @@ def _stats_of_a_server(model_dir, *args):
         process.wait()
 
 
-def test_serve_flag_switches_tensor_verification_off(model_dir_factory, tmp_path):
-    stats = _stats_of_a_server(model_dir_factory("llama"), "--ssd-cache", str(tmp_path), "--ssd-cache-verify", "off")
+def test_serve_runs_with_verification_off_and_huge_pages_where_they_help(model_dir_factory, tmp_path):
+    stats, environ = _stats_of_a_server(
+        model_dir_factory("llama"), "--ssd-cache", str(tmp_path), "--ssd-cache-verify", "off"
+    )
     assert stats["ssd_cache"]["verify_tensors"] is False
+    inherited = {key: value for key, value in os.environ.items() if key != TUNABLES_ENV}
+    if host_reexec_environment(inherited) is not None:
+        assert f"{TUNABLES_ENV}={HUGE_PAGES_TUNABLE}".encode() in environ
 
 
 def test_serve_refuses_a_verify_value_other_than_on_or_off(model_dir_factory, tmp_path):
