@@ -438,6 +438,9 @@ def summarise(
         "repeats": repeats,
         "resident_after_drop_bytes_max": resident_after_drop_bytes_max,
         "transient_bound_bytes": max(record.length for record in planned.tensor_records()),
+        # `kvcellar serve` runs with glibc.malloc.hugetlb=1 (kvcellar.huge_pages); run the benchmark
+        # with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 to measure what the server does.
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         **memory,
     }
     growth, restored = result["peak_rss_growth_bytes"], result["restored_arrays_bytes"]
@@ -494,6 +497,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{result['verify_delta_seconds'] * 1000:+.1f} ms ({result['verify_delta_pct']:+.1f}%, median of paired "
         f"per-repeat differences, within cold-read noise)",
         f"in-memory rows are the fastest of {IN_MEMORY_TRIES} tries per repeat; every other row is one try per repeat",
+        f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'} "
+        f"(kvcellar serve sets glibc.malloc.hugetlb=1 for itself: huge pages for fresh memory)",
     ]
     if result["peak_rss_growth_bytes"] is not None:
         met = result["targets_met"]["peak_rss_le_entry_plus_transient"]
