@@ -230,7 +230,7 @@ def summarise(figures: list[dict[str, Any]], shape: tuple[int, int, int], option
 
 
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for figure in result["contexts"]:
         prefill = "" if figure["prefill_s"] is None else f"{figure['prefill_s']:.1f}"
         if figure["prefill_extrapolated"] and prefill:
