@@ -39,7 +39,13 @@ _register_commands()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 an error)."""
+    """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 an error).
+    `serve` from a real command line (not `argv` from a caller) first
+    re-executes itself with huge pages for its allocations (kvcellar.huge_pages)."""
+    if argv is None and sys.argv[1:2] == ["serve"]:
+        from kvcellar.huge_pages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()
     try:
         result = cli.main(args=argv, prog_name="kvcellar", standalone_mode=False)
     except click.ClickException as e:

@@ -414,6 +414,7 @@ class System:
                 "quarantined": store_stats["quarantined"],
                 "journal": store_stats["journal"],
                 **self._wear_stats(),
+                "verify_tensors": store_stats["verify_tensors"],
             }
         return {
             "prompt_cache": self.prompt_cache.stats(),

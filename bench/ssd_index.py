@@ -56,7 +56,10 @@ WARMUP_QUERIES = 100
 VERIFIED_QUERIES = 100
 TREE_HEADS, TREE_HEAD_DIM = 1, 4
 STORE_LAYERS, STORE_KV_HEADS, STORE_HEAD_DIM, STORE_DTYPE = 16, 2, 128, mx.bfloat16
+# Issue 23: journal off <= 10x the scandir + stat walk, journal on (the server's configuration) <= 3x.
 SCAN_RATIO_TARGET = 10.0
+SCAN_RATIO_TARGET_JOURNAL_ON = 3.0
+SCAN_TARGET_OF = {"open_journal_off": SCAN_RATIO_TARGET, "open_journal_on": SCAN_RATIO_TARGET_JOURNAL_ON}
 FIND_MEDIAN_TARGET_SECONDS = 1e-3
 JOURNAL_SHARE_TARGET_PCT = 5.0
 # The preamble's u32 header length follows the 8-byte magic and the u32 format version.
@@ -458,7 +461,8 @@ def run_benchmark(
         **journal,
     }
     result["targets_met"] = {
-        "open_ratio_le_10": result["open_ratio_journal_on"] <= SCAN_RATIO_TARGET,
+        "open_ratio_journal_off_le_10": result["open_ratio_journal_off"] <= SCAN_RATIO_TARGET,
+        "open_ratio_journal_on_le_3": result["open_ratio_journal_on"] <= SCAN_RATIO_TARGET_JOURNAL_ON,
         "find_median_lt_1_ms": result["find_median_seconds"] < FIND_MEDIAN_TARGET_SECONDS,
         "journal_append_lt_5_pct": result["journal_append_pct"] < JOURNAL_SHARE_TARGET_PCT,
     }
@@ -488,12 +492,13 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
     def open_row(key: str, label: str) -> tuple[str, str, str, str]:
         ratio = result[key.replace("open_", "open_ratio_")]
+        target = SCAN_TARGET_OF[key]
         return (
             label,
             duration(medians[key]),
             _spread(runs[key]),
             f"{duration(medians[key] / per)} per entry; "
-            f"{ratio:.0f}x baseline ({_target(ratio <= SCAN_RATIO_TARGET, f'<= {SCAN_RATIO_TARGET:.0f}x')})",
+            f"{ratio:.1f}x baseline ({_target(ratio <= target, f'<= {target:.0f}x')})",
         )
 
     list_met = result["find_list_median_seconds"] < FIND_MEDIAN_TARGET_SECONDS
@@ -576,9 +581,11 @@ def interpretation(result: dict[str, Any]) -> str:
     delta, reconcile = result["journal_end_to_end_seconds"], result["reconcile_median_seconds"]
     inside_noise = abs(delta) < max(off_runs) - min(off_runs)
     return (
-        f"Opening the store {'meets' if met['open_ratio_le_10'] else 'misses'} the {SCAN_RATIO_TARGET:.0f}x target: "
-        f"it takes {result['open_ratio_journal_on']:.0f}x the scandir + stat walk with the journal on "
-        f"({result['open_ratio_journal_off']:.0f}x off). The walk reads directory metadata only. With the "
+        f"Opening the store takes {result['open_ratio_journal_on']:.1f}x the scandir + stat walk with the journal on "
+        f"({'meets' if met['open_ratio_journal_on_le_3'] else 'misses'} <= {SCAN_RATIO_TARGET_JOURNAL_ON:.0f}x) and "
+        f"{result['open_ratio_journal_off']:.1f}x with it off "
+        f"({'meets' if met['open_ratio_journal_off_le_10'] else 'misses'} <= {SCAN_RATIO_TARGET:.0f}x). "
+        f"The walk reads directory metadata only. With the "
         f"journal on (the server's configuration), every file whose path, size and mtime match the journal's "
         f"projection is indexed from the projection, so open costs one SQLite query plus the index inserts; "
         f"with it off, open reads, checksums and decodes every header, whose token ids take "

@@ -255,6 +255,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     type=click.FloatRange(min=1),
     help="Seconds between listings of the shared tier's manifests.",
 )
+@click.option(
+    "--ssd-cache-verify",
+    "ssd_cache_verify",
+    default="on",
+    show_default=True,
+    type=click.Choice(["on", "off"]),
+    help="Check every tensor's xxh3-64 checksum when restoring from the SSD tier (off: a corrupted "
+    "tensor is restored as it is on disk; the header is always checked). Needs --ssd-cache.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -282,6 +291,7 @@ def serve_command(
     shared_upload_gb_per_day: float,
     shared_cache_timeout_s: float,
     shared_cache_refresh_s: float,
+    ssd_cache_verify: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -326,6 +336,7 @@ def serve_command(
             refresh_s=shared_cache_refresh_s,
         ),
         generation_checkpoint_tokens=generation_checkpoint_tokens,
+        ssd_verify=ssd_cache_verify == "on",
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
     trio.run(serve_forever, config, host, port, settings)

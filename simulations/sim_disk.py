@@ -418,6 +418,10 @@ class SimDisk:
             view[bit // 8] ^= 1 << (bit % 8)
         return len(chunk)
 
+    def drop_cached(self, handle: SimHandle, offset: int, length: int) -> None:
+        """Page-cache advice: a simulated disk has no page cache, and advice
+        is no operation (no fault roll, no clock step), so it changes nothing."""
+
     @_operation
     def size(self, handle: SimHandle) -> int:
         return len(self._file_of(handle, "stat").volatile)

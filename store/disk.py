@@ -11,6 +11,7 @@ create exclusively -> write -> fsync(file) -> rename -> fsync(directory).
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_codes
 import fcntl
 import os
@@ -42,7 +43,8 @@ class DirEntry:
 
 class Disk(Protocol):
     """What the store may ask of a file system. Every method raises
-    `DiskError` (carrying the errno) when the operation fails."""
+    `DiskError` (carrying the errno) when the operation fails, except
+    `drop_cached`, which is advice and never raises."""
 
     def create_exclusive(self, path: Path) -> FileHandle: ...
     def open_read(self, path: Path) -> FileHandle: ...
@@ -60,6 +62,7 @@ class Disk(Protocol):
     def utime(self, path: Path, mtime_ns: int) -> None: ...
     def lock_exclusive(self, path: Path, owner: str) -> FileHandle: ...
     def unlock(self, handle: FileHandle) -> None: ...
+    def drop_cached(self, handle: FileHandle, offset: int, length: int) -> None: ...
 
 
 def fsync_path(path: Path) -> None:
@@ -117,6 +120,13 @@ class RealDisk:
         except OSError as e:
             raise _disk_error("read", f"fd {handle}", e) from e
         return total
+
+    def drop_cached(self, handle: int, offset: int, length: int) -> None:
+        """Advise the kernel to drop the range's clean pages from the page
+        cache (the bytes were just copied into memory the caller owns). Advice
+        only: a file system that refuses it loses nothing, so nothing raises."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(handle, offset, length, os.POSIX_FADV_DONTNEED)
 
     def size(self, handle: int) -> int:
         try:

@@ -45,7 +45,7 @@ import xxhash
 
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
-from kvcellar.store import codecs
+from kvcellar.store import codecs, tensor_io
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, TensorRecord
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
@@ -178,15 +178,9 @@ class KvFileWriter:
         return segments
 
     def write_segments(self, index: int, segments: list[memoryview]) -> None:
-        """Checksum and write one materialised tensor at its aligned offset (no MLX)."""
+        """Write one materialised tensor at its aligned offset while checksumming it (no MLX)."""
         record = self._tensors[index]
-        hasher = xxhash.xxh3_64()
-        offset = record.file_offset
-        for segment in segments:
-            hasher.update(segment)
-            self.disk.write_at(self._handle, offset, segment)
-            offset += segment.nbytes
-        self._checksums[record.name] = hasher.digest()
+        self._checksums[record.name] = tensor_io.write_and_hash(self.disk, self._handle, record.file_offset, segments)
 
     def write_tensor(self, index: int) -> None:
         """`materialise_tensor` then `write_segments`, on the calling thread."""
@@ -329,15 +323,19 @@ def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, pa
     return buffer
 
 
-_FIRST_READ_BYTES = 64 * 1024
+# One page: a longer first read runs into the payload (the header ends before
+# the first 16 KiB boundary past it), and a startup scan paid for those pages,
+# often read from disk, at every file. A longer header takes a second read.
+_FIRST_READ_BYTES = 4 * 1024
 
 
 def _read_header_from(
     disk: Disk, handle: Any, path: Path, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
 ) -> Header:
     """Parse and check the preamble and header. One read covers both for
-    headers up to ~64 KiB (a startup scan reads thousands of them);
-    `size_bytes`, when the caller already knows it, saves an fstat."""
+    headers up to ~4 KiB, two for longer ones, never a payload byte (a
+    startup scan reads thousands of them); `size_bytes`, when the caller
+    already knows it, saves an fstat."""
     first = bytearray(_FIRST_READ_BYTES)
     got = disk.read_into(handle, 0, memoryview(first))
     if got == 0 or first[: min(got, len(MAGIC))] != MAGIC[: min(got, len(MAGIC))]:
@@ -398,9 +396,12 @@ def load(
     """Load an entry into fresh MLX-owned caches.
 
     The header checksum is always verified; tensor checksums when `verify`.
-    Tensors are read one at a time into a host buffer and copied into MLX
-    (peak transient = one tensor). Raises like `read_header`, plus
-    `CorruptEntry(part="tensor <name>")` when a tensor fails its checksum.
+    Pipelined (`tensor_io.TensorReadPipeline`): each tensor is read straight
+    into its final MLX array on a reader thread while this thread checksums
+    the tensors already read; no host staging buffer, so the peak transient
+    beyond the entry is nothing, and the file's pages are dropped once read.
+    Raises like `read_header`, plus `CorruptEntry(part="tensor <name>")` when
+    a tensor fails its checksum or is cut short.
     """
     disk = disk or RealDisk()
     path = Path(path)
@@ -408,51 +409,21 @@ def load(
     try:
         header = _read_header_from(disk, handle, path, safeguards=safeguards)
         # A policy without checksum checks reads the tensors unchecked too.
-        verify_tensors = verify and safeguards.verify_checksums
-
-        def read_tensor(record: TensorRecord, capacity_rows: int | None = None) -> mx.array:
-            return _read_tensor(disk, handle, record, verify_tensors, path, capacity_rows)
-
-        caches = codecs.rebuild_caches(header.caches, read_tensor)
+        caches = _read_caches(disk, handle, path, header, verify=verify and safeguards.verify_checksums)
     finally:
         disk.close(handle)
     return Entry(caches=caches, tokens=header.tokens, header=header)
 
 
-def _read_tensor(
-    disk: Disk, handle: Any, record: TensorRecord, verify: bool, path: Path, capacity_rows: int | None
-) -> mx.array:
-    """Read one tensor straight into its final host layout, then make one copy
-    into MLX. With `capacity_rows`, each leading slice's rows (contiguous in the
-    file) land at the start of a zero-filled `capacity_rows`-row slot, so no
-    second copy is needed to add slack; the checksum streams over the same
-    segments in file order, so it equals the one-shot digest."""
-    part = f"tensor {record.name}"
-    shape = tuple(record.shape)
-    typed_dtype = codecs.host_dtype(record.dtype)
-    itemsize = np.dtype(typed_dtype).itemsize
-    if int(np.prod(shape, dtype=np.int64)) * itemsize != record.length:
-        raise CorruptEntry(f"{path}: {part} shape {shape} does not match its {record.length} bytes", part="header")
-    if capacity_rows is None or len(shape) < 2 or capacity_rows <= shape[-2]:
-        host = np.empty(shape, dtype=typed_dtype)
-        segments = [host.reshape(-1)]
-    else:
-        host = np.zeros((*shape[:-2], capacity_rows, shape[-1]), dtype=typed_dtype)
-        slots = host.reshape(-1, capacity_rows, shape[-1])
-        segments = [slots[i, : shape[-2]] for i in range(slots.shape[0])]
-    hasher = xxhash.xxh3_64()
-    offset = record.file_offset
-    for segment in segments:
-        view = segment.data.cast("B")
-        got = disk.read_into(handle, offset, view)
-        if got != len(view):
-            raise CorruptEntry(f"{path}: truncated {part}", part=part)
-        if verify:
-            hasher.update(view)
-        offset += got
-    if verify and hasher.digest() != record.checksum:
-        raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
-    return codecs.host_to_mlx(host, record.dtype)
+def _read_caches(disk: Disk, handle: Any, path: Path, header: Header, *, verify: bool) -> list[Any]:
+    pipeline = tensor_io.TensorReadPipeline(disk, handle, path, verify=verify)
+    try:
+        caches = codecs.rebuild_caches(header.caches, pipeline.allocate)
+    except BaseException:
+        pipeline.abandon()
+        raise
+    pipeline.finish()
+    return caches
 
 
 def verify_file(path: Path | str, *, disk: Disk | None = None) -> Header:

@@ -97,9 +97,22 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
 
 
 def _matching_length(left: np.ndarray, right: np.ndarray) -> int:
-    """Length of the common prefix of two equally long arrays."""
-    mismatches = np.flatnonzero(left != right)
-    return int(mismatches[0]) if mismatches.size else len(left)
+    """Length of the common prefix of two equally long arrays (`argmax` finds
+    the first mismatch without building the index list `flatnonzero` does)."""
+    differs = left != right
+    first = int(differs.argmax())
+    return first if differs[first] else len(left)
+
+
+def _owned_read_only(array: np.ndarray) -> np.ndarray:
+    """`array` as a read-only array nobody can change under the index: a
+    read-only view of an immutable `bytes` (a header's or a journal row's
+    token ids) is kept as it is; anything else is copied."""
+    if not array.flags.writeable and isinstance(array.base, bytes) and array.flags.c_contiguous:
+        return array
+    owned = np.array(array, dtype=TOKEN_DTYPE, copy=True)
+    owned.setflags(write=False)
+    return owned
 
 
 def _dominates(point: FrontierPoint, other: FrontierPoint) -> bool:
@@ -166,8 +179,7 @@ class PrefixIndex:
         """Index an entry; an id already present is replaced."""
         if minimum_reusable_offset < 0:
             raise ValueError(f"minimum_reusable_offset must be >= 0, got {minimum_reusable_offset}")
-        array = np.array(as_token_array(tokens), dtype=TOKEN_DTYPE, copy=True)
-        array.setflags(write=False)
+        array = _owned_read_only(as_token_array(tokens))
         if entry_id in self._entries:
             self.remove(entry_id)
         node = self._node_ending_at(array)
@@ -240,6 +252,22 @@ class PrefixIndex:
         if tail is not None or matched_tokens != len(array):
             return []
         return sorted(path[-1].entries)
+
+    def same_tokens(self, entry_id: str) -> list[str]:
+        """Ids (sorted) of entries holding exactly the tokens of indexed entry
+        `entry_id`, itself included: `exact` without walking, since every
+        entry at a node holds that node's path. Unknown id: KeyError."""
+        return sorted(self._entries[entry_id].node.entries)
+
+    def strict_prefix_ancestors_of(self, entry_id: str) -> list[str]:
+        """`strict_prefix_ancestors` of an indexed entry's tokens, from its
+        node's ancestors instead of a walk. Unknown id: KeyError."""
+        ancestors: list[str] = []
+        node = self._entries[entry_id].node.parent
+        while node is not None:
+            ancestors.extend(node.entries)
+            node = node.parent
+        return sorted(ancestors)
 
     def _candidates_at(self, node: _Node, usable: int) -> Iterator[tuple[int, bool, int, str]]:
         """Sort keys `(-usable, needs_trim, length, id)` of the best entries under

@@ -697,14 +697,15 @@ class SsdStore:
         """Unindex what `entry` replaces (under the lock); returns the files to unlink."""
         index = self._indexes[entry.namespace]
         removed: list[Path] = []
-        for other_id in index.exact(entry.tokens):
+        # `entry` is indexed (both callers index it first): its trie node names both lists without a walk.
+        for other_id in index.same_tokens(entry.entry_id):
             if other_id != entry.entry_id:
                 removed += self._remove(
                     other_id, ev.EntrySuperseded(entry_id=other_id, by_entry_id=entry.entry_id, reason="duplicate")
                 )
         if not entry.trimmable:
             return removed
-        for ancestor_id in index.strict_prefix_ancestors(entry.tokens):
+        for ancestor_id in index.strict_prefix_ancestors_of(entry.entry_id):
             ancestor = self._entries[ancestor_id]
             # A descendant can stand in for an ancestor only if it can be trimmed that far.
             if entry.minimum_reusable_offset <= ancestor.tokens.size:
@@ -893,6 +894,7 @@ class SsdStore:
                 "bytes_max": self.bytes_max,
                 **counters,
                 "journal": journal,
+                "verify_tensors": self.verify,
             }
 
 

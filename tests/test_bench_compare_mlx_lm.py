@@ -34,12 +34,13 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])
-    for key in ("restart_ttft_ratio", "turn_ttft_ratio", "cold_ttft_ratio"):
+    for key in ("restart_ttft_ratio", "turn_ttft_ratio", "cold_ttft_ratio", "warm_ttft_ratio"):
         assert figures[key] > 0, key
     assert "decode_ratio" in figures and set(figures["targets_met"]) == {
         "restart_ttft_ratio_le_0.02",
         "turn_ttft_ratio_le_1.0",
         "decode_ratio_ge_0.95",
+        "warm_ttft_ratio_le_1.0",
     }
     for name in ("kvcellar", "mlx_lm"):
         server = figures["servers"][name]

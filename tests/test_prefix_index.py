@@ -112,6 +112,13 @@ class PrefixIndexAgainstReference(RuleBasedStateMachine):
         assert self.index.strict_prefix_ancestors(tokens) == ancestors
         assert self.index.exact(tokens) == exact
 
+    @rule(stored=stored_ids)
+    def by_id_lists_equal_the_walks(self, stored):
+        if stored in self.reference:
+            tokens = self.reference[stored][0]
+            assert self.index.same_tokens(stored) == self.index.exact(tokens)
+            assert self.index.strict_prefix_ancestors_of(stored) == self.index.strict_prefix_ancestors(tokens)
+
     @invariant()
     def membership_and_size_follow_reference(self):
         assert len(self.index) == len(self.reference)
@@ -252,3 +259,10 @@ def test_churn_leaves_no_nodes_behind():
         index.remove(entry_id)
     assert len(index) == 0
     assert index.node_count() == 1
+
+
+def test_tokens_viewing_immutable_bytes_are_kept_without_a_copy():
+    packed = np.array([4, 5, 6], dtype="<u4").tobytes()
+    view = np.frombuffer(packed, dtype=np.uint32)
+    index = _index(("kv", view, True, 0))
+    assert index.tokens_of("kv") is view and not view.flags.writeable

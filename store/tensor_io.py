@@ -1,0 +1,219 @@
+"""Moving a `.kvc` entry's tensor bytes between the file and MLX, overlapped.
+
+Restore (`TensorReadPipeline`): each tensor is allocated as its final MLX
+array (step-rounded capacity, uninitialised: `mx.empty`), and a reader thread
+`preadv`s the tensor's rows from the file straight into that array's memory
+while the calling thread checksums the tensors already read. There is no host
+staging buffer and no host-to-MLX copy, so the peak transient beyond the
+restored entry itself is nothing but the page cache, whose pages the reader
+drops (`Disk.drop_cached`) as soon as a tensor is in memory. Only the slack
+rows past each slot's persisted rows are zero-filled: the persisted rows are
+overwritten at once, so zeroing them would be wasted work.
+
+Save (`write_and_hash`): one tensor's segments are written by a helper thread
+while the calling thread checksums them; the commit protocol around it is the
+caller's (`kvfile.KvFileWriter`).
+
+Threads: the caller (the engine thread) does every MLX call, allocation
+included; the reader and writer threads only move bytes through `Disk` into or
+out of memory that the caller owns and does not touch until they are done.
+Disk calls keep the sequential order (one thread issues them), and a load
+whose checksum fails still lets the reader finish its reads before it raises,
+so the sequence of disk calls does not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from kvcellar.errors import CorruptEntry
+from kvcellar.store import codecs
+from kvcellar.store.disk import Disk
+from kvcellar.store.records import TensorRecord
+
+_MLX_DTYPES: dict[str, Any] = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "uint32": mx.uint32,
+    "int32": mx.int32,
+    "uint16": mx.uint16,
+    "int16": mx.int16,
+    "uint8": mx.uint8,
+    "int8": mx.int8,
+    "int64": mx.int64,
+    "uint64": mx.uint64,
+    "bool": mx.bool_,
+}
+
+
+@attrs.frozen(kw_only=True)
+class _ReadJob:
+    """One tensor: where its bytes go (`(file offset, destination)` per
+    contiguous run, in file order) and the array that owns the memory."""
+
+    record: TensorRecord
+    runs: tuple[tuple[int, memoryview], ...]
+
+
+_FINISHED = object()
+OVERLAP_BYTES_MIN = 1 << 20
+
+
+def _mlx_dtype(record: TensorRecord) -> Any:
+    codecs.host_dtype(record.dtype)  # raises CorruptEntry for a dtype this build does not read
+    return _MLX_DTYPES[record.dtype]
+
+
+def _allocate(record: TensorRecord, capacity_rows: int | None, path: Path) -> tuple[mx.array, _ReadJob]:
+    """The final MLX array of one tensor (uninitialised except for zeroed
+    slack rows) and the runs the reader fills: with a capacity, each leading
+    slot's rows are contiguous in the file and land at the start of its slot."""
+    part = f"tensor {record.name}"
+    shape = tuple(record.shape)
+    dtype = _mlx_dtype(record)
+    if int(np.prod(shape, dtype=np.int64)) * dtype.size != record.length:
+        raise CorruptEntry(f"{path}: {part} shape {shape} does not match its {record.length} bytes", part="header")
+    padded = capacity_rows is not None and len(shape) >= 2 and capacity_rows > shape[-2]
+    full_shape = (*shape[:-2], capacity_rows, shape[-1]) if padded and capacity_rows else shape
+    array = mx.empty(full_shape, dtype=dtype)
+    mx.eval(array)
+    flat = memoryview(array).cast("B")  # type: ignore[arg-type]  # stubs omit mx.array's buffer protocol
+    if not padded:
+        return array, _ReadJob(record=record, runs=((record.file_offset, flat),))
+    row_bytes = shape[-1] * dtype.size
+    slot_bytes = full_shape[-2] * row_bytes
+    kept_bytes = shape[-2] * row_bytes
+    slots = np.frombuffer(flat, dtype=np.uint8).reshape(-1, slot_bytes)
+    slots[:, kept_bytes:] = 0
+    runs = tuple(
+        (record.file_offset + slot * kept_bytes, flat[slot * slot_bytes : slot * slot_bytes + kept_bytes])
+        for slot in range(slots.shape[0])
+    )
+    return array, _ReadJob(record=record, runs=runs)
+
+
+class TensorReadPipeline:
+    """Reads one entry's tensors on a reader thread while the caller verifies.
+
+    `allocate(record, capacity_rows)` (the codecs' `TensorReader`) returns the
+    tensor's final array at once and queues its read; `finish()` checksums each
+    tensor as its read completes, waits for the reader and raises the first
+    failure; `abandon()` stops it after a failure elsewhere. Arrays handed out
+    hold their bytes only once `finish()` returned.
+    """
+
+    def __init__(self, disk: Disk, handle: Any, path: Path, *, verify: bool) -> None:
+        self._disk = disk
+        self._handle = handle
+        self._path = path
+        self._verify = verify
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read_all, name="kvc-reader", daemon=True)
+        self._thread.start()
+
+    def allocate(self, record: TensorRecord, capacity_rows: int | None = None) -> mx.array:
+        array, job = _allocate(record, capacity_rows, self._path)
+        self._jobs.put(job)
+        return array
+
+    def _read_all(self) -> None:
+        failed = False
+        while (job := self._jobs.get()) is not _FINISHED:
+            if failed:
+                continue  # after a failed read nothing more is read: the order of disk calls stays fixed
+            try:
+                self._read(job)
+            except BaseException as e:  # handed to the caller, who re-raises it
+                failed = True
+                self._done.put((job, e))
+                continue
+            self._done.put((job, None))
+        self._done.put(_FINISHED)
+
+    def _read(self, job: _ReadJob) -> None:
+        record = job.record
+        for offset, destination in job.runs:
+            got = self._disk.read_into(self._handle, offset, destination)
+            if got != len(destination):
+                raise CorruptEntry(f"{self._path}: truncated tensor {record.name}", part=f"tensor {record.name}")
+        # The bytes now live in the MLX array: the page cache's copy would only double the entry.
+        self._disk.drop_cached(self._handle, record.file_offset, record.length)
+
+    def finish(self) -> None:
+        """Verify every tensor as it arrives; raise the first failure once the reader stopped."""
+        self._jobs.put(_FINISHED)
+        first_error: BaseException | None = None
+        while (item := self._done.get()) is not _FINISHED:
+            job, error = item
+            if first_error is None:
+                first_error = error if error is not None else self._check(job)
+        self._thread.join()
+        if first_error is not None:
+            raise first_error
+
+    def _check(self, job: _ReadJob) -> CorruptEntry | None:
+        if not self._verify:
+            return None
+        hasher = xxhash.xxh3_64()
+        for _, destination in job.runs:
+            hasher.update(destination)
+        if hasher.digest() == job.record.checksum:
+            return None
+        part = f"tensor {job.record.name}"
+        return CorruptEntry(f"{self._path}: checksum mismatch in {part}", part=part)
+
+    def abandon(self) -> None:
+        """Stop after a failure outside the pipeline; swallows the reader's own errors."""
+        self._jobs.put(_FINISHED)
+        while self._done.get() is not _FINISHED:
+            pass
+        self._thread.join()
+
+
+def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memoryview]) -> bytes:
+    """Write `segments` back to back from `offset` on a helper thread while
+    this thread checksums them; returns the xxh3-64 digest of their bytes.
+    Raises the write's error (after the helper stopped) when it fails.
+    A tensor under `OVERLAP_BYTES_MIN` is written and hashed inline: a thread
+    start would cost more than the overlap saves."""
+    if sum(segment.nbytes for segment in segments) < OVERLAP_BYTES_MIN:
+        hasher = xxhash.xxh3_64()
+        cursor = offset
+        for segment in segments:
+            hasher.update(segment)
+            disk.write_at(handle, cursor, segment)
+            cursor += segment.nbytes
+        return hasher.digest()
+    failure: list[BaseException] = []
+
+    def write_all() -> None:
+        cursor = offset
+        try:
+            for segment in segments:
+                disk.write_at(handle, cursor, segment)
+                cursor += segment.nbytes
+        except BaseException as e:  # re-raised on the calling thread below
+            failure.append(e)
+
+    writer = threading.Thread(target=write_all, name="kvc-writer", daemon=True)
+    writer.start()
+    hasher = xxhash.xxh3_64()
+    try:
+        for segment in segments:
+            hasher.update(segment)
+    finally:
+        writer.join()
+    if failure:
+        raise failure[0]
+    return hasher.digest()

@@ -1,0 +1,175 @@
+"""The pipelined `.kvc` restore and save (store/tensor_io.py): bytes land in
+the final MLX arrays bit for bit, only slack is zeroed, a corrupted or cut
+tensor mid-pipeline is named, the order of disk calls does not depend on
+thread timing, pages are dropped once read, and save's overlapped write
+reports its failures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvcellar.errors import CorruptEntry, DiskError
+from kvcellar.store import codecs, kvfile, tensor_io
+from kvcellar.store.disk import RealDisk, TracingDisk
+
+# Big enough that every tensor crosses tensor_io.OVERLAP_BYTES_MIN (the threaded write path).
+LAYERS, HEADS, ROWS, HEAD_DIM = 3, 4, 300, 256
+
+
+def _entry(dtype=mx.float32) -> tuple[list[KVCache], list[int]]:
+    mx.random.seed(3)
+    caches = []
+    for _ in range(LAYERS):
+        cache = KVCache()
+        shape = (1, HEADS, ROWS, HEAD_DIM)
+        cache.update_and_fetch(mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype))
+        mx.eval(cache.keys, cache.values)
+        caches.append(cache)
+    return caches, list(range(ROWS))
+
+
+@pytest.fixture(scope="module")
+def big_entry(tmp_path_factory):
+    caches, tokens = _entry()
+    path = tmp_path_factory.mktemp("pipeline") / "big.kvc"
+    header = kvfile.save(path, caches, tokens)
+    assert all(record.length >= tensor_io.OVERLAP_BYTES_MIN for record in header.tensor_records())
+    return path, header, caches
+
+
+def _damaged_copy(source: Path, target: Path, offset: int) -> Path:
+    data = bytearray(source.read_bytes())
+    data[offset] ^= 0x40
+    target.write_bytes(bytes(data))
+    return target
+
+
+def _read_calls(disk: TracingDisk) -> list[str]:
+    return [call.operation for call in disk.calls if call.operation in ("read_into", "drop_cached")]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_pipelined_restore_is_bit_identical_with_zeroed_slack(dtype, tmp_path):
+    caches, tokens = _entry(dtype)
+    path = tmp_path / "e.kvc"
+    kvfile.save(path, caches, tokens)
+    restored = kvfile.load(path).caches
+    for live, back in zip(caches, restored, strict=True):
+        assert back.offset == live.offset and back.keys.dtype == dtype
+        assert back.keys.shape[-2] == codecs._step_capacity(ROWS)
+        for ours, theirs in ((back.keys, live.keys), (back.values, live.values)):
+            assert mx.array_equal(ours[..., :ROWS, :], theirs[..., :ROWS, :]).item()
+            assert not mx.any(ours[..., ROWS:, :]).item()
+
+
+def test_corrupted_tensor_mid_pipeline_is_named_after_every_read(big_entry, tmp_path):
+    path, header, _ = big_entry
+    records = list(header.tensor_records())
+    middle = records[len(records) // 2]
+    intact_disk = TracingDisk(RealDisk())
+    kvfile.load(path, disk=intact_disk)
+    damaged = _damaged_copy(path, tmp_path / "d.kvc", middle.file_offset + middle.length // 3)
+    for _ in range(3):
+        damaged_disk = TracingDisk(RealDisk())
+        with pytest.raises(CorruptEntry) as caught:
+            kvfile.load(damaged, disk=damaged_disk)
+        assert caught.value.part == f"tensor {middle.name}"
+        # The reader finishes its reads before the load raises: the same calls as an intact load, every time.
+        assert _read_calls(damaged_disk) == _read_calls(intact_disk)
+
+
+class _ShortReadDisk(RealDisk):
+    """Returns fewer bytes than asked for reads starting at `short_offset`
+    (a file cut beneath a load, after its header was checked)."""
+
+    def __init__(self, short_offset: int) -> None:
+        self.short_offset = short_offset
+        self.read_offsets: list[int] = []
+
+    def read_into(self, handle, offset, buffer):
+        self.read_offsets.append(offset)
+        got = super().read_into(handle, offset, buffer)
+        return got // 2 if offset == self.short_offset else got
+
+
+def test_tensor_cut_short_mid_pipeline_stops_the_reads_and_is_named(big_entry):
+    path, header, _ = big_entry
+    records = list(header.tensor_records())
+    cut = records[2]
+    disk = _ShortReadDisk(cut.file_offset)
+    with pytest.raises(CorruptEntry) as caught:
+        kvfile.load(path, disk=disk)
+    assert caught.value.part == f"tensor {cut.name}"
+    assert "truncated" in str(caught.value)
+    assert max(disk.read_offsets) == cut.file_offset  # nothing after the cut tensor was read
+
+
+def test_truncated_file_fails_before_any_tensor_is_read(big_entry, tmp_path):
+    path, header, _ = big_entry
+    short = tmp_path / "short.kvc"
+    short.write_bytes(path.read_bytes()[: header.file_bytes - 4096])
+    disk = TracingDisk(RealDisk())
+    with pytest.raises(CorruptEntry) as caught:
+        kvfile.load(short, disk=disk)
+    assert caught.value.part == "size"
+    assert "drop_cached" not in [call.operation for call in disk.calls]
+
+
+def test_verify_off_returns_the_bytes_on_disk_unchecked(big_entry, tmp_path):
+    path, header, caches = big_entry
+    record = next(header.tensor_records())
+    damaged = _damaged_copy(path, tmp_path / "nv.kvc", record.file_offset)
+    entry = kvfile.load(damaged, verify=False)
+    keys = np.asarray(memoryview(entry.caches[0].keys))
+    live = np.asarray(memoryview(caches[0].keys))
+    flat_restored = keys[..., :ROWS, :].reshape(-1).view(np.uint8)
+    flat_live = np.ascontiguousarray(live[..., :ROWS, :]).reshape(-1).view(np.uint8)
+    assert flat_restored[0] == flat_live[0] ^ 0x40
+    assert np.array_equal(flat_restored[1:], flat_live[1:])
+    with pytest.raises(CorruptEntry):
+        kvfile.load(damaged, verify=True)
+
+
+def test_every_tensor_range_is_dropped_from_the_page_cache_once_read(big_entry):
+    path, header, _ = big_entry
+    dropped: list[tuple[int, int]] = []
+
+    class _RecordingDisk(RealDisk):
+        def drop_cached(self, handle, offset, length):
+            dropped.append((offset, length))
+            super().drop_cached(handle, offset, length)
+
+    kvfile.load(path, disk=_RecordingDisk())
+    assert dropped == [(record.file_offset, record.length) for record in header.tensor_records()]
+
+
+class _FailingPayloadWriteDisk(RealDisk):
+    """Fails every tensor write (the payload starts past the first alignment unit)."""
+
+    def write_at(self, handle, offset, data):
+        if offset >= kvfile.ALIGNMENT_BYTES:
+            raise DiskError("write: No space left on device", errno=28)
+        super().write_at(handle, offset, data)
+
+
+def test_failed_overlapped_write_leaves_neither_temp_file_nor_target(tmp_path):
+    caches, tokens = _entry()
+    target = tmp_path / "fail.kvc"
+    with pytest.raises(DiskError) as caught:
+        kvfile.save(target, caches, tokens, disk=_FailingPayloadWriteDisk())
+    assert caught.value.errno == 28
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overlapped_save_checksums_match_a_one_shot_digest(big_entry):
+    path, header, _ = big_entry
+    data = path.read_bytes()
+    for record in header.tensor_records():
+        span = data[record.file_offset : record.file_offset + record.length]
+        assert kvfile._checksum(span) == record.checksum
+    kvfile.verify_file(path)
