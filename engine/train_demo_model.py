@@ -258,9 +258,9 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
             loss_now = held_out_loss(model, eval_windows)
             elapsed_s = time.monotonic() - started_s
             log["held_out"].append({"step": step_index, "loss": round(loss_now, 4), "elapsed_s": round(elapsed_s, 1)})
-            report(
-                f"step {step_index}/{config.steps}: train {item_float(loss):.3f}, held-out {loss_now:.3f}, {elapsed_s:.0f} s"
-            )
+            train_loss = item_float(loss)
+            losses = f"train {train_loss:.3f}, held-out {loss_now:.3f}"
+            report(f"step {step_index}/{config.steps}: {losses}, {elapsed_s:.0f} s")
             _save(out_dir, model, log)
     model.set_dtype(mx.bfloat16)
     final_loss = held_out_loss(model, eval_windows)
