@@ -85,7 +85,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_server_prompts(progress: Console) -> dict[str, Any]:
+def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
     """Start `kvcellar serve` (no --model: demo-coder), send both prompt sets, stop it."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -99,13 +99,13 @@ def run_server_prompts(progress: Console) -> dict[str, Any]:
         _wait_healthy(process, base)
         with httpx.Client(base_url=base, timeout=120) as client:
             chats = []
-            for conversation in held_out_chat_prompts():
+            for conversation in held_out_chat_prompts()[:prompts]:
                 reply = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
                 chats.append(reply["choices"][0]["message"].get("content") or "")
             progress.print(f"{len(chats)} chat replies")
             tool_hits = []
             tool_replies = []
-            for conversation in held_out_tool_prompts():
+            for conversation in held_out_tool_prompts()[:prompts]:
                 message = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
                 message = message["choices"][0]["message"]
                 tool_replies.append(message)
@@ -198,8 +198,15 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--prompts",
+    type=click.IntRange(1, 20),
+    default=20,
+    show_default=True,
+    help="How many of the 20 held-out chat prompts and of the 20 tool prompts to send.",
+)
 @publish_options(DOCS_BEGIN, DOCS_END)
-def main(as_json: bool, write_docs: bool) -> None:
+def main(prompts: int, as_json: bool, write_docs: bool) -> None:
     """Measure the committed demo-coder model: held-out loss, printable and tool-call shares, speed."""
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -209,7 +216,7 @@ def main(as_json: bool, write_docs: bool) -> None:
         "held_out_loss": log["final_held_out_loss_bf16"],
         "held_out_perplexity": log["final_held_out_perplexity_bf16"],
     }
-    result.update(run_server_prompts(progress))
+    result.update(run_server_prompts(prompts, progress))
     with tempfile.TemporaryDirectory(prefix="demo-model-bench-") as scratch:
         random_dir = create_model("llama", Path(scratch) / "llama-small", size="small")
         result["random_small_tokens_per_s"] = decode_tokens_per_s(random_dir)
