@@ -152,9 +152,12 @@ def list_command() -> None:
 @model_group.command(name="train")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and initial weights.")
-@click.option("--steps", type=click.IntRange(min=1), default=250, show_default=True, help="Optimizer steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=250, show_default=True, help="Steps on chats and code.")
+@click.option(
+    "--chat-steps", type=click.IntRange(min=0), default=120, show_default=True, help="Then steps on chats alone."
+)
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
-def train_command(out_dir: Path, seed: int, steps: int, force: bool) -> None:
+def train_command(out_dir: Path, seed: int, steps: int, chat_steps: int, force: bool) -> None:
     """Train the demo-coder model into OUT_DIR (MLX on the CPU; the defaults made the committed one).
     \f
     On Linux, run it with OpenBLAS preloaded (see `kvcellar.engine.train_demo_model`):
@@ -164,7 +167,8 @@ def train_command(out_dir: Path, seed: int, steps: int, force: bool) -> None:
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
-    log = train(out_dir, TrainingConfig(seed=seed, steps=steps), progress=lambda line: click.echo(line, err=True))
+    config = TrainingConfig(seed=seed, steps=steps, chat_steps=chat_steps)
+    log = train(out_dir, config, progress=lambda line: click.echo(line, err=True))
     click.echo(f"trained {out_dir}: {log['parameters']:,} parameters, held-out loss {log['final_held_out_loss_bf16']}")
 
 

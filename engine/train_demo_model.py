@@ -85,6 +85,9 @@ class TrainingConfig:
     num_hidden_layers: int = 6
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
+    # Phase two (`train_chat_phase`): chat windows only, a fresh AdamW with a cosine decay from this rate.
+    chat_steps: int = 120
+    chat_learning_rate: float = 1e-3
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -196,9 +199,11 @@ def held_out_loss(model: nn.Module, windows: list[np.ndarray]) -> float:
 def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Train the model into `out_dir` and return the training log.
 
-    The model files are rewritten at every evaluation, so an interrupted run
-    leaves a usable (less trained) model behind. Raises `ModelError` when
-    mlx-lm cannot build the model.
+    Two phases: `steps` on the mixed stream (chats and code), then, when
+    `chat_steps` is non-zero, `train_chat_phase` on chats alone, starting from
+    the bfloat16 weights phase one stored. The model files are rewritten at
+    every evaluation, so an interrupted run leaves a usable (less trained)
+    model behind. Raises `ModelError` when mlx-lm cannot build the model.
     """
     report = progress or (lambda line: None)
     out_dir = Path(out_dir)
@@ -210,30 +215,10 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
     )
     model_config = llama_config(config)
     (out_dir / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    try:
-        module = importlib.import_module("mlx_lm.models.llama")
-        mx.random.seed(config.seed)
-        model = module.Model(module.ModelArgs.from_dict(model_config))
-    except (ImportError, TypeError, ValueError) as e:
-        raise ModelError(f"mlx-lm cannot build the demo-coder llama: {e}") from e
+    mx.random.seed(config.seed)
+    model = _build_model(model_config)
     parameters = sum(weight.size for _, weight in _flat_parameters(model))
     report(f"parameters: {parameters:,}")
-    optimizer = optim.AdamW(learning_rate=learning_rate_schedule(config), weight_decay=config.weight_decay)
-    loss_and_grad = nn.value_and_grad(model, token_loss)
-    state = [model.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step(windows: mx.array) -> mx.array:
-        loss, grads = loss_and_grad(model, windows)
-        optimizer.update(model, grads)
-        return loss
-
-    rng = np.random.default_rng(config.seed)
-    chat_rows = round(config.batch_rows * config.chat_row_share)
-    eval_windows = [
-        fixed_windows(streams.code_held_out, config.eval_windows // 2, config.window_tokens),
-        fixed_windows(streams.chat_held_out, config.eval_windows // 2, config.window_tokens),
-    ]
     log: dict[str, Any] = {
         "config": attrs.asdict(config),
         "model_config": model_config,
@@ -243,34 +228,133 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
         "train_loss": [],
         "held_out": [],
     }
-    started_s = time.monotonic()
-    for step_index in range(1, config.steps + 1):
-        batch = np.concatenate(
+    rng = np.random.default_rng(config.seed)
+    chat_rows = round(config.batch_rows * config.chat_row_share)
+
+    def mixed_batch() -> np.ndarray:
+        return np.concatenate(
             [
                 sample_windows(rng, streams.chat_train, chat_rows, config.window_tokens),
                 sample_windows(rng, streams.code_train, config.batch_rows - chat_rows, config.window_tokens),
             ]
         )
-        loss = step(mx.array(batch))
+
+    schedule = learning_rate_schedule(config)
+    _train_loop(
+        out_dir, model, schedule, mixed_batch, config, streams, log, first_step=1, steps=config.steps, report=report
+    )
+    log["phase_one_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
+    if config.chat_steps:
+        log = train_chat_phase(out_dir, config, progress, streams=streams, log=log)
+    _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
+    return log
+
+
+def train_chat_phase(
+    out_dir: Path,
+    config: TrainingConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    streams: TokenStreams | None = None,
+    log: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Phase two: `chat_steps` on chat windows only, from the bfloat16 weights in `out_dir`.
+
+    Always starts from the stored file (also inside `train`), so resuming a
+    finished phase one in a new process gives the same weights as one run.
+    """
+    report = progress or (lambda line: None)
+    out_dir = Path(out_dir)
+    streams = streams if streams is not None else build_streams(out_dir, config)
+    if log is None:
+        log = json.loads((out_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
+        log["phase_one_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
+        log["config"] = attrs.asdict(config)
+        if "train_wall_s" in log and "phase_wall_s" not in log:
+            log["phase_wall_s"] = [log["train_wall_s"]]
+    model = _build_model(llama_config(config))
+    model.load_weights(str(out_dir / WEIGHTS_FILE_NAME))
+    model.set_dtype(mx.float32)
+    rng = np.random.default_rng(config.seed + 1)
+
+    def chat_batch() -> np.ndarray:
+        return sample_windows(rng, streams.chat_train, config.batch_rows, config.window_tokens)
+
+    schedule = optim.cosine_decay(config.chat_learning_rate, config.chat_steps, end=config.learning_rate_final)
+    first_step = config.steps + 1
+    _train_loop(
+        out_dir,
+        model,
+        schedule,
+        chat_batch,
+        config,
+        streams,
+        log,
+        first_step=first_step,
+        steps=config.chat_steps,
+        report=report,
+    )
+    return log
+
+
+def _build_model(model_config: dict[str, Any]) -> nn.Module:
+    try:
+        module = importlib.import_module("mlx_lm.models.llama")
+        return module.Model(module.ModelArgs.from_dict(model_config))
+    except (ImportError, TypeError, ValueError) as e:
+        raise ModelError(f"mlx-lm cannot build the demo-coder llama: {e}") from e
+
+
+def _train_loop(
+    out_dir: Path,
+    model: nn.Module,
+    schedule: Callable[[mx.array], mx.array],
+    next_batch: Callable[[], np.ndarray],
+    config: TrainingConfig,
+    streams: TokenStreams,
+    log: dict[str, Any],
+    *,
+    first_step: int,
+    steps: int,
+    report: ProgressCallback,
+) -> None:
+    """`steps` AdamW steps on `next_batch()`, evaluating and saving every `eval_every_steps`,
+    then the held-out loss of the bfloat16 weights (the model is left in bfloat16)."""
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
+    loss_and_grad = nn.value_and_grad(model, token_loss)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(windows: mx.array) -> mx.array:
+        loss, grads = loss_and_grad(model, windows)
+        optimizer.update(model, grads)
+        return loss
+
+    eval_windows = [
+        fixed_windows(streams.code_held_out, config.eval_windows // 2, config.window_tokens),
+        fixed_windows(streams.chat_held_out, config.eval_windows // 2, config.window_tokens),
+    ]
+    last_step = first_step + steps - 1
+    started_s = time.monotonic()
+    for step_index in range(first_step, last_step + 1):
+        loss = step(mx.array(next_batch()))
         mx.eval(loss, state)
         log["train_loss"].append(round(item_float(loss), 4))
-        if step_index % config.eval_every_steps == 0 or step_index == config.steps:
+        if (step_index - first_step + 1) % config.eval_every_steps == 0 or step_index == last_step:
             loss_now = held_out_loss(model, eval_windows)
             elapsed_s = time.monotonic() - started_s
             log["held_out"].append({"step": step_index, "loss": round(loss_now, 4), "elapsed_s": round(elapsed_s, 1)})
-            train_loss = item_float(loss)
-            losses = f"train {train_loss:.3f}, held-out {loss_now:.3f}"
-            report(f"step {step_index}/{config.steps}: {losses}, {elapsed_s:.0f} s")
+            losses = f"train {item_float(loss):.3f}, held-out {loss_now:.3f}"
+            report(f"step {step_index}/{config.steps + config.chat_steps}: {losses}, {elapsed_s:.0f} s")
             _save(out_dir, model, log)
     model.set_dtype(mx.bfloat16)
     final_loss = held_out_loss(model, eval_windows)
+    log.setdefault("phase_wall_s", []).append(round(time.monotonic() - started_s, 1))
+    log["train_wall_s"] = round(sum(log["phase_wall_s"]), 1)
     log["final_held_out_loss_bf16"] = round(final_loss, 4)
     log["final_held_out_perplexity_bf16"] = round(math.exp(final_loss), 2)
-    log["train_wall_s"] = round(time.monotonic() - started_s, 1)
     _save(out_dir, model, log)
-    _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
     report(f"held-out loss (bfloat16 weights): {final_loss:.3f}, perplexity {math.exp(final_loss):.1f}")
-    return log
 
 
 def _save(out_dir: Path, model: nn.Module, log: dict[str, Any]) -> None:
@@ -313,6 +397,9 @@ def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
         label="held out",
         marker="o",
     )
+    if log["config"].get("chat_steps"):
+        axes.axvline(log["config"]["steps"] + 0.5, color="grey", linestyle="--", linewidth=0.8)
+        axes.text(log["config"]["steps"] + 2, max(log["train_loss"]) * 0.95, "chats only", color="grey")
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats/token)")
     axes.set_title(f"demo-coder: {log['parameters']:,} parameters, {log['tokens_per_step']} tokens/step")

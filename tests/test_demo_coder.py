@@ -130,6 +130,7 @@ def test_train_writes_a_model_mlx_lm_loads_and_its_log(tmp_path):
 
     config = TrainingConfig(
         steps=2,
+        chat_steps=1,
         batch_rows=2,
         window_tokens=32,
         warmup_steps=1,
@@ -143,7 +144,8 @@ def test_train_writes_a_model_mlx_lm_loads_and_its_log(tmp_path):
         num_key_value_heads=1,
     )
     log = train(tmp_path / "model", config)
-    assert len(log["train_loss"]) == 2 and [point["step"] for point in log["held_out"]] == [1, 2]
+    assert len(log["train_loss"]) == 3 and [point["step"] for point in log["held_out"]] == [1, 2, 3]
+    assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 2
     _, tokenizer = load(str(tmp_path / "model"))
     assert tokenizer.has_tool_calling
     assert json.loads((tmp_path / "model" / TRAINING_LOG_FILE_NAME).read_text())["final_held_out_loss_bf16"] > 0
