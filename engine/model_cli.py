@@ -154,7 +154,7 @@ def list_command() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and initial weights.")
 @click.option("--steps", type=click.IntRange(min=1), default=250, show_default=True, help="Steps on chats and code.")
 @click.option(
-    "--chat-steps", type=click.IntRange(min=0), default=120, show_default=True, help="Then steps on chats alone."
+    "--chat-steps", type=click.IntRange(min=0), default=240, show_default=True, help="Then steps on chats alone."
 )
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
 def train_command(out_dir: Path, seed: int, steps: int, chat_steps: int, force: bool) -> None:

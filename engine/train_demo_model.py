@@ -86,7 +86,7 @@ class TrainingConfig:
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     # Phase two (`train_chat_phase`): chat windows only, a fresh AdamW with a cosine decay from this rate.
-    chat_steps: int = 120
+    chat_steps: int = 240
     chat_learning_rate: float = 1e-3
 
 
