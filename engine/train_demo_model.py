@@ -169,6 +169,8 @@ def build_streams(model_dir: Path, config: TrainingConfig) -> TokenStreams:
 
 
 def sample_windows(rng: np.random.Generator, stream: np.ndarray, rows: int, tokens: int) -> np.ndarray:
+    if rows == 0:
+        return np.empty((0, tokens + 1), dtype=stream.dtype)
     starts = rng.integers(0, len(stream) - tokens - 1, size=rows)
     return np.stack([stream[start : start + tokens + 1] for start in starts])
 
