@@ -633,3 +633,20 @@ def _process_is_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+DEMO_CODER_NAME = "demo-coder"
+DEMO_CODER_DIR = ASSETS_DIR / DEMO_CODER_NAME
+
+
+def packaged_demo_coder_dir() -> Path:
+    """The committed `demo-coder` model (trained by `kvcellar model train`),
+    shipped as package data: what `serve` uses when no --model is given.
+
+    Raises `ModelError` when the installed package lacks its files (a build
+    that left the package data out).
+    """
+    if not is_complete_model(DEMO_CODER_DIR):
+        missing = [name for name in REQUIRED_MODEL_FILES if not (DEMO_CODER_DIR / name).is_file()]
+        raise ModelError(f"the packaged demo-coder model in {DEMO_CODER_DIR} lacks {', '.join(missing)}")
+    return DEMO_CODER_DIR

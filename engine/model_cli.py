@@ -1,4 +1,5 @@
-"""`kvcellar model ...`: create random-weight demo models for tests and benchmarks."""
+"""`kvcellar model ...`: demo models (random-weight ones for tests and benchmarks, the trained
+demo-coder) and hub models (pull, list)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,72 @@ def _echo_summary(verb: str, model_dir: Path, arch: str, size: str, dtype: str) 
     click.echo(f"  arch: {arch}  size: {size}  dtype: {dtype}")
     click.echo(f"  parameters: {count_parameters(model_dir):,}")
     click.echo(f"  bytes: {model_size_bytes(model_dir):,}")
+
+
+@model_group.command(name="pull")
+@click.argument("repo_id")
+def pull_command(repo_id: str) -> None:
+    """Download hub model REPO_ID (ORG/NAME) into the Hugging Face cache, with progress.
+    \f
+    Only the files mlx-lm loads are fetched; a repo already cached is left
+    alone. Raises `UsageError` for a malformed id, when HF_HUB_OFFLINE is set
+    and the repo is not cached, or when the hub cannot serve it.
+    """
+    from kvcellar.engine.hub import cached_model_dir, download_model, is_repo_id
+
+    if not is_repo_id(repo_id):
+        raise UsageError(f"{repo_id!r} is not a hub repo id (ORG/NAME)")
+    cached = cached_model_dir(repo_id)
+    model_dir = cached if cached is not None else download_model(repo_id)
+    click.echo(f"{'found' if cached is not None else 'downloaded'} {repo_id} at {model_dir}")
+    click.echo(f"  bytes: {model_size_bytes(model_dir):,}")
+
+
+@model_group.command(name="list")
+def list_command() -> None:
+    """List the models kvcellar can serve offline: the built-in demo-coder and
+    the model repos in the local Hugging Face cache, with their sizes."""
+    from kvcellar.engine.demo_models import DEMO_CODER_DIR, DEMO_CODER_NAME
+    from kvcellar.engine.hub import list_cached_models
+
+    rows = []
+    if is_complete_model(DEMO_CODER_DIR):
+        rows.append((DEMO_CODER_NAME, model_size_bytes(DEMO_CODER_DIR), "built in (the default)"))
+    for model in list_cached_models():
+        revisions = f", {model.revisions} revisions" if model.revisions > 1 else ""
+        rows.append((model.repo_id, model.size_bytes, f"hub cache, {model.files} files{revisions}"))
+    width = max((len(name) for name, _, _ in rows), default=0)
+    for name, size_bytes, where in rows:
+        click.echo(f"{name:<{width}}  {_human_bytes(size_bytes):>9}  {where}")
+
+
+@model_group.command(name="train")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and initial weights.")
+@click.option("--steps", type=click.IntRange(min=1), default=250, show_default=True, help="Steps on chats and code.")
+@click.option(
+    "--chat-steps", type=click.IntRange(min=0), default=240, show_default=True, help="Then steps on chats alone."
+)
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
+def train_command(out_dir: Path, seed: int, steps: int, chat_steps: int, force: bool) -> None:
+    """Train the demo-coder model into OUT_DIR (MLX on the CPU; the defaults made the committed one).
+    \f
+    On Linux, run it with OpenBLAS preloaded (see `kvcellar.engine.train_demo_model`):
+    the reference BLAS of the mlx[cpu] wheel makes it ~20x slower.
+    """
+    from kvcellar.engine.train_demo_model import TrainingConfig, train
+
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
+    config = TrainingConfig(seed=seed, steps=steps, chat_steps=chat_steps)
+    log = train(out_dir, config, progress=lambda line: click.echo(line, err=True))
+    click.echo(f"trained {out_dir}: {log['parameters']:,} parameters, held-out loss {log['final_held_out_loss_bf16']}")
+
+
+def _human_bytes(size_bytes: int) -> str:
+    size = float(size_bytes)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"

@@ -23,27 +23,22 @@ GB = 10**9
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A local model directory for `--model`: the demo model when absent, a
-    directory with config.json, or a hub repo id already in the local hub cache."""
-    from kvcellar.engine.demo_models import ensure_demo_model
-
+    """A local model directory for `--model`: the committed demo-coder model when
+    absent, a directory with config.json, or a hub repo id (the cached snapshot,
+    else a download with progress on stderr; see `kvcellar.engine.hub`)."""
     if model is None:
-        return ensure_demo_model(progress=lambda message: click.echo(message, err=True))
+        from kvcellar.engine.demo_models import packaged_demo_coder_dir
+
+        return packaged_demo_coder_dir()
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsageError(f"{path} is not a model directory (no config.json)")
         return path
-    if model.count("/") == 1 and not path.exists():
-        try:
-            from huggingface_hub import snapshot_download
+    from kvcellar.engine.hub import is_repo_id, resolve_hub_model
 
-            return Path(snapshot_download(model, local_files_only=True))
-        except Exception as e:
-            raise UsageError(
-                f"{model!r} is not a local directory and is not in the local Hugging Face cache "
-                f"(kvcellar never downloads at start-up): {e}"
-            ) from e
+    if is_repo_id(model) and not path.exists():
+        return resolve_hub_model(model)
     raise UsageError(f"--model {model!r}: no such directory")
 
 
@@ -75,8 +70,8 @@ def shutdown_timeout_s(environ=os.environ) -> float:
 @click.option(
     "--model",
     default=None,
-    help="Model: a local mlx-lm directory or a cached hub repo id. "
-    "Default: the built-in demo model, created on first use.",
+    help="Model: a local mlx-lm directory or a hub repo id ORG/NAME (downloaded into the Hugging Face "
+    "cache unless cached; HF_HUB_OFFLINE=1 forbids it). Default: the built-in demo-coder model.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback by default.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")

@@ -1,0 +1,239 @@
+"""Figures of the committed demo-coder model, through the real server.
+
+* held-out loss and perplexity: from the model's `training-log.json`, which
+  `kvcellar model train` measured on the stored bfloat16 weights over fixed
+  held-out windows (held-out standard-library modules and chats);
+* `printable_share`: of 20 fixed held-out chat prompts, the share whose greedy
+  reply is >= 90 % printable-ASCII words (target >= 0.9);
+* `tool_call_share`: of 20 held-out synthetic tool prompts, the share whose
+  greedy reply, through `kvcellar serve` and mlx-lm's tool parser, holds a
+  tool call naming only tools that were offered (target >= 0.8);
+* decode tokens/s of demo-coder against the random-weight `small` llama (same
+  shape, float32) in the same run, in-process with mlx-lm.
+
+Usage: python -m kvcellar.bench.demo_model [--json] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+from rich.console import Console
+
+from kvcellar.bench.common import describe_machine, print_figures, publish, publish_options
+from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_prompts
+from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
+from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME
+
+DOCS_BEGIN, DOCS_END = "<!-- demo_model:begin -->", "<!-- demo_model:end -->"
+PRINTABLE_WORD_SHARE_MIN = 0.9
+PRINTABLE_SHARE_TARGET = 0.9
+TOOL_CALL_SHARE_TARGET = 0.8
+REPLY_TOKENS_MAX = 96
+SPEED_PROMPT = "def read_config(path):\n    "
+SPEED_TOKENS = 128
+FIGURE_COLUMNS = ("measurement", "value", "note")
+
+
+def printable_word_share(text: str) -> float:
+    """The share of `text`'s whitespace-separated words made only of printable ASCII."""
+    words = text.split()
+    if not words:
+        return 0.0
+    return sum(all(33 <= ord(char) <= 126 for char in word) for word in words) / len(words)
+
+
+def is_mostly_printable(text: str) -> bool:
+    return printable_word_share(text) >= PRINTABLE_WORD_SHARE_MIN
+
+
+def offered_tool_names(conversation: Conversation) -> set[str]:
+    return {tool["function"]["name"] for tool in conversation.tools}
+
+
+def names_only_offered_tools(message: dict[str, Any], conversation: Conversation) -> bool:
+    """True when `message` (an OpenAI reply message) calls at least one tool, and only offered ones."""
+    calls = message.get("tool_calls") or []
+    names = {call["function"]["name"] for call in calls}
+    return bool(calls) and names <= offered_tool_names(conversation)
+
+
+def chat_request(conversation: Conversation) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": conversation.messages,
+        "max_tokens": REPLY_TOKENS_MAX,
+        "temperature": 0,
+    }
+    if conversation.tools:
+        body["tools"] = conversation.tools
+    return body
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
+    """Start `kvcellar serve` (no --model: demo-coder), send both prompt sets, stop it."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcellar.cli", "serve", "--port", str(port), "--batch", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        _wait_healthy(process, base)
+        with httpx.Client(base_url=base, timeout=120) as client:
+            chats = []
+            for conversation in held_out_chat_prompts()[:prompts]:
+                reply = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
+                chats.append(reply["choices"][0]["message"].get("content") or "")
+            progress.print(f"{len(chats)} chat replies")
+            tool_hits = []
+            tool_replies = []
+            for conversation in held_out_tool_prompts()[:prompts]:
+                message = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
+                message = message["choices"][0]["message"]
+                tool_replies.append(message)
+                tool_hits.append(names_only_offered_tools(message, conversation))
+            progress.print(f"{len(tool_hits)} tool replies")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    return {
+        "printable_share": sum(map(is_mostly_printable, chats)) / len(chats),
+        "tool_call_share": sum(tool_hits) / len(tool_hits),
+        "chat_prompts": len(chats),
+        "tool_prompts": len(tool_hits),
+        "sample_chat_reply": chats[0],
+        "sample_tool_reply": tool_replies[0],
+    }
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], base: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise click.ClickException(f"kvcellar serve exited with status {process.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise click.ClickException("kvcellar serve did not become healthy in 180 s")
+
+
+def decode_tokens_per_s(model_dir: Path) -> float:
+    """Greedy decode speed of `model_dir` on `SPEED_PROMPT`, as mlx-lm reports it (best of two)."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(model_dir))[:2]
+    speeds = []
+    for _ in range(2):
+        responses = list(stream_generate(model, tokenizer, SPEED_PROMPT, max_tokens=SPEED_TOKENS))
+        speeds.append(responses[-1].generation_tps)
+    return max(speeds)
+
+
+def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
+    machine = result["machine"]
+    rows = figure_rows(result)
+    lines = [
+        "## Demo model (demo-coder): quality and speed",
+        "",
+        f"`{command}`, {run_date}; {machine['cpus']} CPUs ({machine['cpu_model']}), MLX {machine['mlx']}. "
+        "The CPUs were shared with other work while this ran.",
+        "",
+        "| measurement | value | note |",
+        "|---|---|---|",
+        *[f"| {' | '.join(row)} |" for row in rows],
+        "",
+        f"- first held-out chat reply, unedited: `{json.dumps(result['sample_chat_reply'])[:300]}`",
+        f"- first held-out tool reply's calls: `{json.dumps(result['sample_tool_reply'].get('tool_calls'))[:300]}`",
+    ]
+    return "\n".join(lines)
+
+
+def _target(value: float, target: float) -> str:
+    return f"target >= {target}: {'met' if value >= target else 'MISSED'}"
+
+
+def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [
+        ("held-out loss (nats/token)", f"{result['held_out_loss']:.3f}", "bfloat16 weights, from training-log.json"),
+        ("held-out perplexity", f"{result['held_out_perplexity']:.1f}", ""),
+        (
+            "printable_share",
+            f"{result['printable_share']:.2f}",
+            f"{result['chat_prompts']} held-out prompts, reply >= 90 % printable words; "
+            + _target(result["printable_share"], PRINTABLE_SHARE_TARGET),
+        ),
+        (
+            "tool_call_share",
+            f"{result['tool_call_share']:.2f}",
+            f"{result['tool_prompts']} held-out tool prompts via serve and mlx-lm's parser; "
+            + _target(result["tool_call_share"], TOOL_CALL_SHARE_TARGET),
+        ),
+        ("decode tokens/s, demo-coder (bfloat16)", f"{result['demo_tokens_per_s']:.0f}", ""),
+        (
+            "decode tokens/s, random small llama (float32)",
+            f"{result['random_small_tokens_per_s']:.0f}",
+            f"demo-coder at {result['speed_ratio']:.2f}x of it",
+        ),
+    ]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--prompts",
+    type=click.IntRange(1, 20),
+    default=20,
+    show_default=True,
+    help="How many of the 20 held-out chat prompts and of the 20 tool prompts to send.",
+)
+@publish_options(DOCS_BEGIN, DOCS_END)
+def main(prompts: int, as_json: bool, write_docs: bool) -> None:
+    """Measure the committed demo-coder model: held-out loss, printable and tool-call shares, speed."""
+    started = time.perf_counter()
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    progress = Console(stderr=True)
+    log = json.loads((DEMO_CODER_DIR / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
+    result: dict[str, Any] = {
+        "held_out_loss": log["final_held_out_loss_bf16"],
+        "held_out_perplexity": log["final_held_out_perplexity_bf16"],
+    }
+    result.update(run_server_prompts(prompts, progress))
+    with tempfile.TemporaryDirectory(prefix="demo-model-bench-") as scratch:
+        random_dir = create_model("llama", Path(scratch) / "llama-small", size="small")
+        result["random_small_tokens_per_s"] = decode_tokens_per_s(random_dir)
+        result["demo_tokens_per_s"] = decode_tokens_per_s(DEMO_CODER_DIR)
+    result["speed_ratio"] = result["demo_tokens_per_s"] / result["random_small_tokens_per_s"]
+    result.update(machine=describe_machine(Path(tempfile.gettempdir())), wall_s=time.perf_counter() - started)
+    print_figures("demo-coder", FIGURE_COLUMNS, figure_rows(result), [], console)
+    publish(
+        "demo_model",
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""Train the `demo-coder` model: a ~5M-parameter llama on offline text, with MLX on the CPU.
+
+`kvcellar model train OUT_DIR` runs it. The data (`kvcellar.engine.demo_corpus`)
+is the standard library's sources plus synthetic chats, tokenized with the
+committed byte-level BPE tokenizer extended by the tool-format tokens, and
+rendered with the Qwen3-style tools template, so mlx-lm's `TokenizerWrapper`
+reports `has_tool_calling` and parses `<tool_call>` JSON blocks.
+
+Everything random comes from `seed` (numpy for the batches, MLX for the
+initial weights), so the same seed, Python, MLX and BLAS give the same
+weights. Training runs in float32 (MLX's CPU matmuls are BLAS calls only in
+float32) and the weights are stored in bfloat16. On Linux, the reference BLAS
+that the `mlx[cpu]` wheel bundles is ~20x slower than OpenBLAS; preloading
+OpenBLAS (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0`, Debian's
+`libopenblas0-pthread`) is how the committed model was trained.
+
+The output directory gets the model files plus `training-log.json` (the
+configuration, the loss at every step, the held-out loss over time and at the
+end, measured on the bfloat16 weights) and, when matplotlib is installed,
+`loss-curve.png`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import platform
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kvcellar.engine import demo_corpus
+from kvcellar.engine.demo_models import (
+    EOS_TOKEN,
+    EOS_TOKEN_ID,
+    PAD_TOKEN,
+    PAD_TOKEN_ID,
+    TOOL_FORMAT_TOKENS,
+    VOCAB_SIZE,
+    WEIGHTS_FILE_NAME,
+    _tokenizer_config,
+    _tools_tokenizer_json,
+    write_safetensors,
+)
+from kvcellar.engine.scalars import item_float
+from kvcellar.errors import ModelError
+from kvcellar.store.fingerprint import mlx_version
+
+TRAINING_LOG_FILE_NAME = "training-log.json"
+LOSS_CURVE_FILE_NAME = "loss-curve.png"
+
+ProgressCallback = Callable[[str], None]
+
+
+@attrs.frozen(kw_only=True)
+class TrainingConfig:
+    """Everything that decides the trained weights besides the library versions."""
+
+    seed: int = 0
+    steps: int = 250
+    batch_rows: int = 4
+    window_tokens: int = 384
+    learning_rate_peak: float = 3e-3
+    learning_rate_final: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    # Share of each batch's rows drawn from the chat stream (the rest: standard-library code).
+    chat_row_share: float = 0.75
+    chat_conversations: int = 6000
+    eval_every_steps: int = 10
+    eval_windows: int = 16
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    # Phase two (`train_chat_phase`): chat windows only, a fresh AdamW with a cosine decay from this rate.
+    chat_steps: int = 240
+    chat_learning_rate: float = 1e-3
+
+
+def llama_config(config: TrainingConfig) -> dict[str, Any]:
+    """The model's `config.json` (an mlx-lm llama with tied embeddings)."""
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB_SIZE + len(TOOL_FORMAT_TOKENS),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_tokenizer_files(model_dir: Path) -> None:
+    """The tool-capable tokenizer, its config (with the tools chat template) and special tokens."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "tokenizer.json").write_text(json.dumps(_tools_tokenizer_json()), encoding="utf-8")
+    files = {
+        "tokenizer_config.json": _tokenizer_config("tools"),
+        "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
+    }
+    for name, content in files.items():
+        (model_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+@attrs.frozen(kw_only=True)
+class TokenStreams:
+    """Token ids of each text source, documents separated by `<|endoftext|>`."""
+
+    code_train: np.ndarray
+    chat_train: np.ndarray
+    code_held_out: np.ndarray
+    chat_held_out: np.ndarray
+
+
+def build_streams(model_dir: Path, config: TrainingConfig) -> TokenStreams:
+    """Tokenize the corpus with the tokenizer and template written into `model_dir`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rng = random.Random(config.seed)
+    training_modules = demo_corpus.read_modules(demo_corpus.TRAINING_MODULES)
+    held_out_modules = demo_corpus.read_modules(demo_corpus.HELD_OUT_MODULES)
+    functions = demo_corpus.function_docs(training_modules)
+    held_out_functions = demo_corpus.function_docs(held_out_modules)
+
+    def render(conversation: demo_corpus.Conversation) -> str:
+        tools: Any = conversation.tools or None
+        return str(tokenizer.apply_chat_template(conversation.messages, tools=tools, tokenize=False))
+
+    def stream(texts: list[str]) -> np.ndarray:
+        ids: list[int] = []
+        for text in texts:
+            ids.extend(tokenizer.encode(text, add_special_tokens=False))
+            ids.append(PAD_TOKEN_ID)
+        return np.asarray(ids, dtype=np.int32)
+
+    chats = [render(c) for c in demo_corpus.conversations(rng, functions, config.chat_conversations)]
+    held_out_rng = random.Random(config.seed + 1)
+    held_out_chats = [
+        render(demo_corpus.code_conversation(held_out_rng, function)) for function in held_out_functions
+    ] + [render(demo_corpus.tool_conversation(held_out_rng, held_out=True)) for _ in range(200)]
+    return TokenStreams(
+        code_train=stream([text for _, text in training_modules]),
+        chat_train=stream(chats),
+        code_held_out=stream([text for _, text in held_out_modules]),
+        chat_held_out=stream(held_out_chats),
+    )
+
+
+def sample_windows(rng: np.random.Generator, stream: np.ndarray, rows: int, tokens: int) -> np.ndarray:
+    if rows == 0:
+        return np.empty((0, tokens + 1), dtype=stream.dtype)
+    starts = rng.integers(0, len(stream) - tokens - 1, size=rows)
+    return np.stack([stream[start : start + tokens + 1] for start in starts])
+
+
+def fixed_windows(stream: np.ndarray, count: int, tokens: int) -> np.ndarray:
+    """`count` evenly spaced windows of `stream`: the same held-out tokens at every evaluation."""
+    starts = np.linspace(0, len(stream) - tokens - 2, num=count).astype(np.int64)
+    return np.stack([stream[start : start + tokens + 1] for start in starts])
+
+
+def token_loss(model: nn.Module, windows: mx.array) -> mx.array:
+    logits = model(windows[:, :-1])
+    return nn.losses.cross_entropy(logits.astype(mx.float32), windows[:, 1:]).mean()
+
+
+def learning_rate_schedule(config: TrainingConfig) -> optim.schedulers.Callable:
+    warmup = optim.linear_schedule(config.learning_rate_peak / 100, config.learning_rate_peak, config.warmup_steps)
+    decay = optim.cosine_decay(
+        config.learning_rate_peak, config.steps - config.warmup_steps, end=config.learning_rate_final
+    )
+    return optim.join_schedules([warmup, decay], [config.warmup_steps])
+
+
+def held_out_loss(model: nn.Module, windows: list[np.ndarray]) -> float:
+    return item_float(token_loss(model, mx.array(np.concatenate(windows))))
+
+
+def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | None = None) -> dict[str, Any]:
+    """Train the model into `out_dir` and return the training log.
+
+    Two phases: `steps` on the mixed stream (chats and code), then, when
+    `chat_steps` is non-zero, `train_chat_phase` on chats alone, starting from
+    the bfloat16 weights phase one stored. The model files are rewritten at
+    every evaluation, so an interrupted run leaves a usable (less trained)
+    model behind. Raises `ModelError` when mlx-lm cannot build the model.
+    """
+    report = progress or (lambda line: None)
+    out_dir = Path(out_dir)
+    write_tokenizer_files(out_dir)
+    streams = build_streams(out_dir, config)
+    report(
+        f"tokens: code {len(streams.code_train):,}, chats {len(streams.chat_train):,}; held out: "
+        f"code {len(streams.code_held_out):,}, chats {len(streams.chat_held_out):,}"
+    )
+    model_config = llama_config(config)
+    (out_dir / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    mx.random.seed(config.seed)
+    model = _build_model(model_config)
+    parameters = sum(weight.size for _, weight in _flat_parameters(model))
+    report(f"parameters: {parameters:,}")
+    log: dict[str, Any] = {
+        "config": attrs.asdict(config),
+        "model_config": model_config,
+        "parameters": parameters,
+        "versions": _versions(),
+        "tokens_per_step": config.batch_rows * config.window_tokens,
+        "train_loss": [],
+        "held_out": [],
+    }
+    rng = np.random.default_rng(config.seed)
+    chat_rows = round(config.batch_rows * config.chat_row_share)
+
+    def mixed_batch() -> np.ndarray:
+        return np.concatenate(
+            [
+                sample_windows(rng, streams.chat_train, chat_rows, config.window_tokens),
+                sample_windows(rng, streams.code_train, config.batch_rows - chat_rows, config.window_tokens),
+            ]
+        )
+
+    schedule = learning_rate_schedule(config)
+    _train_loop(
+        out_dir, model, schedule, mixed_batch, config, streams, log, first_step=1, steps=config.steps, report=report
+    )
+    log["phase_one_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
+    if config.chat_steps:
+        log = train_chat_phase(out_dir, config, progress, streams=streams, log=log)
+    _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
+    return log
+
+
+def train_chat_phase(
+    out_dir: Path,
+    config: TrainingConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    streams: TokenStreams | None = None,
+    log: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Phase two: `chat_steps` on chat windows only, from the bfloat16 weights in `out_dir`.
+
+    Always starts from the stored file (also inside `train`), so resuming a
+    finished phase one in a new process gives the same weights as one run.
+    """
+    report = progress or (lambda line: None)
+    out_dir = Path(out_dir)
+    streams = streams if streams is not None else build_streams(out_dir, config)
+    if log is None:
+        log = json.loads((out_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
+        log["phase_one_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
+        log["config"] = attrs.asdict(config)
+        if "train_wall_s" in log and "phase_wall_s" not in log:
+            log["phase_wall_s"] = [log["train_wall_s"]]
+    model = _build_model(llama_config(config))
+    model.load_weights(str(out_dir / WEIGHTS_FILE_NAME))
+    model.set_dtype(mx.float32)
+    rng = np.random.default_rng(config.seed + 1)
+
+    def chat_batch() -> np.ndarray:
+        return sample_windows(rng, streams.chat_train, config.batch_rows, config.window_tokens)
+
+    schedule = optim.cosine_decay(config.chat_learning_rate, config.chat_steps, end=config.learning_rate_final)
+    first_step = config.steps + 1
+    _train_loop(
+        out_dir,
+        model,
+        schedule,
+        chat_batch,
+        config,
+        streams,
+        log,
+        first_step=first_step,
+        steps=config.chat_steps,
+        report=report,
+    )
+    return log
+
+
+def _build_model(model_config: dict[str, Any]) -> nn.Module:
+    try:
+        module = importlib.import_module("mlx_lm.models.llama")
+        return module.Model(module.ModelArgs.from_dict(model_config))
+    except (ImportError, TypeError, ValueError) as e:
+        raise ModelError(f"mlx-lm cannot build the demo-coder llama: {e}") from e
+
+
+def _train_loop(
+    out_dir: Path,
+    model: nn.Module,
+    schedule: Callable[[mx.array], mx.array],
+    next_batch: Callable[[], np.ndarray],
+    config: TrainingConfig,
+    streams: TokenStreams,
+    log: dict[str, Any],
+    *,
+    first_step: int,
+    steps: int,
+    report: ProgressCallback,
+) -> None:
+    """`steps` AdamW steps on `next_batch()`, evaluating and saving every `eval_every_steps`,
+    then the held-out loss of the bfloat16 weights (the model is left in bfloat16)."""
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
+    loss_and_grad = nn.value_and_grad(model, token_loss)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(windows: mx.array) -> mx.array:
+        loss, grads = loss_and_grad(model, windows)
+        optimizer.update(model, grads)
+        return loss
+
+    eval_windows = [
+        fixed_windows(streams.code_held_out, config.eval_windows // 2, config.window_tokens),
+        fixed_windows(streams.chat_held_out, config.eval_windows // 2, config.window_tokens),
+    ]
+    last_step = first_step + steps - 1
+    started_s = time.monotonic()
+    for step_index in range(first_step, last_step + 1):
+        loss = step(mx.array(next_batch()))
+        mx.eval(loss, state)
+        log["train_loss"].append(round(item_float(loss), 4))
+        if (step_index - first_step + 1) % config.eval_every_steps == 0 or step_index == last_step:
+            loss_now = held_out_loss(model, eval_windows)
+            elapsed_s = time.monotonic() - started_s
+            log["held_out"].append({"step": step_index, "loss": round(loss_now, 4), "elapsed_s": round(elapsed_s, 1)})
+            losses = f"train {item_float(loss):.3f}, held-out {loss_now:.3f}"
+            report(f"step {step_index}/{config.steps + config.chat_steps}: {losses}, {elapsed_s:.0f} s")
+            _save(out_dir, model, log)
+    model.set_dtype(mx.bfloat16)
+    final_loss = held_out_loss(model, eval_windows)
+    log.setdefault("phase_wall_s", []).append(round(time.monotonic() - started_s, 1))
+    log["train_wall_s"] = round(sum(log["phase_wall_s"]), 1)
+    log["final_held_out_loss_bf16"] = round(final_loss, 4)
+    log["final_held_out_perplexity_bf16"] = round(math.exp(final_loss), 2)
+    _save(out_dir, model, log)
+    report(f"held-out loss (bfloat16 weights): {final_loss:.3f}, perplexity {math.exp(final_loss):.1f}")
+
+
+def _save(out_dir: Path, model: nn.Module, log: dict[str, Any]) -> None:
+    weights = {name: weight.astype(mx.bfloat16) for name, weight in _flat_parameters(model)}
+    write_safetensors(out_dir / WEIGHTS_FILE_NAME, weights)
+    (out_dir / TRAINING_LOG_FILE_NAME).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+
+
+def _flat_parameters(model: nn.Module) -> list[tuple[str, mx.array]]:
+    return list(tree_flatten(model.parameters()))  # type: ignore[arg-type]  # stubs type the leaves loosely
+
+
+def _versions() -> dict[str, str]:
+    import mlx_lm
+    import tokenizers
+
+    return {
+        "python": platform.python_version(),
+        "mlx": mlx_version(),
+        "mlx_lm": mlx_lm.__version__,
+        "tokenizers": tokenizers.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
+    """The training and held-out loss against the step, when matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    axes.plot(range(1, len(log["train_loss"]) + 1), log["train_loss"], label="training batch", linewidth=0.8)
+    axes.plot(
+        [point["step"] for point in log["held_out"]],
+        [point["loss"] for point in log["held_out"]],
+        label="held out",
+        marker="o",
+    )
+    if log["config"].get("chat_steps"):
+        axes.axvline(log["config"]["steps"] + 0.5, color="grey", linestyle="--", linewidth=0.8)
+        axes.text(log["config"]["steps"] + 2, max(log["train_loss"]) * 0.95, "chats only", color="grey")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy (nats/token)")
+    axes.set_title(f"demo-coder: {log['parameters']:,} parameters, {log['tokens_per_step']} tokens/step")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, metadata={"Software": None})
+    plt.close(figure)

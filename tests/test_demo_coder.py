@@ -1,0 +1,155 @@
+"""The committed demo-coder model: its files, what it writes, and `serve`'s default.
+
+The weights are package data (engine/assets/demo-coder); their sha256 is
+pinned so an accidental retrain or edit shows up here. The quality checks use
+the same measures as the figures script (`kvcellar.bench.demo_model`), on a
+few of its held-out prompts, greedy, so they are deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvcellar.bench.demo_model import chat_request, is_mostly_printable, names_only_offered_tools
+from kvcellar.engine import demo_corpus
+from kvcellar.engine.demo_models import DEMO_CODER_DIR, count_parameters, packaged_demo_coder_dir
+from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, TrainingConfig, train
+
+DEMO_CODER_WEIGHTS_SHA256 = "14c2e982e8ea26f22ac572aaeeaf7d3d1a954fd81ebbfa72550c2a600e61fa7c"
+# A held-out tool prompt the committed model answers with a call to an offered tool (greedy); most of
+# the 20 get a well-formed call to a tool that was not offered (docs/demo-model.md).
+TOOL_PROMPT_INDEX = 11
+WEIGHTS_BYTES_MAX = 25 * 10**6
+
+
+@pytest.fixture(scope="module")
+def demo_coder():
+    from mlx_lm import load
+
+    return load(str(packaged_demo_coder_dir()))
+
+
+def test_the_committed_weights_are_pinned_small_and_bfloat16():
+    weights_path = DEMO_CODER_DIR / "model.safetensors"
+    assert hashlib.sha256(weights_path.read_bytes()).hexdigest() == DEMO_CODER_WEIGHTS_SHA256
+    assert weights_path.stat().st_size <= WEIGHTS_BYTES_MAX
+    assert 4_500_000 <= count_parameters(DEMO_CODER_DIR) <= 20_000_000
+    header_bytes = weights_path.read_bytes()[8 : 8 + int.from_bytes(weights_path.read_bytes()[:8], "little")]
+    dtypes = {entry["dtype"] for name, entry in json.loads(header_bytes).items() if name != "__metadata__"}
+    assert dtypes == {"BF16"}
+    log = json.loads((DEMO_CODER_DIR / TRAINING_LOG_FILE_NAME).read_text())
+    assert log["final_held_out_loss_bf16"] < log["held_out"][0]["loss"]
+
+
+def test_mlx_lm_loads_it_with_tool_calling(demo_coder):
+    _, tokenizer = demo_coder
+    assert tokenizer.has_tool_calling
+    assert tokenizer.tool_call_start == "<tool_call>"
+    assert tokenizer.tool_parser('{"name": "f", "arguments": {}}') == {"name": "f", "arguments": {}}
+
+
+def test_greedy_replies_to_held_out_prompts_are_mostly_printable_words(demo_coder):
+    from mlx_lm import generate
+
+    model, tokenizer = demo_coder
+    for conversation in demo_corpus.held_out_chat_prompts()[:3]:
+        prompt = tokenizer.apply_chat_template(conversation.messages, add_generation_prompt=True)
+        reply = generate(model, tokenizer, prompt, max_tokens=48)
+        assert is_mostly_printable(reply), reply
+
+
+def _start_serve_without_model() -> tuple[subprocess.Popen[str], str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcellar.cli", "serve", "--port", str(port), "--batch", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited: {process.stdout.read() if process.stdout else ''}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return process, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    pytest.fail("server did not become healthy")
+
+
+def test_serve_without_model_serves_demo_coder_and_it_calls_a_tool():
+    process, base = _start_serve_without_model()
+    try:
+        models = httpx.get(f"{base}/v1/models", timeout=5).json()
+        assert [model["id"] for model in models["data"]] == ["demo-coder"]
+        conversation = demo_corpus.held_out_tool_prompts()[TOOL_PROMPT_INDEX]
+        reply = httpx.post(f"{base}/v1/chat/completions", json=chat_request(conversation), timeout=60).json()
+        message = reply["choices"][0]["message"]
+        assert reply["choices"][0]["finish_reason"] == "tool_calls"
+        assert names_only_offered_tools(message, conversation), message
+        json.loads(message["tool_calls"][0]["function"]["arguments"])
+    finally:
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+
+
+def test_tool_conversations_render_to_calls_mlx_lm_parses(demo_coder):
+    _, tokenizer = demo_coder
+    conversation = demo_corpus.tool_conversation(random.Random(5))
+    text = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools, tokenize=False)
+    # The last block: the system turn's instructions mention the tags too.
+    call_text = text.rsplit("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
+    call = tokenizer.tool_parser(call_text)
+    assert call["name"] in {tool["function"]["name"] for tool in conversation.tools}
+    assert call["arguments"] == conversation.messages[-3]["tool_calls"][0]["function"]["arguments"]
+
+
+def test_held_out_tool_arguments_never_occur_in_training_pools():
+    for training_values, held_out_values in demo_corpus.VALUE_POOLS.values():
+        assert not set(training_values) & set(held_out_values)
+    assert not set(demo_corpus.TRAINING_MODULES) & set(demo_corpus.HELD_OUT_MODULES)
+    first = [c.messages for c in demo_corpus.held_out_tool_prompts()]
+    assert first == [c.messages for c in demo_corpus.held_out_tool_prompts()]
+    assert len(demo_corpus.held_out_chat_prompts()) == 20
+
+
+def test_train_writes_a_model_mlx_lm_loads_and_its_log(tmp_path):
+    from mlx_lm import load
+
+    config = TrainingConfig(
+        steps=2,
+        chat_steps=1,
+        batch_rows=2,
+        window_tokens=32,
+        warmup_steps=1,
+        chat_conversations=8,
+        eval_every_steps=1,
+        eval_windows=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    log = train(tmp_path / "model", config)
+    assert len(log["train_loss"]) == 3 and [point["step"] for point in log["held_out"]] == [1, 2, 3]
+    assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 2
+    _, tokenizer = load(str(tmp_path / "model"))
+    assert tokenizer.has_tool_calling
+    assert json.loads((tmp_path / "model" / TRAINING_LOG_FILE_NAME).read_text())["final_held_out_loss_bf16"] > 0
