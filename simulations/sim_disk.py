@@ -152,7 +152,11 @@ def _operation(method: Callable[Concatenate[SimDisk, _P], _R]) -> Callable[Conca
 
 class SimDisk:
     """An in-memory `Disk` with crash and fault simulation (see the module
-    docstring for the model). Thread-safe: one mutex serialises all calls."""
+    docstring for the model). Thread-safe: one mutex serialises all calls.
+    `concurrent_io` is off: a simulated run starts no thread, so the store's
+    pipelined reads and writes run inline, in the same order of calls."""
+
+    concurrent_io = False
 
     def __init__(
         self,

@@ -44,7 +44,12 @@ class DirEntry:
 class Disk(Protocol):
     """What the store may ask of a file system. Every method raises
     `DiskError` (carrying the errno) when the operation fails, except
-    `drop_cached`, which is advice and never raises."""
+    `drop_cached`, which is advice and never raises. `concurrent_io`: whether
+    the store may overlap this disk's calls with its own work on a helper
+    thread (store/tensor_io.py); a disk that says no gets every call inline,
+    in the same order (the simulator's, which runs on one thread)."""
+
+    concurrent_io: bool
 
     def create_exclusive(self, path: Path) -> FileHandle: ...
     def open_read(self, path: Path) -> FileHandle: ...
@@ -83,6 +88,8 @@ def _disk_error(operation: str, path: object, e: OSError) -> DiskError:
 
 class RealDisk:
     """`Disk` on the real file system through `os` file descriptors."""
+
+    concurrent_io = True
 
     def create_exclusive(self, path: Path) -> int:
         try:
@@ -256,6 +263,7 @@ class TracingDisk:
 
     def __init__(self, inner: Disk) -> None:
         self.inner = inner
+        self.concurrent_io = inner.concurrent_io
         self.calls: list[DiskCall] = []
         self._handle_paths: dict[int, str] = {}
 

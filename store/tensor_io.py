@@ -119,27 +119,43 @@ class TensorReadPipeline:
         self._verify = verify
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._read_all, name="kvc-reader", daemon=True)
-        self._thread.start()
+        self._failed = False
+        # A disk without concurrent I/O (the simulator's) reads each tensor inline in `allocate`.
+        self._thread: threading.Thread | None = None
+        if disk.concurrent_io:
+            self._thread = threading.Thread(target=self._read_all, name="kvc-reader", daemon=True)
+            self._thread.start()
 
     def allocate(self, record: TensorRecord, capacity_rows: int | None = None) -> mx.array:
         array, job = _allocate(record, capacity_rows, self._path)
-        self._jobs.put(job)
+        if self._thread is None:
+            self._read_one(job)
+        else:
+            self._jobs.put(job)
         return array
 
     def _read_all(self) -> None:
-        failed = False
         while (job := self._jobs.get()) is not _FINISHED:
-            if failed:
-                continue  # after a failed read nothing more is read: the order of disk calls stays fixed
-            try:
-                self._read(job)
-            except BaseException as e:  # handed to the caller, who re-raises it
-                failed = True
-                self._done.put((job, e))
-                continue
-            self._done.put((job, None))
+            self._read_one(job)
         self._done.put(_FINISHED)
+
+    def _read_one(self, job: _ReadJob) -> None:
+        if self._failed:
+            return  # after a failed read nothing more is read: the order of disk calls stays fixed
+        try:
+            self._read(job)
+        except BaseException as e:  # handed to the caller, who re-raises it
+            self._failed = True
+            self._done.put((job, e))
+            return
+        self._done.put((job, None))
+
+    def _stop_reader(self) -> None:
+        """Tell the reader (or, inline, the result queue) that no job follows."""
+        if self._thread is None:
+            self._done.put(_FINISHED)
+        else:
+            self._jobs.put(_FINISHED)
 
     def _read(self, job: _ReadJob) -> None:
         record = job.record
@@ -152,13 +168,14 @@ class TensorReadPipeline:
 
     def finish(self) -> None:
         """Verify every tensor as it arrives; raise the first failure once the reader stopped."""
-        self._jobs.put(_FINISHED)
+        self._stop_reader()
         first_error: BaseException | None = None
         while (item := self._done.get()) is not _FINISHED:
             job, error = item
             if first_error is None:
                 first_error = error if error is not None else self._check(job)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if first_error is not None:
             raise first_error
 
@@ -175,10 +192,11 @@ class TensorReadPipeline:
 
     def abandon(self) -> None:
         """Stop after a failure outside the pipeline; swallows the reader's own errors."""
-        self._jobs.put(_FINISHED)
+        self._stop_reader()
         while self._done.get() is not _FINISHED:
             pass
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memoryview]) -> bytes:
@@ -186,8 +204,9 @@ def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memo
     this thread checksums them; returns the xxh3-64 digest of their bytes.
     Raises the write's error (after the helper stopped) when it fails.
     A tensor under `OVERLAP_BYTES_MIN` is written and hashed inline: a thread
-    start would cost more than the overlap saves."""
-    if sum(segment.nbytes for segment in segments) < OVERLAP_BYTES_MIN:
+    start would cost more than the overlap saves; so is every tensor on a disk
+    without `concurrent_io`."""
+    if not disk.concurrent_io or sum(segment.nbytes for segment in segments) < OVERLAP_BYTES_MIN:
         hasher = xxhash.xxh3_64()
         cursor = offset
         for segment in segments:
