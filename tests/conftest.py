@@ -58,3 +58,16 @@ def tools_tokenizer(tools_model_dir: Path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     return load_tokenizer(tools_model_dir)
+
+
+# The longest tests go first: pytest-xdist hands tests out in collection order,
+# so a multi-minute sweep collected last would leave the other worker idle at the end.
+LONG_TESTS_FIRST = (
+    "tests/test_simulations.py::test_the_default_sweep",
+    "tests/test_checkpoint_serve.py",
+    "tests/test_bench_",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_TESTS_FIRST))
