@@ -371,11 +371,13 @@ def show_command(directory: Path, fingerprint: str | None, as_json: bool, refere
     """Show one event by its sequence number, or one entry (id or unique id prefix)
     with its index row, its file's header and every event about it."""
     with opened_journal(directory, fingerprint) as (root, journal):
+        # Digits name an event when there is one; else they may begin an entry id
+        # (ids are hex, so a prefix of digits alone is no rarity).
+        records = []
         if reference.isdigit():
             seq = int(reference)
             records = list(journal.events(after_seq=seq - 1, until_seq=seq))
-            if not records:
-                raise UsageError(f"no event {seq} in the journal")
+        if records:
             if as_json:
                 echo_json(event_as_json(records[0]))
             else:
