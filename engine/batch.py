@@ -53,9 +53,9 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import attrs
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as mlx_cache
 
+from kvcellar.engine.batch_generator import LeanBatchGenerator
 from kvcellar.engine.checkpointing import Checkpointing, RequestCheckpoints
 from kvcellar.engine.detokenize import TextAssembler
 from kvcellar.engine.engine import (
@@ -223,12 +223,12 @@ class BatchLoop:
         self.snapshot_prefill_tokens_min = snapshot_prefill_tokens_min
         self._rows: dict[int, _Row] = {}
         self._shared_samplers: dict[tuple, Any] = {}
-        self._generator: BatchGenerator | None = None
+        self._generator: LeanBatchGenerator | None = None
         self._loaded: LoadedModel | None = None
 
     def run(self, loaded: LoadedModel) -> Iterator[BatchStep]:
         self._loaded = loaded
-        self._generator = BatchGenerator(
+        self._generator = LeanBatchGenerator(
             loaded.model,
             completion_batch_size=self.rows_max,
             prefill_batch_size=self.rows_max,

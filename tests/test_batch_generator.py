@@ -1,0 +1,129 @@
+"""The batch lane's generator (engine/batch_generator.py): a RAM hit moves its
+prompt batch to generation without copying it, the tokens are mlx-lm's, and
+the RAM entry the hit was lent from stays byte-identical."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvcellar.engine.batch_generator import LeanBatchGenerator, MovingPromptBatch
+from kvcellar.engine.engine import SamplingParams, _load, prefill
+from kvcellar.engine.generation import GenerationRequest, TokenDelta, run_generation
+from kvcellar.store.lending import cache_arrays
+from kvcellar.store.prompt_cache import PromptCache
+
+PROMPT = tuple((11 * i) % 500 + 3 for i in range(70))
+OTHER_PROMPT = tuple((5 * i) % 400 + 7 for i in range(23))
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir_factory):
+    return _load(model_dir_factory("llama"))
+
+
+def _entry(loaded, tokens):
+    """Caches holding exactly `tokens`, evaluated."""
+    caches = make_prompt_cache(loaded.model)
+    prefill(loaded.model, tokens, caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def _generate(generator_class, loaded, rows):
+    """Each row's tokens, rows given as (prompt, caches or None, cached tokens), all inserted at once."""
+    generator = generator_class(loaded.model, completion_batch_size=4, prefill_batch_size=4, prefill_step_size=16)
+    try:
+        uids = generator.insert_segments(
+            [[list(prompt[cached:])] for prompt, _, cached in rows],
+            max_tokens=[NEW_TOKENS] * len(rows),
+            caches=[caches for _, caches, _ in rows],
+            all_tokens=[list(prompt[:cached]) for prompt, _, cached in rows],
+        )
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        finished: set[int] = set()
+        while len(finished) < len(uids):
+            _, responses = generator.next()
+            for response in responses:
+                tokens[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    finished.add(response.uid)
+        return [tokens[uid] for uid in uids]
+    finally:
+        generator.close()
+
+
+def _host_copy(caches):
+    return [np.array(a) for a in cache_arrays(caches)]
+
+
+def _lent(loaded, prompt_cache: PromptCache, prompt):
+    taken = prompt_cache.take(list(prompt))
+    assert taken.tier == "ram" and taken.reused_tokens == len(prompt) - 1
+    return taken.caches
+
+
+def test_the_generator_keeps_a_moving_prompt_batch(loaded):
+    # Guards mlx-lm's internals the lean generator relies on (engine/batch_generator.py).
+    generator = LeanBatchGenerator(loaded.model, completion_batch_size=2, prefill_batch_size=2)
+    assert type(generator._prompt_batch) is MovingPromptBatch
+    generator.close()
+
+
+def test_a_split_of_every_row_hands_over_the_same_caches_and_starts_over(loaded):
+    caches = _entry(loaded, PROMPT[:-1])
+    batch = MovingPromptBatch(model=loaded.model, uids=[5], caches=[caches], tokens=[list(PROMPT[:-1])])
+    merged = batch.prompt_cache
+    moved = batch.split([0])
+    assert moved.uids == [5] and moved.prompt_cache is merged, "moved, not copied"
+    assert batch.uids == [] and batch.prompt_cache == [] and batch.tokens == []
+    assert moved.prompt_cache is not batch.prompt_cache
+
+
+def test_a_ram_hit_decodes_what_mlx_lm_decodes_and_what_a_cold_prefill_decodes(loaded):
+    prompt_cache = PromptCache()
+    prompt_cache.put(PROMPT + (9, 9, 9), _entry(loaded, PROMPT + (9, 9, 9)))
+    entry_caches = prompt_cache._entries[next(iter(prompt_cache._entries))].caches
+    before = _host_copy(entry_caches)
+
+    lean_hit = _generate(LeanBatchGenerator, loaded, [(PROMPT, _lent(loaded, prompt_cache, PROMPT), len(PROMPT) - 1)])
+    stock_hit = _generate(BatchGenerator, loaded, [(PROMPT, _lent(loaded, prompt_cache, PROMPT), len(PROMPT) - 1)])
+    cold = _generate(LeanBatchGenerator, loaded, [(PROMPT, None, 0)])
+
+    assert lean_hit == stock_hit == cold
+    assert len(lean_hit[0]) == NEW_TOKENS
+    after = _host_copy(entry_caches)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)), "the entry's bytes are unchanged"
+
+
+def test_rows_that_leave_the_prompt_batch_apart_decode_what_mlx_lm_decodes(loaded):
+    # A hit moves to generation in its first step while a cold row still prefills: a partial split.
+    prompt_cache = PromptCache()
+    prompt_cache.put(PROMPT, _entry(loaded, PROMPT))
+
+    def rows():
+        return [(OTHER_PROMPT, None, 0), (PROMPT, _lent(loaded, prompt_cache, PROMPT), len(PROMPT) - 1)]
+
+    assert _generate(LeanBatchGenerator, loaded, rows()) == _generate(BatchGenerator, loaded, rows())
+
+
+def test_a_serial_ram_hit_leaves_its_entry_unchanged_and_decodes_what_a_cold_prefill_decodes(loaded):
+    prompt_cache = PromptCache()
+    request = GenerationRequest(prompt_ids=PROMPT, params=SamplingParams(max_tokens=NEW_TOKENS))
+
+    def tokens():
+        items = run_generation(loaded, prompt_cache, request, threading.Event())
+        return [item.token_id for item in items if isinstance(item, TokenDelta) and item.token_id >= 0]
+
+    cold = tokens()
+    longest = max(prompt_cache._entries.values(), key=lambda e: e.tokens.size)
+    before = _host_copy(longest.caches)
+    hit = tokens()
+    assert hit == cold
+    assert all(np.array_equal(a, b) for a, b in zip(before, _host_copy(longest.caches), strict=True))
