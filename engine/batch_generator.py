@@ -63,6 +63,4 @@ class LeanBatchGenerator(BatchGenerator):
 
     def __init__(self, model: Any, **options: Any) -> None:
         super().__init__(model, **options)
-        self._prompt_batch = MovingPromptBatch.empty(
-            self.model, self.sampler, prefill_step_size=self.prefill_step_size
-        )
+        self._prompt_batch = MovingPromptBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
