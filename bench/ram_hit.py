@@ -8,7 +8,8 @@ serve all but its last token from a longer entry, as in `compare_mlx_lm`'s
 1-token requests. Three sides, their order rotated every repeat:
 
 - kvcellar: `PromptCache.take` (views of the entry's rows) and
-  `LeanBatchGenerator` (engine/batch_generator.py), a new generator per hit
+  `LeanBatchGenerator` (engine/batch_generator.py: one copy of the reused
+  rows instead of four), a new generator per hit
   and MLX's buffer cache cleared after it, as the batch lane does when a
   lone request's batch job ends;
 - kvcellar with mlx-lm's stock `BatchGenerator` (what the batch lane ran
@@ -187,7 +188,8 @@ def interpretation(result: dict[str, Any]) -> str:
         "steps (mlx-lm samples one step ahead): the stock generator copies every reused row four times "
         "(the merge into the batch cache, the split's deep copy, its gather, the first step's growth), "
         "mlx_lm.server five (its cache's deep copy first); kvcellar's lean generator moves the prompt "
-        "batch instead of splitting it and copies twice. At 2,048 tokens the copies are small next to "
+        "batch instead of splitting it and merges with capacity for the next token, so it copies once. "
+        "At 2,048 tokens the copies are small next to "
         "the forward steps, so the sides differ by little more than the noise of a shared machine. "
         "Runs on a machine shared with other "
         "work spread widely (see the runs above): compare medians of one run, not figures across runs."

@@ -16,12 +16,16 @@ computed, minus the copies. Nothing else refers to those caches: the prompt
 batch made them in `_merge_caches` and only `extract_cache` reads them (it
 copies what it returns). A split that leaves rows behind takes mlx-lm's path.
 
-What a RAM hit copies, then: `_merge_caches` copies the lent rows into the
-merged cache (the lent views are read, never written: the RAM entry stays
-byte-identical), and the first decode step grows that cache by one step
-(mlx-lm's `update_and_fetch`), one more copy. Both are needed by any server
-built on mlx-lm's batching; mlx_lm.server also deep-copies its cache entry
-before that.
+The merge itself (`BatchKVCache.merge`) allocates exactly the rows it copies,
+so the first decode step after it grows the cache by one 256-row step
+(`update_and_fetch`), copying every row again. `LeanBatchGenerator` merges
+plain `KVCache` layers with a step of capacity to spare instead
+(`merge_with_capacity`, the same copy into a larger buffer), so the step
+writes in place.
+
+What a RAM hit copies, then: the merge, once (the lent views are read, never
+written: the RAM entry stays byte-identical). mlx-lm's stock path copies the
+reused rows four times; mlx_lm.server deep-copies its cache entry first, five.
 
 This relies on mlx-lm 0.32's `BatchGenerator` keeping its prompt batch as
 `_prompt_batch` (pyproject pins `mlx-lm<0.33`; tests/test_batch_generator.py
@@ -33,7 +37,58 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+# mlx-lm's KVCache growth step: the capacity the merge leaves past the rows.
+CAPACITY_STEP_ROWS = BatchKVCache.step
+
+
+def merge_with_capacity(caches: list[Any]) -> BatchKVCache:
+    """`BatchKVCache.merge` of plain `KVCache` layers (one per row), with the
+    buffer rounded up past the longest row to the next step, so at least one
+    more token fits without a growth copy. Same rows, same left padding, same
+    offsets; the spare rows are zeros past `_idx`, as after any growth step."""
+    lengths = [c.size() for c in caches]
+    longest = max(lengths)
+    if longest == 0:
+        return BatchKVCache([0] * len(caches))
+    padding = [longest - length for length in lengths]
+    filled = [c for c in caches if c.keys is not None]
+    heads, key_dim, value_dim = filled[0].keys.shape[1], filled[0].keys.shape[3], filled[0].values.shape[3]
+    capacity = (longest // CAPACITY_STEP_ROWS + 1) * CAPACITY_STEP_ROWS
+    keys = mx.zeros((len(caches), heads, capacity, key_dim), dtype=filled[0].keys.dtype)
+    values = mx.zeros((len(caches), heads, capacity, value_dim), dtype=filled[0].values.dtype)
+    for row, (pad, cache) in enumerate(zip(padding, caches, strict=True)):
+        if cache.keys is None:
+            continue
+        keys[row : row + 1, :, pad : pad + cache.offset] = cache.keys[..., : cache.offset, :]
+        values[row : row + 1, :, pad : pad + cache.offset] = cache.values[..., : cache.offset, :]
+    # Any: mlx-lm leaves the cache attributes unannotated, so mypy types `keys` as None.
+    merged: Any = BatchKVCache(padding)
+    merged.keys, merged.values = keys, values
+    merged.offset += longest
+    merged._idx = longest
+    return merged
+
+
+class _MergingWithCapacity(KVCache):
+    """A row's plain layer as the prompt batch is made: mlx-lm merges layer i
+    through row 0's `merge`, and this one leaves capacity. Lives only inside
+    `LeanBatchGenerator._make_batch` (the merge copies it away)."""
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchKVCache:
+        return merge_with_capacity(caches)
+
+
+def _with_capacity_merge(layer: Any) -> Any:
+    if type(layer) is not KVCache:
+        return layer
+    wrapped = _MergingWithCapacity()
+    wrapped.keys, wrapped.values, wrapped.offset = layer.keys, layer.values, layer.offset
+    return wrapped
 
 
 class MovingPromptBatch(PromptProcessingBatch):

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from kvcellar.engine.batch_generator import LeanBatchGenerator, MovingPromptBatch
+from kvcellar.engine.batch_generator import LeanBatchGenerator, MovingPromptBatch, merge_with_capacity
 from kvcellar.engine.engine import SamplingParams, _load, prefill
 from kvcellar.engine.generation import GenerationRequest, TokenDelta, run_generation
 from kvcellar.store.lending import cache_arrays
@@ -127,3 +127,25 @@ def test_a_serial_ram_hit_leaves_its_entry_unchanged_and_decodes_what_a_cold_pre
     hit = tokens()
     assert hit == cold
     assert all(np.array_equal(a, b) for a, b in zip(before, _host_copy(longest.caches), strict=True))
+
+
+def _filled(rows: int) -> KVCache:
+    cache = KVCache()
+    if rows:
+        shape = (1, 2, rows, 8)
+        cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+    return cache
+
+
+def test_a_merge_with_capacity_holds_what_mlx_lms_merge_holds_and_a_step_more():
+    rows = [_filled(300), _filled(0), _filled(5)]
+    stock, ours = BatchKVCache.merge(rows), merge_with_capacity(rows)
+
+    assert ours._idx == stock._idx == 300
+    assert ours.keys.shape[2] == 512 and stock.keys.shape[2] == 300, "room for the next token"
+    assert np.array_equal(np.array(ours.offset), np.array(stock.offset))
+    assert np.array_equal(np.array(ours.left_padding), np.array(stock.left_padding))
+    for mine, theirs in ((ours.keys, stock.keys), (ours.values, stock.values)):
+        assert np.array_equal(np.array(mine[..., :300, :]), np.array(theirs))
+        assert not np.array(mine[..., 300:, :]).any()
+    assert merge_with_capacity([_filled(0)]).keys is None
