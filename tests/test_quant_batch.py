@@ -20,6 +20,7 @@ import pytest
 import trio
 from mlx_lm.models import cache as mlx_cache
 from test_batching import PROMPTS
+from test_checkpoints import INTERVAL_TOKENS, STOP_AFTER_TOKENS, _generate
 from test_serve import Server
 
 from kvcellar.actors.system import SystemConfig, open_system
@@ -235,6 +236,30 @@ def test_batched_rows_persist_on_the_ssd_and_restore_bit_identically_after_a_res
     assert all(done.cache_tier == "ram" for _, done in from_ram)
     assert all(done.cache_tier == "ssd" and done.cached_tokens > 0 for _, done in from_ssd)
     assert [deltas for deltas, _ in from_ssd] == [deltas for deltas, _ in from_ram]
+
+
+def test_a_quantized_row_cut_off_part_way_resumes_from_its_checkpoint_on_the_batch_lane(config_model_dirs, tmp_path):
+    """The resumed row joins the batch with its restored quantized caches as a one-row batch."""
+    model_dir = config_model_dirs["mixed"]
+    request = GenerationRequest(prompt_ids=tuple(range(5, 40)), params=SamplingParams(max_tokens=40))
+
+    def config(ssd_dir):
+        return _config(model_dir, 3, ssd_dir=ssd_dir, generation_checkpoint_tokens=INTERVAL_TOKENS, debounce_s=0.05)
+
+    async def main():
+        async with open_system(config(tmp_path / "reference")) as system:
+            reference, _ = await _generate(system, request)
+        async with open_system(config(tmp_path / "ssd")) as system:
+            cut, _ = await _generate(system, request, stop_after=STOP_AFTER_TOKENS)
+            await system.flush()
+        async with open_system(config(tmp_path / "ssd")) as system:
+            resumed, done = await _generate(system, request)
+            lane = system.stats()["scheduler"]["lane"]
+        return reference, cut, resumed, done, lane
+
+    reference, cut, resumed, done, lane = trio.run(main)
+    assert lane == "batch" and done.cache_tier == "checkpoint" and done.resumed_tokens >= INTERVAL_TOKENS
+    assert resumed == reference and cut == reference[:STOP_AFTER_TOKENS]
 
 
 def test_admission_bills_quantized_bytes_and_the_tiers_hold_them(config_model_dirs, model_dir_factory):
