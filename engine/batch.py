@@ -87,9 +87,6 @@ from kvcellar.store.lending import snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
 
-# mlx-lm's merged row caches (BatchKVCache, BatchRotatingKVCache) have no
-# quantized form; engine/quant_batch.py's BatchQuantizedKVCache is that form.
-BATCH_LANE_CAN_CONVERT = True
 _ROW_SIGNATURES = frozenset({sig.SIGNATURE_PLAIN, sig.SIGNATURE_ROTATING, sig.SIGNATURE_SSM})
 END_OF_BATCH = None
 # How often an idle loop (no rows, inbox empty) looks at its cancel flag.
@@ -125,13 +122,11 @@ def batch_lane_refusal(model: Any, scheme: KvScheme, rows_max: int) -> str | Non
     reason = model_batch_refusal(model)
     if reason is not None:
         return reason
-    if model is not None and (reason := quantized_batch_refusal(model, scheme)) is not None:
-        return reason
-    if not scheme.batchable(can_convert=BATCH_LANE_CAN_CONVERT):
-        return (
-            f"KV scheme {scheme.cache_key} quantizes KV and the batch lane's merged caches (mlx-lm "
-            "BatchKVCache) cannot hold quantized KV; the serial lane keeps the quantization"
-        )
+    # The capability probe (spec §2.3): mlx-lm's merged row caches have no quantized
+    # form, engine/quant_batch.py's BatchQuantizedKVCache is one, given the scheme converts this model.
+    conversion_refusal = quantized_batch_refusal(model, scheme)
+    if not scheme.batchable(can_convert=conversion_refusal is None):
+        return conversion_refusal
     return None
 
 
