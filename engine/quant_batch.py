@@ -34,7 +34,10 @@ prompt batch: under a quantized scheme the batch lane prefills one row at a
 time (`PREFILL_ROWS`) and batches the decode. A prefill of one row also has
 no padding at all, so its arithmetic is the serial lane's. The decode's left
 padding is masked to the dtype's minimum before a precise softmax, whose
-exponent is then exactly 0.
+exponent is then exactly 0, so padded keys add exact zeros; that the sums
+also round alike whatever the padded length is a property of the backend's
+kernels, which tests/test_quant_batch.py checks at tolerance 0 (MLX 0.32.4,
+CPU: a padded row's quantized attention is bit-identical to the row alone).
 
 All of this runs on the engine thread (docs/mlx-notes.md, "Threads").
 """
