@@ -26,13 +26,14 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, assert_never
 
 import attrs
 import trio
 
+from kvcellar.actors.one_in_flight import OneInFlight
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
 from kvcellar.errors import DiskError
 from kvcellar.store.actor_events import CheckpointNotWritten
@@ -144,16 +145,14 @@ class CheckpointQueueCore:
     def __init__(self, bytes_max: int) -> None:
         self.bytes_max = bytes_max
         self.state = QueueState.IDLE
-        self._queue: OrderedDict[int, Enqueue | Invalidate] = OrderedDict()
-        self._in_flight: Enqueue | Invalidate | None = None
-        self._waiters: list[int] = []
+        self._ops: OneInFlight[Enqueue | Invalidate] = OneInFlight(lambda op: op.op_id)
         self.counts: Counter[str] = Counter()
 
     def handle(self, msg: CheckpointMessage, now: float) -> list[CheckpointEffect]:
         accepted = _ACCEPTS.get(type(msg))
         if accepted is None or self.state not in accepted:
             raise IllegalTransition(f"the checkpoint queue cannot take {type(msg).__name__} in state {self.state.name}")
-        if isinstance(msg, Enqueue | Invalidate) and self._holds(msg.op_id):
+        if isinstance(msg, Enqueue | Invalidate) and self._ops.holds(msg.op_id):
             raise IllegalTransition(f"operation {msg.op_id} is already held by the checkpoint queue")
         match msg:
             case Enqueue():
@@ -164,7 +163,7 @@ class CheckpointQueueCore:
                 return self._on_done(msg)
             case AwaitIdle():
                 if self.state is QueueState.BUSY:
-                    self._waiters.append(msg.waiter_id)
+                    self._ops.add_waiter(msg.waiter_id)
                     return []
                 return [Wake(waiter_id=msg.waiter_id)]
             case Shutdown():
@@ -173,19 +172,16 @@ class CheckpointQueueCore:
                 assert_never(msg)
 
     def stats(self) -> dict[str, int]:
-        writes = [op for op in self._queue.values() if isinstance(op, Enqueue)]
-        in_flight = self._in_flight if isinstance(self._in_flight, Enqueue) else None
+        writes = [op for op in self._ops.queued() if isinstance(op, Enqueue)]
+        in_flight = self._ops.in_flight if isinstance(self._ops.in_flight, Enqueue) else None
         pending = writes + ([in_flight] if in_flight is not None else [])
         return {
             "pending": len(pending),
             "pending_bytes": sum(op.bytes for op in pending),
-            "pending_removals": sum(isinstance(op, Invalidate) for op in (*self._queue.values(), self._in_flight)),
+            "pending_removals": sum(isinstance(op, Invalidate) for op in (*self._ops.queued(), self._ops.in_flight)),
             "queue_bytes_max": self.bytes_max,
             **{name: self.counts[name] for name in ("enqueued", "stored", "stale", "failed", "dropped", "removals")},
         }
-
-    def _holds(self, op_id: int) -> bool:
-        return op_id in self._queue or (self._in_flight is not None and self._in_flight.op_id == op_id)
 
     def _move(self, to: QueueState) -> None:
         if to not in _MOVES[self.state]:
@@ -197,16 +193,16 @@ class CheckpointQueueCore:
         if self.state is QueueState.CLOSED:
             return self._drop(msg, "shutdown")
         effects: list[CheckpointEffect] = []
-        for op in [op for op in self._queue.values() if isinstance(op, Enqueue)]:
+        for op in [op for op in self._ops.queued() if isinstance(op, Enqueue)]:
             if op.request_key == msg.request_key and op.attempt <= msg.attempt:
-                del self._queue[op.op_id]
+                self._ops.remove(op)
                 effects += self._drop(op, "superseded")
-        self._queue[msg.op_id] = msg
+        self._ops.append(msg)
         while self._write_bytes() > self.bytes_max:
-            oldest = next((op for op in self._queue.values() if isinstance(op, Enqueue) and op is not msg), None)
+            oldest = next((op for op in self._ops.queued() if isinstance(op, Enqueue) and op is not msg), None)
             if oldest is None:
                 break
-            del self._queue[oldest.op_id]
+            self._ops.remove(oldest)
             effects += self._drop(oldest, "byte_cap")
         return effects + self._dispatch_if_idle()
 
@@ -214,18 +210,17 @@ class CheckpointQueueCore:
         if self.state is QueueState.CLOSED:
             return []
         effects: list[CheckpointEffect] = []
-        for op in [op for op in self._queue.values() if isinstance(op, Enqueue)]:
+        for op in [op for op in self._ops.queued() if isinstance(op, Enqueue)]:
             if op.request_key == msg.request_key and op.attempt <= msg.attempt:
-                del self._queue[op.op_id]
+                self._ops.remove(op)
                 effects += self._drop(op, "invalidated")
-        self._queue[msg.op_id] = msg
+        self._ops.append(msg)
         return effects + self._dispatch_if_idle()
 
     def _on_done(self, msg: OpDone) -> list[CheckpointEffect]:
-        op = self._in_flight
-        if op is None or op.op_id != msg.op_id:
+        op = self._ops.finish(msg.op_id)
+        if op is None:
             raise IllegalTransition(f"OpDone for {msg.op_id}, which is not in flight (state {self.state.name})")
-        self._in_flight = None
         effects: list[CheckpointEffect] = []
         if isinstance(op, Enqueue):
             effects.append(Release(op_id=op.op_id))
@@ -234,29 +229,27 @@ class CheckpointQueueCore:
             self.counts[msg.outcome] += 1
         else:
             self.counts["removals"] += 1
-        if self._queue:
+        if self._ops:
             return effects + self._dispatch_next()
         self._move(QueueState.IDLE)
         return effects + self._wake_all()
 
     def _on_shutdown(self) -> list[CheckpointEffect]:
         effects: list[CheckpointEffect] = []
-        if isinstance(self._in_flight, Enqueue):
-            effects += self._drop(self._in_flight, "shutdown")
-        self._in_flight = None
-        for op in self._queue.values():
+        in_flight = self._ops.take_in_flight()
+        if isinstance(in_flight, Enqueue):
+            effects += self._drop(in_flight, "shutdown")
+        for op in self._ops.clear():
             if isinstance(op, Enqueue):
                 effects += self._drop(op, "shutdown")
-        self._queue.clear()
         self._move(QueueState.CLOSED)
         return effects + self._wake_all()
 
     def _dispatch_if_idle(self) -> list[CheckpointEffect]:
-        return self._dispatch_next() if self.state is QueueState.IDLE and self._queue else []
+        return self._dispatch_next() if self.state is QueueState.IDLE and self._ops else []
 
     def _dispatch_next(self) -> list[CheckpointEffect]:
-        _, op = self._queue.popitem(last=False)
-        self._in_flight = op
+        op = self._ops.start_oldest()
         self._move(QueueState.BUSY)
         if isinstance(op, Enqueue):
             return [WriteCheckpoint(op_id=op.op_id)]
@@ -277,12 +270,11 @@ class CheckpointQueueCore:
         return [JournalEvent(event=event)]
 
     def _write_bytes(self) -> int:
-        queued = sum(op.bytes for op in self._queue.values() if isinstance(op, Enqueue))
-        return queued + (self._in_flight.bytes if isinstance(self._in_flight, Enqueue) else 0)
+        queued = sum(op.bytes for op in self._ops.queued() if isinstance(op, Enqueue))
+        return queued + (self._ops.in_flight.bytes if isinstance(self._ops.in_flight, Enqueue) else 0)
 
     def _wake_all(self) -> list[CheckpointEffect]:
-        waiters, self._waiters = self._waiters, []
-        return [Wake(waiter_id=w) for w in waiters]
+        return [Wake(waiter_id=w) for w in self._ops.take_waiters()]
 
 
 RunBlocking = Callable[..., Awaitable[Any]]

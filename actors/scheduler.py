@@ -539,6 +539,7 @@ class Scheduler:
             wait_for_rows=self._wait_for_rows,
             memory_guard=self.memory_guard,
             checkpointing=self._checkpointing,
+            scheme=self.scheme,
         )
         error = "the batch job was cancelled"
         try:

@@ -22,13 +22,13 @@ import logging
 import math
 import os
 import traceback
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import assert_never
 
 import attrs
 import trio
 
+from kvcellar.actors.one_in_flight import OneInFlight
 from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
 from kvcellar.errors import UsageError
 from kvcellar.store.actor_events import SpillDispatched, SpillDropped, SpillEnqueued, SpillSettled
@@ -169,10 +169,8 @@ class SpillQueueCore:
             raise UsageError(f"the spill queue's bytes_max must be >= 0, got {bytes_max}")
         self.bytes_max = bytes_max
         self.state = SpillState.IDLE
-        self._queue: OrderedDict[int, Enqueue] = OrderedDict()
+        self._items: OneInFlight[Enqueue] = OneInFlight(lambda item: item.item_id)
         self._queued_bytes = 0
-        self._in_flight: Enqueue | None = None
-        self._waiters: list[int] = []
         self._counts = {"enqueued": 0, "stored": 0, "failed": 0, "dropped": 0}
 
     def handle(self, msg: SpillMessage, now: float) -> list[SpillEffect]:
@@ -185,7 +183,7 @@ class SpillQueueCore:
             return self._on_write_result(msg)
         if isinstance(msg, AwaitIdle):
             if self.state is SpillState.WRITING:
-                self._waiters.append(msg.waiter_id)
+                self._items.add_waiter(msg.waiter_id)
                 return []
             return [Wake(waiter_id=msg.waiter_id)]
         return self._on_shutdown()
@@ -194,11 +192,11 @@ class SpillQueueCore:
         """Counters: `pending` items (queued + in flight) and their bytes,
         `queued`, `in_flight`, and the totals `enqueued`, `stored`, `failed`,
         `dropped` (enqueued == stored + failed + dropped + pending)."""
-        in_flight = int(self._in_flight is not None)
+        in_flight = int(self._items.in_flight is not None)
         return {
-            "pending": len(self._queue) + in_flight,
+            "pending": len(self._items) + in_flight,
             "pending_bytes": self._queued_bytes + self._in_flight_bytes(),
-            "queued": len(self._queue),
+            "queued": len(self._items),
             "in_flight": in_flight,
             **self._counts,
             "bytes_max": self.bytes_max,
@@ -210,21 +208,21 @@ class SpillQueueCore:
         self.state = to
 
     def _on_enqueue(self, item: Enqueue) -> list[SpillEffect]:
-        if item.item_id in self._queue or (self._in_flight is not None and self._in_flight.item_id == item.item_id):
+        if self._items.holds(item.item_id):
             raise IllegalTransition(f"item {item.item_id} is already held by the spill queue (state {self.state.name})")
         self._counts["enqueued"] += 1
         if self.state is SpillState.CLOSED:
             # A producer racing the shutdown: accepted, and dropped at once.
             return self._drop(item, "closed")
-        self._queue[item.item_id] = item
+        self._items.append(item)
         self._queued_bytes += item.bytes
         effects: list[SpillEffect] = [
             JournalEvent(event=SpillEnqueued(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind))
         ]
         # The newest item is last in the FIFO, so with two or more queued the
         # head is the oldest item that is neither in flight nor just enqueued.
-        while self._queued_bytes + self._in_flight_bytes() > self.bytes_max and len(self._queue) > 1:
-            _, oldest = self._queue.popitem(last=False)
+        while self._queued_bytes + self._in_flight_bytes() > self.bytes_max and len(self._items) > 1:
+            oldest = self._items.pop_oldest()
             self._queued_bytes -= oldest.bytes
             effects += self._drop(oldest, "byte_cap")
         if self.state is SpillState.IDLE:
@@ -232,14 +230,13 @@ class SpillQueueCore:
         return effects
 
     def _on_write_result(self, msg: WriteResult) -> list[SpillEffect]:
-        item = self._in_flight
-        if item is None or item.item_id != msg.item_id:
-            in_flight = item.item_id if item is not None else None
+        item = self._items.finish(msg.item_id)
+        if item is None:
+            in_flight = self._items.in_flight.item_id if self._items.in_flight is not None else None
             raise IllegalTransition(
                 f"WriteResult for item {msg.item_id}, which is not in flight "
                 f"(state {self.state.name}, in flight: {in_flight})"
             )
-        self._in_flight = None
         self._counts[msg.outcome] += 1
         effects: list[SpillEffect] = [
             Release(item_id=item.item_id),
@@ -248,28 +245,26 @@ class SpillQueueCore:
                 event=SpillSettled(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind, outcome=msg.outcome)
             ),
         ]
-        if self._queue:
+        if self._items:
             return effects + self._dispatch_next()
         self._move(SpillState.IDLE)
         return effects + self._wake_all()
 
     def _on_shutdown(self) -> list[SpillEffect]:
         effects: list[SpillEffect] = []
-        if self._in_flight is not None:
+        in_flight = self._items.take_in_flight()
+        if in_flight is not None:
             # The shell cancelled the write; whether it reached the disk is unknown.
-            effects += self._drop(self._in_flight, "shutdown")
-            self._in_flight = None
-        while self._queue:
-            _, oldest = self._queue.popitem(last=False)
+            effects += self._drop(in_flight, "shutdown")
+        for oldest in self._items.clear():
             self._queued_bytes -= oldest.bytes
             effects += self._drop(oldest, "shutdown")
         self._move(SpillState.CLOSED)
         return effects + self._wake_all()
 
     def _dispatch_next(self) -> list[SpillEffect]:
-        _, item = self._queue.popitem(last=False)
+        item = self._items.start_oldest()
         self._queued_bytes -= item.bytes
-        self._in_flight = item
         self._move(SpillState.WRITING)
         return [
             JournalEvent(event=SpillDispatched(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind)),
@@ -287,11 +282,10 @@ class SpillQueueCore:
         ]
 
     def _wake_all(self) -> list[SpillEffect]:
-        waiters, self._waiters = self._waiters, []
-        return [Wake(waiter_id=w) for w in waiters]
+        return [Wake(waiter_id=w) for w in self._items.take_waiters()]
 
     def _in_flight_bytes(self) -> int:
-        return self._in_flight.bytes if self._in_flight is not None else 0
+        return self._items.in_flight.bytes if self._items.in_flight is not None else 0
 
 
 Writer = Callable[[SpillSnapshot], Awaitable[str]]

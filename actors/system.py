@@ -568,14 +568,47 @@ async def _start_actors(
     tokenizer_hash: str,
     wear: WearMonitor | None = None,
 ) -> System:
-    journal = store.journal if store is not None else None
+    """Start the actors tier by tier, each tier on the ones before it: the
+    gateway and the RAM tier, the lanes (with the checkpoint writer), the SSD
+    tier's writers, the shared tier."""
     token = trio.lowlevel.current_trio_token()
+    system = await _start_ram_tier(nursery, config, seams, engine, loaded, scheme, store)
+    queue_bytes = await _start_lanes(nursery, system, token)
+    if store is None:
+        if config.shared_cache is not None:
+            raise UsageError("the shared cache needs the SSD tier (--ssd-cache): downloads land there")
+        return system
+    await _start_ssd_tier(nursery, system, store, tokenizer_hash, wear, queue_bytes, token)
+    if config.shared_cache is not None:
+        system.shared = await start_shared_tier(nursery, config.shared_cache, seams, store, system.gateway)
+    return system
+
+
+async def _start_ram_tier(
+    nursery: trio.Nursery,
+    config: SystemConfig,
+    seams: SystemSeams,
+    engine: EngineThread,
+    loaded: LoadedModel,
+    scheme: KvScheme,
+    store: SsdStore | None,
+) -> System:
+    """Start the gateway (the one engine lane) and make the RAM tier and its memory guard."""
+    journal = store.journal if store is not None else None
     gateway = Gateway(engine, journal=journal)
     await nursery.start(gateway.run)
     prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=seams.clock_s)
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
     system.gateway = gateway
     system.memory_guard = await open_memory_guard(engine, config, system.memory_meter, scheme, prompt_cache, journal)
+    return system
+
+
+async def _start_lanes(nursery: trio.Nursery, system: System, token: trio.lowlevel.TrioToken) -> int:
+    """Start the checkpoint writer (when on) and the batch lane; returns the
+    spill queue's byte budget, less the checkpoints' share."""
+    config, store = system.config, system.store
+    journal = store.journal if store is not None else None
     kv_budget_bytes = config.kv_budget_bytes
     if system.memory_guard is not None:
         # The batch lane's KV budget is bounded by the memory budget's headroom after the weights.
@@ -588,10 +621,10 @@ async def _start_actors(
         queue_bytes = await _start_checkpoints(nursery, system, store, queue_bytes, token)
     system.scheduler, system.serial_reason = await open_batch_lane(
         nursery,
-        engine=engine,
-        gateway=gateway,
-        prompt_cache=prompt_cache,
-        scheme=scheme,
+        engine=system.engine,
+        gateway=system.gateway,
+        prompt_cache=system.prompt_cache,
+        scheme=system.scheme,
         rows_max=config.batch_rows_max,
         kv_budget_bytes=kv_budget_bytes,
         prefill_step_tokens=config.prefill_step_tokens,
@@ -599,14 +632,25 @@ async def _start_actors(
         memory_guard=system.memory_guard,
         checkpointing=system.checkpointing,
     )
-    if store is None:
-        if config.shared_cache is not None:
-            raise UsageError("the shared cache needs the SSD tier (--ssd-cache): downloads land there")
-        return system
+    return queue_bytes
+
+
+async def _start_ssd_tier(
+    nursery: trio.Nursery,
+    system: System,
+    store: SsdStore,
+    tokenizer_hash: str,
+    wear: WearMonitor | None,
+    queue_bytes: int,
+    token: trio.lowlevel.TrioToken,
+) -> None:
+    """Start the SSD writer behind the spill queue (and the write budget), hand
+    the RAM tier's spills to it through the admission gate, then write-behind."""
+    config, seams, gateway, prompt_cache = system.config, system.seams, system.gateway, system.prompt_cache
     writer = SsdWriter(
         store,
         gateway.run_when_idle,
-        journal=journal,
+        journal=store.journal,
         tokenizer_hash=tokenizer_hash,
         run_blocking=seams.run_blocking,
         safeguards=seams.safeguards,
@@ -615,7 +659,7 @@ async def _start_actors(
     if wear is not None and wear.budgeted:
         system.budgeted_writes = BudgetedWrites(wear, dropped_spills=lambda: queue.stats()["dropped"])
     write = system.budgeted_writes.wrap(writer.write) if system.budgeted_writes is not None else writer.write
-    queue = SpillQueue(write, bytes_max=queue_bytes, journal=journal)
+    queue = SpillQueue(write, bytes_max=queue_bytes, journal=store.journal)
     await nursery.start(queue.run)
     system.queue = queue
     if system.memory_guard is not None:
@@ -637,13 +681,22 @@ async def _start_actors(
         token.run_sync_soon(submit, snapshot)
 
     prompt_cache.spill_sink = spill_sink
+    await _start_write_behind(nursery, system, store, queue, token)
+
+
+async def _start_write_behind(
+    nursery: trio.Nursery, system: System, store: SsdStore, queue: SpillQueue, token: trio.lowlevel.TrioToken
+) -> None:
+    """Start the durability coordinator (when write-behind is on), the
+    admission gate's observation of the RAM tier, and idle demotion."""
+    config, gateway, prompt_cache, admission = system.config, system.gateway, system.prompt_cache, system.admission
     write_behind = config.write_behind if config.write_behind is not None else write_behind_from_env()
     if write_behind:
         durability = DurabilityCoordinator(
             DurabilityPorts(gateway, prompt_cache, store, queue),
             debounce_s=config.debounce_s,
             busy_rearm_s=config.busy_rearm_s,
-            journal=journal,
+            journal=store.journal,
             admission=admission,
         )
         await nursery.start(durability.run)
@@ -653,9 +706,6 @@ async def _start_actors(
         observe_for_admission(token, prompt_cache, admission, system.durability)
     if config.demote_idle_s > 0:
         nursery.start_soon(demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
-    if config.shared_cache is not None:
-        system.shared = await start_shared_tier(nursery, config.shared_cache, seams, store, gateway)
-    return system
 
 
 async def _start_checkpoints(

@@ -41,10 +41,11 @@ from rich.console import Console
 from tokenizers import Tokenizer
 
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    machine_sentence,
     model_option,
-    print_figures,
     publish,
     publish_options,
     scratch_dir_option,
@@ -346,29 +347,33 @@ def interpretation(result: dict[str, Any]) -> str:
     )
 
 
+def model_figures(figures: dict[str, Any]) -> Figures:
+    """One model's table, every column right-aligned."""
+    return Figures(
+        title=f"Aggregate decode tokens/s, {figures['model']}",
+        columns=FIGURE_COLUMNS,
+        rows=figure_rows(figures),
+        summary=summary_lines(figures),
+        text_columns=(),
+    )
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     """The docs section: one table per model, the first model's figures being the JSON's top level."""
     machine = result["machine"]
-    alignment = "|".join("---:" for _ in FIGURE_COLUMNS)
     lines = [
         "## Batch lane: aggregate decode tokens/s against the serial lane and mlx_lm.server",
         "",
         f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s; the servers ran one at a time).",
         "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU), mlx-lm "
-        f"{result['mlx_lm_version']}.",
+        machine_sentence(machine, f" (CPU), mlx-lm {result['mlx_lm_version']}."),
     ]
     for figures in (result, *result["other_models"]):
         lines += [
             "",
             f"### {figures['model']}",
             "",
-            f"| {' | '.join(FIGURE_COLUMNS)} |",
-            f"|{alignment}|",
-            *(f"| {' | '.join(row)} |" for row in figure_rows(figures)),
-            "",
-            *(f"- {line}" for line in summary_lines(figures)),
+            *model_figures(figures).markdown(),
             "",
             interpretation(figures),
         ]
@@ -470,14 +475,7 @@ def main(
             figures = run_benchmark(scratch.model_dir, options, scratch.workdir, progress)
         figures["model"] = scratch.model_described
         models.append(figures)
-        print_figures(
-            f"Aggregate decode tokens/s, {figures['model']}",
-            FIGURE_COLUMNS,
-            figure_rows(figures),
-            summary_lines(figures),
-            console,
-            text_columns=(),
-        )
+        model_figures(figures).show(console)
     result = {
         **models[0],
         "other_models": models[1:],

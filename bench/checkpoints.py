@@ -36,11 +36,13 @@ from rich.console import Console
 
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    docs_section,
+    machine_sentence,
     model_option,
-    print_figures,
-    publish,
+    publish_figures,
     publish_options,
     scratch_dir_option,
     scratch_with_model,
@@ -318,26 +320,26 @@ def interpretation(result: dict[str, Any]) -> str:
     )
 
 
+def figures(result: dict[str, Any]) -> Figures:
+    return Figures(
+        title="Generation checkpoints", columns=FIGURE_COLUMNS, rows=figure_rows(result), summary=summary_lines(result)
+    )
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    lines = [
-        "## Generation checkpoints: decode on against off, resume after SIGKILL, bytes written",
-        "",
-        f"Run {run_date} with `{command}`.",
-        "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU); SSD tier on "
-        f"{machine['filesystem']}. The machine was shared with other work while it ran.",
-        "",
-        f"| {' | '.join(FIGURE_COLUMNS)} |",
-        "|---|" + "---:|" * (len(FIGURE_COLUMNS) - 2) + "---|",
-        *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-        "",
-        *(f"- {line}" for line in summary_lines(result)),
-        "",
-        interpretation(result),
-    ]
-    return "\n".join(lines)
+    return docs_section(
+        "Generation checkpoints: decode on against off, resume after SIGKILL, bytes written",
+        [
+            f"Run {run_date} with `{command}`.",
+            machine_sentence(
+                machine,
+                f" (CPU); SSD tier on {machine['filesystem']}. The machine was shared with other work while it ran.",
+            ),
+        ],
+        figures(result),
+        [interpretation(result)],
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -368,10 +370,10 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
     result.update(
         model=scratch.model_described, machine=describe_machine(scratch.base), wall_s=time.perf_counter() - started
     )
-    print_figures("Generation checkpoints", FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console)
-    publish(
+    publish_figures(
         "checkpoints",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

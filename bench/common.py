@@ -201,3 +201,63 @@ def scratch_dir_option(holds: str) -> Callable[[Callable[..., Any]], Callable[..
         help=f"Directory for {holds} (a temporary subdirectory is made and removed); "
         "default: kvcellar's user cache directory.",
     )
+
+
+@attrs.frozen(kw_only=True)
+class Figures:
+    """A benchmark's figures, the same on the terminal (`show`) and
+    in its docs section (`docs_section`): a titled table and summary lines."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: Sequence[tuple[str, ...]]
+    summary: Sequence[str] = ()
+    text_columns: tuple[str, ...] = ("measurement", "note")  # left-aligned, the others right
+
+    def show(self, console: Console) -> None:
+        """Print the table and the summary lines (`print_figures`)."""
+        summary = list(self.summary)
+        print_figures(self.title, self.columns, self.rows, summary, console, text_columns=self.text_columns)
+
+    def markdown(self) -> list[str]:
+        """The table, then the summary lines as bullets (when there are any)."""
+        alignment = "|".join("---" if column in self.text_columns else "---:" for column in self.columns)
+        table = [f"| {' | '.join(self.columns)} |", f"|{alignment}|", *(f"| {' | '.join(row)} |" for row in self.rows)]
+        return table + (["", *(f"- {line}" for line in self.summary)] if self.summary else [])
+
+
+def machine_sentence(machine: dict[str, str], rest: str) -> str:
+    """The docs' machine line from `describe_machine`: CPUs, RAM, platform,
+    Python and MLX, then `rest` (the back end, the file system, the sharing)."""
+    return (
+        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
+        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']}{rest}"
+    )
+
+
+def docs_section(heading: str, opening: Sequence[str], figures: Figures, closing: Sequence[str] = ()) -> str:
+    """A benchmark's docs section: `## heading`, the opening paragraphs (the
+    run, the machine), the figures, the closing paragraphs, a blank line between each."""
+    lines = [f"## {heading}"]
+    for paragraph in opening:
+        lines += ["", paragraph]
+    lines += ["", *figures.markdown()]
+    for paragraph in closing:
+        lines += ["", paragraph]
+    return "\n".join(lines)
+
+
+def publish_figures(
+    name: str,
+    result: dict[str, Any],
+    figures: Figures,
+    section: Callable[[str, str], str],
+    *,
+    write_docs: bool,
+    as_json: bool,
+    console: Console,
+    progress: Console,
+) -> None:
+    """The end of a benchmark with one table: show `figures`, then `publish`."""
+    figures.show(console)
+    publish(name, result, section, write_docs=write_docs, as_json=as_json, console=console, progress=progress)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import click
 import mlx.core as mx
 import trio
@@ -35,11 +36,12 @@ from rich.console import Console
 
 from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    docs_section,
     model_option,
-    print_figures,
-    publish,
+    publish_figures,
     publish_options,
     scratch_dir_option,
     scratch_with_model,
@@ -219,18 +221,25 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     ]
 
 
+def figures(result: dict[str, Any]) -> Figures:
+    return Figures(
+        title="memory guard, 2x oversubscribed",
+        columns=("measurement", "guard off", "guard on"),
+        rows=figure_rows(result),
+        summary=[f"peak live within the budget: {result['peak_within_budget']}"],
+    )
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
     verdict = "met" if result["peak_within_budget"] else "MISSED"
-    rows = [f"| {name} | {off} | {on} |" for name, off, on in figure_rows(result)]
-    return "\n".join(
+    docs_columns = ("measure", "guard off", "guard on")
+    return docs_section(
+        "Memory-pressure guard (2x oversubscribed)",
         [
-            "## Memory-pressure guard (2x oversubscribed)",
-            "",
             f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs, "
             f"{machine['memory_total']}), Python {machine['python']}, mlx {machine['mlx']} (CPU backend), "
             f"model {result['model']}; the machine was shared with other agents' work.",
-            "",
             f"{result['clients']} concurrent clients, {result['requests_per_client']} distinct "
             f"{result['prompt_tokens']}-token prompts each, {result['max_tokens']} tokens out, batch lane of "
             f"{result['clients']} rows, SSD tier on. The workload would keep {_mb(result['wanted_kv_bytes'])} "
@@ -238,11 +247,9 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             f"the weights ({_mb(result['weights_bytes'])}), one batched prefill chunk's projected workspace "
             f"({_mb(result['workspace_bytes'])}) and half that KV. Baseline: the same workload with the guard "
             "off, in the same process.",
-            "",
-            "| measure | guard off | guard on |",
-            "|---|---|---|",
-            *rows,
-            "",
+        ],
+        attrs.evolve(figures(result), columns=docs_columns, summary=(), text_columns=docs_columns),
+        [
             f"Target peak live <= budget: **{verdict}** ({_mb(result['peak_active_bytes'])} against "
             f"{_mb(result['budget_bytes'])}); {result['refused']} requests refused with insufficient_memory "
             f"({result['relief_failures']} of them by a relief check mid-generation), against every request "
@@ -251,7 +258,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "together without it wait, and relief writes entries synchronously on the engine thread; on a "
             "CPU-bound machine fewer rows at once also finish their prefill sooner, so the ratio can fall below "
             "1. The resident set includes the Python process and its libraries, which the budget does not cover.",
-        ]
+        ],
     )
 
 
@@ -294,16 +301,10 @@ def main(
         result = measure(scratch.model_dir, scratch.workdir, shape, progress)
         result["model"] = scratch.model_described
         result["machine"] = describe_machine(scratch.workdir)
-    print_figures(
-        "memory guard, 2x oversubscribed",
-        ("measurement", "guard off", "guard on"),
-        figure_rows(result),
-        [f"peak live within the budget: {result['peak_within_budget']}"],
-        console,
-    )
-    publish(
+    publish_figures(
         "memory_guard",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

@@ -31,7 +31,16 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, docs_markers, model_option, print_figures, publish, publish_options
+from kvcellar.bench.common import (
+    Figures,
+    describe_machine,
+    docs_markers,
+    docs_section,
+    machine_sentence,
+    model_option,
+    publish_figures,
+    publish_options,
+)
 from kvcellar.engine.demo_models import DEMO_ARCH, SIZES, VOCAB_SIZE, create_model
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, SamplingParams, configure_host_allocator, generate_tokens
 from kvcellar.store.lending import cache_arrays
@@ -518,34 +527,24 @@ def _release_sentence(memory: dict[str, Any]) -> str:
 
 
 def markdown_section(result: dict[str, Any], machine: dict[str, str], command: str, run_date: str) -> str:
-    return "\n".join(
+    return docs_section(
+        "RAM prompt cache: TTFT of a hit, take() latency, memory under the cap",
         [
-            "## RAM prompt cache: TTFT of a hit, take() latency, memory under the cap",
-            "",
             f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s; TTFT figures are medians of "
             f"{result['repeats']} repeats).",
-            "",
-            f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-            f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU).",
-            "",
-            f"| {' | '.join(FIGURE_COLUMNS)} |",
-            "|---|" + "---:|" * (len(FIGURE_COLUMNS) - 1),
-            *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-            "",
-            *(f"- {line}" for line in summary_lines(result)),
-            "",
-            interpretation(result),
-        ]
+            machine_sentence(machine, " (CPU)."),
+        ],
+        figures(result),
+        [interpretation(result)],
     )
 
 
-def print_table(result: dict[str, Any], console: Console) -> None:
-    print_figures(
-        "RAM prompt cache",
-        FIGURE_COLUMNS,
-        figure_rows(result),
-        summary_lines(result),
-        console,
+def figures(result: dict[str, Any]) -> Figures:
+    return Figures(
+        title="RAM prompt cache",
+        columns=FIGURE_COLUMNS,
+        rows=figure_rows(result),
+        summary=summary_lines(result),
         text_columns=("measurement",),
     )
 
@@ -659,10 +658,10 @@ def main(model_dir: Path | None, model_size: str, as_json: bool, write_docs: boo
         load_average=[load_before, os.getloadavg()[0]],
         machine=machine,
     )
-    print_table(result, console)
-    publish(
+    publish_figures(
         "prompt_cache",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, machine, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

@@ -37,11 +37,13 @@ from rich.console import Console
 from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.actors.uploader import SharedCacheConfig
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    docs_section,
+    machine_sentence,
     model_option,
-    print_figures,
-    publish,
+    publish_figures,
     publish_options,
     scratch_dir_option,
     scratch_with_model,
@@ -289,24 +291,20 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def figures(result: dict[str, Any]) -> Figures:
+    title = f"Shared cold tier, median of {result['repeats']}"
+    return Figures(title=title, columns=FIGURE_COLUMNS, rows=figure_rows(result), summary=summary_lines(result))
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    return "\n".join(
+    return docs_section(
+        "Shared cold tier: restore against GET, a second server's TTFT, decode with uploads",
         [
-            "## Shared cold tier: restore against GET, a second server's TTFT, decode with uploads",
-            "",
             f"Run {run_date} with `{command}`.",
-            "",
-            f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-            f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU); SSD tiers on "
-            f"{machine['filesystem']}.",
-            "",
-            f"| {' | '.join(FIGURE_COLUMNS)} |",
-            "|---|---:|---:|---|",
-            *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-            "",
-            *(f"- {line}" for line in summary_lines(result)),
-        ]
+            machine_sentence(machine, f" (CPU); SSD tiers on {machine['filesystem']}."),
+        ],
+        figures(result),
     )
 
 
@@ -335,11 +333,10 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
         moto=moto.__version__,
         boto3=boto3.__version__,
     )
-    title = f"Shared cold tier, median of {result['repeats']}"
-    print_figures(title, FIGURE_COLUMNS, figure_rows(result), summary_lines(result), console)
-    publish(
+    publish_figures(
         "shared_tier",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

@@ -18,7 +18,14 @@ from typing import Any
 import click
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, docs_markers, print_figures, publish, publish_options
+from kvcellar.bench.common import (
+    Figures,
+    describe_machine,
+    docs_markers,
+    docs_section,
+    publish_figures,
+    publish_options,
+)
 from kvcellar.simulations.sweep import SweepPlan, run_sweep
 from kvcellar.simulations.workload import SMALL_SHAPES
 
@@ -74,35 +81,40 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], progress: Console) -> 
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    return "\n".join(
+    rows = [
+        ("seeds swept (default workload, mixed faults)", f"{result['seeds']} in {result['sweep_s']} s"),
+        ("simulated runs per second", str(result["runs_per_s"])),
+        (
+            "seeds that drew the batch lane / decode steps rows shared",
+            f"{result['batch_lane_seeds']} / {result['shared_decode_steps']}",
+        ),
+        *(
+            (f"runs per second, the same seeds all on the {lane} lane", str(rate))
+            for lane, rate in result["runs_per_s_by_lane"].items()
+        ),
+        ("disk operations / requests per run", f"{result['disk_ops_per_run']} / {result['requests_per_run']}"),
+        (
+            f"crash-point runs ({', '.join(result['crash_workloads'])})",
+            f"{result['crash_point_runs']} in {result['crash_s']} s",
+        ),
+        ("crash points per second", str(result["crash_points_per_s"])),
+        ("failed runs", str(result["failed_runs"])),
+    ]
+    columns = ("measure", "value")
+    return docs_section(
+        "Simulator throughput",
         [
-            "## Simulator throughput",
-            "",
             f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs), Python "
-            f"{machine['python']}, mlx {machine['mlx']}. No target: these figures size the default test sweep.",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            f"| seeds swept (default workload, mixed faults) | {result['seeds']} in {result['sweep_s']} s |",
-            f"| simulated runs per second | {result['runs_per_s']} |",
-            f"| seeds that drew the batch lane / decode steps rows shared | {result['batch_lane_seeds']} / "
-            f"{result['shared_decode_steps']} |",
-            *(
-                f"| runs per second, the same seeds all on the {lane} lane | {rate} |"
-                for lane, rate in result["runs_per_s_by_lane"].items()
-            ),
-            f"| disk operations / requests per run | {result['disk_ops_per_run']} / {result['requests_per_run']} |",
-            f"| crash-point runs ({', '.join(result['crash_workloads'])}) | {result['crash_point_runs']} in "
-            f"{result['crash_s']} s |",
-            f"| crash points per second | {result['crash_points_per_s']} |",
-            f"| failed runs | {result['failed_runs']} |",
-            "",
+            f"{machine['python']}, mlx {machine['mlx']}. No target: these figures size the default test sweep."
+        ],
+        Figures(title="simulator throughput", columns=columns, rows=rows, text_columns=columns),
+        [
             "Each run is the real store, actors, prompt cache and journal on `SimDisk` under a MockClock: "
             "workload, crashes, recovery and every invariant checker. A crash point is one full run that "
             "crashes at that disk operation. The forced-lane rows run the same seeds, so their ratio is what the "
             "batch lane costs a run; on a shared 2-CPU VM repeated runs of this command have differed by up to a "
-            "third, so compare figures within one run.",
-        ]
+            "third, so compare figures within one run."
+        ],
     )
 
 
@@ -126,10 +138,10 @@ def main(seeds: int, crash_workloads: str, as_json: bool, write_docs: bool) -> N
     result = measure(seeds, names, progress)
     result["machine"] = describe_machine(Path.cwd())
     rows = [(key, str(value)) for key, value in result.items() if key != "machine"]
-    print_figures("simulator throughput", ("measurement", "value"), rows, [], console)
-    publish(
+    publish_figures(
         "simulation",
         result,
+        Figures(title="simulator throughput", columns=("measurement", "value"), rows=rows),
         lambda command, run_date: markdown_section(result, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

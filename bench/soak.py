@@ -47,8 +47,11 @@ from rich.console import Console
 from tokenizers import Tokenizer
 
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    docs_section,
+    machine_sentence,
     model_option,
     print_figures,
     publish,
@@ -687,20 +690,23 @@ def interpretation(result: dict[str, Any]) -> str:
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    lines = [
-        "## Soak: concurrent clients against a RAM tier far below the working set",
-        "",
-        f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s).",
-        "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU); SSD tier on "
-        f"{machine['filesystem']}.",
-        "",
-        f"| {' | '.join(FIGURE_COLUMNS)} |",
-        "|---|---:|---:|---|",
-        *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-    ]
-    return "\n".join([*lines, "", *(f"- {line}" for line in summary_lines(result)), "", interpretation(result)])
+    # The docs right-align the figures; the terminal (`main`) shows every column as text.
+    figures = Figures(
+        title="Soak",
+        columns=FIGURE_COLUMNS,
+        rows=figure_rows(result),
+        summary=summary_lines(result),
+        text_columns=("measurement", "verdict"),
+    )
+    return docs_section(
+        "Soak: concurrent clients against a RAM tier far below the working set",
+        [
+            f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s).",
+            machine_sentence(machine, f" (CPU); SSD tier on {machine['filesystem']}."),
+        ],
+        figures,
+        [interpretation(result)],
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

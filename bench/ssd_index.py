@@ -36,9 +36,16 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 from rich.console import Console
-from rich.table import Table
 
-from kvcellar.bench.common import describe_machine, docs_markers, publish, publish_options
+from kvcellar.bench.common import (
+    Figures,
+    describe_machine,
+    docs_markers,
+    docs_section,
+    machine_sentence,
+    publish_figures,
+    publish_options,
+)
 from kvcellar.serialization import converter
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk
@@ -608,25 +615,24 @@ def interpretation(result: dict[str, Any]) -> str:
     )
 
 
+def figures(result: dict[str, Any]) -> Figures:
+    return Figures(
+        title=f"SSD tier: startup scan, find() and journal cost ({result['entries']:,} entries)",
+        columns=FIGURE_COLUMNS,
+        rows=figure_rows(result),
+        summary=summary_lines(result),
+    )
+
+
 def markdown_section(result: dict[str, Any], machine: dict[str, str], command: str, run_date: str) -> str:
-    return "\n".join(
+    return docs_section(
+        "SSD tier: startup scan, find() latency and journal overhead",
         [
-            "## SSD tier: startup scan, find() latency and journal overhead",
-            "",
             f"Run {run_date} with `{command}`.",
-            "",
-            f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-            f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']}; "
-            f"files on {machine['filesystem']}.",
-            "",
-            f"| {' | '.join(FIGURE_COLUMNS)} |",
-            "|---|---:|---:|---|",
-            *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-            "",
-            *(f"- {line}" for line in summary_lines(result)),
-            "",
-            interpretation(result),
-        ]
+            machine_sentence(machine, f"; files on {machine['filesystem']}."),
+        ],
+        figures(result),
+        [interpretation(result)],
     )
 
 
@@ -710,17 +716,10 @@ def main(
             progress.print(f"left the benchmark's files in {workdir}")
     result["wall_seconds"] = time.perf_counter() - started
     result["machine"] = machine = describe_machine(workdir.parent)
-    table = Table(title=f"SSD tier: startup scan, find() and journal cost ({entries:,} entries)")
-    for column in FIGURE_COLUMNS:
-        table.add_column(column, justify="right" if column in ("median", "spread") else "left")
-    for row in figure_rows(result):
-        table.add_row(*row)
-    console.print(table)
-    for line in summary_lines(result):
-        console.print(line, highlight=False)
-    publish(
+    publish_figures(
         "ssd_index",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, machine, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

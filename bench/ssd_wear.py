@@ -38,11 +38,13 @@ from rich.console import Console
 from kvcellar.actors.admission import ADMISSION_POLICIES, ADMISSION_POLICY_DEFAULT
 from kvcellar.actors.system import System, SystemConfig, open_system
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    docs_section,
+    machine_sentence,
     model_option,
-    print_figures,
-    publish,
+    publish_figures,
     publish_options,
     scratch_dir_option,
     scratch_with_model,
@@ -422,26 +424,28 @@ def interpretation(result: dict[str, Any]) -> str:
     )
 
 
+def figures(result: dict[str, Any]) -> Figures:
+    return Figures(
+        title="SSD write wear by admission policy",
+        columns=FIGURE_COLUMNS,
+        rows=figure_rows(result),
+        summary=summary_lines(result),
+        text_columns=("policy",),
+    )
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    lines = [
-        "## SSD write wear: admission policies on an agent-like workload",
-        "",
-        f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s).",
-        "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU); SSD tier on "
-        f"{machine['filesystem']}. The machine was shared with other work: TTFTs are noisy, byte counts are not.",
-        "",
-        f"| {' | '.join(FIGURE_COLUMNS)} |",
-        "|---|" + "---:|" * (len(FIGURE_COLUMNS) - 1),
-        *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-        "",
-        *(f"- {line}" for line in summary_lines(result)),
-        "",
-        interpretation(result),
-    ]
-    return "\n".join(lines)
+    shared = "The machine was shared with other work: TTFTs are noisy, byte counts are not."
+    return docs_section(
+        "SSD write wear: admission policies on an agent-like workload",
+        [
+            f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s).",
+            machine_sentence(machine, f" (CPU); SSD tier on {machine['filesystem']}. {shared}"),
+        ],
+        figures(result),
+        [interpretation(result)],
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -491,17 +495,10 @@ def main(
         result = run_benchmark(scratch.model_dir, scratch.workdir, shape, seed, progress)
         result["model"] = scratch.model_described
         result["machine"] = describe_machine(scratch.workdir)
-    print_figures(
-        "SSD write wear by admission policy",
-        FIGURE_COLUMNS,
-        figure_rows(result),
-        summary_lines(result),
-        console,
-        text_columns=("policy",),
-    )
-    publish(
+    publish_figures(
         "ssd_wear",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

@@ -26,11 +26,13 @@ from rich.console import Console
 
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.bench.common import (
+    Figures,
     describe_machine,
     docs_markers,
+    docs_section,
+    machine_sentence,
     model_option,
-    print_figures,
-    publish,
+    publish_figures,
     publish_options,
     scratch_dir_option,
     scratch_with_model,
@@ -371,36 +373,21 @@ def _snapshot_sentence(result: dict[str, Any]) -> str:
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    lines = [
-        "## Write-behind: decode speed on against off, flush latency",
-        "",
-        f"Run {run_date} with `{command}` (median of {result['repeats']} repeats per mode; wall time "
-        f"{result['wall_s']:.0f} s).",
-        "",
-        f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
-        f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']} (CPU); SSD tier on "
-        f"{machine['filesystem']}.",
-        "",
-        f"| {' | '.join(FIGURE_COLUMNS)} |",
-        "|---|" + "---:|" * (len(FIGURE_COLUMNS) - 2) + "---|",
-        *(f"| {' | '.join(row)} |" for row in figure_rows(result)),
-        "",
-        *(f"- {line}" for line in summary_lines(result)),
-        "",
-        interpretation(result),
-    ]
-    return "\n".join(lines)
-
-
-def print_table(result: dict[str, Any], console: Console) -> None:
-    print_figures(
-        f"Write-behind, median of {result['repeats']} per mode",
-        FIGURE_COLUMNS,
-        figure_rows(result),
-        summary_lines(result),
-        console,
-        text_columns=("measurement", "note"),
+    return docs_section(
+        "Write-behind: decode speed on against off, flush latency",
+        [
+            f"Run {run_date} with `{command}` (median of {result['repeats']} repeats per mode; wall time "
+            f"{result['wall_s']:.0f} s).",
+            machine_sentence(machine, f" (CPU); SSD tier on {machine['filesystem']}."),
+        ],
+        figures(result),
+        [interpretation(result)],
     )
+
+
+def figures(result: dict[str, Any]) -> Figures:
+    title = f"Write-behind, median of {result['repeats']} per mode"
+    return Figures(title=title, columns=FIGURE_COLUMNS, rows=figure_rows(result), summary=summary_lines(result))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -440,10 +427,10 @@ def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_do
         result = run_benchmark(scratch.model_dir, options, scratch.workdir, progress)
     base, described = scratch.base, scratch.model_described
     result.update(model=described, machine=describe_machine(base), wall_s=time.perf_counter() - started)
-    print_table(result, console)
-    publish(
+    publish_figures(
         "writebehind",
         result,
+        figures(result),
         lambda command, run_date: markdown_section(result, command, run_date),
         write_docs=write_docs,
         as_json=as_json,

@@ -37,10 +37,12 @@ instead and the engine lets the Trio tasks run before the next turn.
 
 Gates (spec §2.3): a model batches only when every fresh cache is one mlx-lm
 can merge into rows (`KVCache`, `RotatingKVCache`, `ArraysCache`, or a
-`CacheList` of those); a KV scheme batches only when `KvScheme.batchable()`
-allows it given that the batch lane's merged caches (`BatchKVCache`) cannot
-hold affine-quantized KV, so a quantized scheme keeps the serial lane rather
-than silently losing its quantization.
+`CacheList` of those); a KV scheme batches when `KvScheme.batchable()`
+allows it: the batch lane holds affine-quantized rows in
+`BatchQuantizedKVCache` (engine/quant_batch.py, which also names where a row
+converts), so uniform KV4/KV8 and per-layer config batch; a scheme that does
+not fit the model's caches (`quantized_batch_refusal`) keeps the serial lane,
+which reports its error per request.
 
 All of this runs on the engine thread (docs/mlx-notes.md, "Threads").
 """
@@ -76,6 +78,7 @@ from kvcellar.engine.generation import (
     take_reuse,
 )
 from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
+from kvcellar.engine.quant_batch import PREFILL_ROWS, QuantizedRows, quantized_batch_refusal
 from kvcellar.engine.sampling import build_processors
 from kvcellar.engine.scalars import item_int
 from kvcellar.store import signature as sig
@@ -84,9 +87,6 @@ from kvcellar.store.lending import snapshot_caches
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme
 
-# mlx-lm's merged row caches (BatchKVCache, BatchRotatingKVCache) have no
-# quantized form: the batch lane can carry only unquantized KV.
-BATCH_LANE_CAN_CONVERT = False
 _ROW_SIGNATURES = frozenset({sig.SIGNATURE_PLAIN, sig.SIGNATURE_ROTATING, sig.SIGNATURE_SSM})
 END_OF_BATCH = None
 # How often an idle loop (no rows, inbox empty) looks at its cancel flag.
@@ -122,11 +122,11 @@ def batch_lane_refusal(model: Any, scheme: KvScheme, rows_max: int) -> str | Non
     reason = model_batch_refusal(model)
     if reason is not None:
         return reason
-    if not scheme.batchable(can_convert=BATCH_LANE_CAN_CONVERT):
-        return (
-            f"KV scheme {scheme.cache_key} quantizes KV and the batch lane's merged caches (mlx-lm "
-            "BatchKVCache) cannot hold quantized KV; the serial lane keeps the quantization"
-        )
+    # The capability probe (spec §2.3): mlx-lm's merged row caches have no quantized
+    # form, engine/quant_batch.py's BatchQuantizedKVCache is one, given the scheme converts this model.
+    conversion_refusal = quantized_batch_refusal(model, scheme)
+    if not scheme.batchable(can_convert=conversion_refusal is None):
+        return conversion_refusal
     return None
 
 
@@ -209,8 +209,11 @@ class BatchLoop:
         wait_for_rows: bool = True,
         memory_guard: MemoryGuard | None = None,
         checkpointing: Checkpointing | None = None,
+        scheme: KvScheme | None = None,
     ) -> None:
         self.prompt_cache = prompt_cache
+        # A quantized scheme's conversion points (engine/quant_batch.py); None keeps KV as the model makes it.
+        self._quantized = QuantizedRows(scheme) if scheme is not None and scheme.quantized else None
         self.memory_guard = memory_guard if memory_guard is not None and memory_guard.enabled else None
         # Decode steps since the guard last checked (a check is due every DECODE_CHECK_TOKENS).
         self._decode_steps_unchecked = 0
@@ -231,7 +234,7 @@ class BatchLoop:
         self._generator = LeanBatchGenerator(
             loaded.model,
             completion_batch_size=self.rows_max,
-            prefill_batch_size=self.rows_max,
+            prefill_batch_size=self.rows_max if self._quantized is None else PREFILL_ROWS,
             prefill_step_size=self.prefill_step_tokens,
         )
         try:
@@ -307,7 +310,7 @@ class BatchLoop:
             # A cold row has no caches: mlx-lm takes None for it, which its annotation does not say.
             [segments],
             max_tokens=[params.max_tokens],
-            caches=cast("list[list[Any]]", [reuse.caches]),
+            caches=cast("list[list[Any]]", [self._row_caches(reuse.caches)]),
             all_tokens=[prompt[:cached_tokens]],
             samplers=[sampler],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
@@ -327,6 +330,9 @@ class BatchLoop:
             checkpoints=checkpoints,
             sampler=sampler if params.seed is not None else None,
         )
+
+    def _row_caches(self, caches: list | None) -> list | None:
+        return caches if self._quantized is None else self._quantized.row_caches(caches)
 
     def _sampler(self, params: SamplingParams) -> Any:
         """None for greedy rows (they share the generator's greedy sampler, one
@@ -377,7 +383,7 @@ class BatchLoop:
         (state.uid,) = self._generator.insert_segments(
             [[[pending]]],
             max_tokens=[params.max_tokens - state.produced],
-            caches=[point.caches],
+            caches=cast("list[list[Any]]", [self._row_caches(point.caches)]),
             all_tokens=[list(point.tokens)],
             samplers=[sampler],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
@@ -404,6 +410,8 @@ class BatchLoop:
         assert self._generator is not None and self._loaded is not None
         loaded = self._loaded
         prompt_responses, generation_responses = self._generator.next()
+        if self._quantized is not None:
+            self._quantized.convert_decoding(self._generator)
         for response in prompt_responses:
             state = self._rows.get(response.uid)
             if state is None:
@@ -412,6 +420,8 @@ class BatchLoop:
             if response.end_of_prompt:
                 state.prefilling = False
             if response.end_of_segment and state.boundary is not None:
+                if self._quantized is not None:
+                    self._quantized.convert_prefilling(self._generator)
                 self._put_boundary_snapshot(state)
             elif response.end_of_prompt and state.snapshot:
                 self._put_snapshot(state)
@@ -472,6 +482,9 @@ class BatchLoop:
         # A row still waiting to prefill holds only the lent prefix: nothing new to keep.
         if state.use_cache and caches is not None and len(tokens) > state.cached_tokens:
             assert self.prompt_cache is not None
+            if self._quantized is not None:
+                # A row cancelled mid-prefill still holds unquantized KV: the chokepoint converts it, as serially.
+                caches = self._quantized.scheme.convert(list(caches))
             self.prompt_cache.put(list(tokens), caches, state.row.request.namespace)
         tail = state.assembler.closing_text() if outcome == "completed" else ""
         if tail:

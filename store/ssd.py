@@ -53,6 +53,7 @@ from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalThread
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
+from kvcellar.store.ssd_adopt import EntryAdopter
 
 log = logging.getLogger("kvcellar.ssd")
 
@@ -168,6 +169,16 @@ class SsdStore:
         self.safeguards = safeguards
         self._event_listeners = tuple(event_listeners)
         self._restore_listeners = tuple(restore_listeners)
+        self._adopter = EntryAdopter(
+            fingerprint=fingerprint,
+            disk=disk,
+            safeguards=safeguards,
+            new_entry_id=self._new_entry_id,
+            entry_path=self._entry_path,
+            make_durable_dir=self.make_durable_dir,
+            quarantine_file=self.quarantine_file,
+            index_written=self._index_written,
+        )
 
     @classmethod
     def open(
@@ -405,6 +416,9 @@ class SsdStore:
             minimum_reusable_offset=entry.minimum_reusable_offset,
         )
 
+    def _entry_path(self, namespace: str, entry_id: str) -> Path:
+        return self.directory / namespace_dir_name(namespace) / f"{entry_id}{kvfile.FILE_SUFFIX}"
+
     def _relative(self, path: Path) -> str:
         return str(path.relative_to(self.directory))
 
@@ -617,7 +631,7 @@ class SsdStore:
         each take their own engine turn), then `finish_store` or `fail_store`."""
         token_array = np.asarray(tokens, dtype=np.uint32)
         entry_id = self._new_entry_id()
-        path = self.directory / namespace_dir_name(namespace) / f"{entry_id}{kvfile.FILE_SUFFIX}"
+        path = self._entry_path(namespace, entry_id)
         meta = kvfile.EntryMeta(
             namespace=namespace,
             fingerprint=self._fingerprint_fields,
@@ -649,8 +663,16 @@ class SsdStore:
         """Index a committed write, then supersede and evict; returns the entry
         id. File I/O (the mtime, the unlinks of what it replaces) happens
         outside the lock, so call it off the Trio thread."""
-        header = pending.writer.planned_header
-        path = pending.writer.path
+        return self._index_written(
+            pending.entry_id, pending.namespace, pending.writer.path, pending.tokens, pending.writer.planned_header
+        )
+
+    def _index_written(
+        self, entry_id: str, namespace: str, path: Path, tokens: np.ndarray, header: kvfile.Header
+    ) -> str:
+        """Index a committed entry file (a store or an adoption), then
+        supersede and evict; returns the entry id. The mtime and the unlinks
+        happen outside the lock."""
         # LRU order comes from the store's clock, not the file system's, so
         # it is the same in simulations and under coarse timestamps.
         with self._lock:
@@ -660,10 +682,10 @@ class SsdStore:
         except DiskError as e:
             log.debug("cannot set the mtime of %s: %s", path, e)
         entry = IndexedEntry(
-            entry_id=pending.entry_id,
-            namespace=pending.namespace,
+            entry_id=entry_id,
+            namespace=namespace,
             path=path,
-            tokens=pending.tokens,
+            tokens=tokens,
             bytes=header.file_bytes,
             mtime_ns=mtime_ns,
             trimmable=header.trimmable,
@@ -675,7 +697,7 @@ class SsdStore:
             self._event(ev.EntryStored(entry=self._fields(entry)))
             removed = self._supersede(entry) + self._evict_over_cap()
         self._unlink_removed(removed)
-        return entry.entry_id
+        return entry_id
 
     def _write_failed(self, namespace: str, token_count: int, reason: str, errno: int | None) -> None:
         self.counters.write_failures += 1
@@ -756,95 +778,10 @@ class SsdStore:
         verify_tensors: bool = True,
     ) -> str:
         """Commit an entry file fetched from elsewhere (a shared-tier download)
-        as if it had been stored here: `fill(write)` streams the file's bytes
-        through `write` into a temp file beside its place; then the whole file
-        is verified (header and size, and every tensor checksum unless
-        `verify_tensors` is false: a caller that checked a digest of the whole
-        file against a trusted record, since `restore` checks them again) and must carry
-        this fingerprint, `namespace` and `tokens`; it is fsynced, renamed into place,
-        directory-fsynced and indexed (supersession, eviction, `entry.stored`).
-
-        Returns the new entry id. A file that fails a check (or for which
-        `fill` raises `CorruptEntry`) is quarantined and the error re-raised;
-        anything else `fill` raises (a broken download) and any `DiskError`
-        remove the temp file and propagate. Blocking file I/O: call it off the Trio thread."""
-        entry_id = self._new_entry_id()
-        path = self.directory / namespace_dir_name(namespace) / f"{entry_id}{kvfile.FILE_SUFFIX}"
-        temp_path = path.with_name(f".{path.name}.{entry_id}{kvfile.TEMP_SUFFIX}")
-        self._make_durable_dirs(path.parent, self.directory)
-        handle = self.disk.create_exclusive(temp_path)
-        try:
-            written = 0
-
-            def write(data: memoryview | bytes) -> None:
-                nonlocal written
-                self.disk.write_at(handle, written, data)
-                written += len(data)
-
-            fill(write)
-            self.disk.fsync(handle)
-        except BaseException as e:
-            with suppress(DiskError):
-                self.disk.close(handle)
-            if isinstance(e, CorruptEntry):
-                self._quarantine(temp_path, "", str(e))  # bytes that failed the fetcher's own check
-            else:
-                with suppress(DiskError):
-                    self.disk.unlink(temp_path)
-            raise
-        self.disk.close(handle)
-        header = self._verified_adoptee(temp_path, namespace, tokens, verify_tensors)
-        self.disk.rename(temp_path, path)
-        self.disk.fsync_dir(path.parent)
-        return self._index_adopted(entry_id, namespace, path, header)
-
-    def _verified_adoptee(
-        self, temp_path: Path, namespace: str, tokens: np.ndarray, verify_tensors: bool
-    ) -> kvfile.Header:
-        try:
-            if verify_tensors:
-                header = kvfile.verify_file(temp_path, disk=self.disk)
-            else:
-                header = kvfile.read_header(temp_path, disk=self.disk, safeguards=self.safeguards)
-            if header.fingerprint.get("digest") != self.fingerprint:
-                raise CorruptEntry(f"{temp_path}: fingerprint is not this directory's", part="header")
-            if header.namespace != namespace:
-                raise CorruptEntry(f"{temp_path}: namespace {header.namespace!r} is not {namespace!r}", part="header")
-            if not np.array_equal(header.token_array, np.asarray(tokens, dtype=np.uint32)):
-                raise CorruptEntry(f"{temp_path}: tokens differ from the expected ones", part="header")
-        except (CorruptEntry, UnsupportedFormat) as e:
-            self._quarantine(temp_path, "", str(e))
-            raise
-        except DiskError:
-            with suppress(DiskError):
-                self.disk.unlink(temp_path)
-            raise
-        return header
-
-    def _index_adopted(self, entry_id: str, namespace: str, path: Path, header: kvfile.Header) -> str:
-        with self._lock:
-            mtime_ns = self._newest_mtime_ns()
-        try:
-            self.disk.utime(path, mtime_ns)
-        except DiskError as e:
-            log.debug("cannot set the mtime of %s: %s", path, e)
-        entry = IndexedEntry(
-            entry_id=entry_id,
-            namespace=namespace,
-            path=path,
-            tokens=np.asarray(header.token_array, dtype=np.uint32),
-            bytes=header.file_bytes,
-            mtime_ns=mtime_ns,
-            trimmable=header.trimmable,
-            minimum_reusable_offset=header.minimum_reusable_offset,
-        )
-        with self._lock:
-            self._index(entry)
-            self.counters.entries_stored += 1
-            self._event(ev.EntryStored(entry=self._fields(entry)))
-            removed = self._supersede(entry) + self._evict_over_cap()
-        self._unlink_removed(removed)
-        return entry_id
+        as if it had been stored here, verified first (`EntryAdopter.adopt`,
+        `store/ssd_adopt.py`); returns the new entry id. Blocking file I/O:
+        call it off the Trio thread."""
+        return self._adopter.adopt(namespace, tokens, fill, verify_tensors=verify_tensors)
 
     def add_event_listener(self, listener: EventListener) -> None:
         """Add a listener after opening (the shared tier's uploader): same
@@ -852,7 +789,7 @@ class SsdStore:
         with self._lock:
             self._event_listeners = (*self._event_listeners, listener)
 
-    # -- for the checkpoint store (store/checkpoints.py) -------------------------
+    # -- for the tier's other parts (store/checkpoints.py, store/ssd_adopt.py) --
 
     @property
     def fingerprint_fields(self) -> dict[str, str]:

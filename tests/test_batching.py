@@ -201,7 +201,9 @@ def test_unbatchable_models_and_schemes_take_the_serial_lane_with_a_log_line_say
     assert quantized_stats["lane"] == "serial" and "kv8" in quantized_stats["reason"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("serial lane" in w and "kv:chunked-plain" in w for w in warnings), warnings
-    assert any("serial lane" in w and "cannot hold quantized KV" in w for w in warnings), warnings
+    # Quantized KV batches (tests/test_quant_batch.py) unless the scheme cannot convert the model's caches:
+    # the tiny llama's head dim 16 is no multiple of kv8's group size 64.
+    assert any("serial lane" in w and "cannot convert" in w and "group size" in w for w in warnings), warnings
 
 
 def test_kv_budget_admission_holds_under_a_burst(model_dir_factory):
