@@ -75,7 +75,8 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class PagedPoolLedger:
-    """Live pool counters for `/stats`: pools, blocks reserved and blocks free."""
+    """Live pool counters for `/stats`: pools, blocks reserved and blocks free,
+    and how many pools were ever made (one per paged layer of each request)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -83,9 +84,11 @@ class PagedPoolLedger:
         self._pools = 0
         self._blocks_total = 0
         self._blocks_used = 0
+        self._pools_created = 0
 
     def _change(self, pools: int, total: int, used: int) -> None:
         with self._lock:
+            self._pools_created += max(0, pools)
             self._pools += pools
             self._blocks_total += total
             self._blocks_used += used
@@ -97,6 +100,7 @@ class PagedPoolLedger:
                 "pools": self._pools,
                 "blocks_total": self._blocks_total,
                 "blocks_free": self._blocks_total - self._blocks_used,
+                "pools_created": self._pools_created,
             }
 
     def __deepcopy__(self, memo: dict) -> PagedPoolLedger:
@@ -232,8 +236,8 @@ class PagedKVCache:
         self.append(keys, values)
         return self.fetch()
 
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return mlx_cache.create_attention_mask(N, self.offset, return_array, window_size)
 
     def is_trimmable(self) -> bool:
         return True
