@@ -206,6 +206,14 @@ def padded_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
     return len(sizes) * max(sizes, default=0)
 
 
+def row_projected_kv_bytes(scheme: KvScheme, prototypes: list, tokens: int, paged_kv: PagedKv | None) -> int:
+    """A row's projected KV bytes for `tokens` tokens under the scheme; a
+    paged row's pools hold whole blocks."""
+    if paged_kv is not None:
+        tokens = blocks_for(tokens, paged_kv.block_size) * paged_kv.block_size
+    return scheme.projected_bytes(prototypes, tokens)
+
+
 def summed_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
     """What paged rows take together (engine/paged_kv.py): each row its own
     blocks, no padding to the longest. Sliding-window rings and recurrent
@@ -458,10 +466,7 @@ class Scheduler:
         if self.memory_guard is not None and self.memory_guard.enabled:
             return self.memory_guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens)
         tokens = len(request.prompt_ids) + request.params.max_tokens
-        if self.paged_kv is not None:
-            # A paged row's pools hold whole blocks.
-            tokens = blocks_for(tokens, self.paged_kv.block_size) * self.paged_kv.block_size
-        return self.scheme.projected_bytes(self._prototypes, tokens)
+        return row_projected_kv_bytes(self.scheme, self._prototypes, tokens, self.paged_kv)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until `close()`; a batch job still running then finishes first."""

@@ -48,6 +48,9 @@ def test_a_paged_server_batches_mixed_rows_reuses_prefixes_and_shows_its_pool(mo
         assert pool["blocks_free"] == pool["blocks_total"] == 0, "no request is running, so no pool is live"
         assert stats["scheduler"]["lane"] == "batch"
         assert max(int(rows) for rows in stats["scheduler"]["batch_size_history"]) >= 2
+        metrics = httpx.get(f"{server.base}/metrics", timeout=5).text
+        assert "kvcellar_paged_kv_blocks_free 0.0" in metrics and "kvcellar_paged_kv_pools_created_total" in metrics
+        assert "not yet described" not in metrics
     finally:
         status, output = server.stop()
     assert status == 0

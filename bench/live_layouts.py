@@ -1,0 +1,358 @@
+"""Benchmark: the live tier's layouts (issue 19). Paged KV on vs off (spec §6):
+
+- batch 1: decode tokens/s of one request, paged over plain (the gather adds a
+  copy per step: a small regression is expected and reported as measured);
+- mixed rows: 4 and 8 rows of mlx-lm's `BatchGenerator` (what the batch lane
+  runs), one `--long-tokens` row beside `--short-tokens` rows, paged over
+  plain: aggregate decode tokens/s and the KV bytes the batch holds (plain:
+  every row padded to the longest; paged: each row's own blocks);
+- admission: the most such rows (one long, the rest short) the same
+  `--kv-budget` admits, through the Scheduler's own core and projection, paged
+  over plain; the budget is what the plain lane needs for 4 rows.
+
+All in one process on the demo llama (`--size`, default small), paged and
+plain measured alternately in the same run. Each measurement is one function
+of `MEASUREMENTS` that adds its figures to the result; `--json` prints them as
+one object on the last line, with `paged_decode_ratio_b1` and
+`paged_rows_admitted_ratio` among them.
+
+    python -m kvcellar.bench.live_layouts [--long-tokens 2048] [--short-tokens 64] [--json] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+from rich.console import Console
+
+from kvcellar.actors.scheduler import (
+    SchedulerCore,
+    Submit,
+    padded_kv_bytes,
+    row_projected_kv_bytes,
+    summed_kv_bytes,
+)
+from kvcellar.bench.common import (
+    describe_machine,
+    docs_markers,
+    model_option,
+    print_figures,
+    publish,
+    publish_options,
+    scratch_dir_option,
+    scratch_with_model,
+)
+from kvcellar.engine.engine import prefill
+from kvcellar.engine.paged_kv import BLOCK_SIZE_DEFAULT, PagedKv
+from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
+
+DOCS_BEGIN, DOCS_END = docs_markers("live_layouts")
+ADMISSION_ROWS_MAX = 256
+PLAIN_ROWS_BUDGETED = 4
+
+
+@attrs.frozen(kw_only=True)
+class Shape:
+    long_tokens: int
+    short_tokens: int
+    new_tokens: int
+    rounds: int
+    block_size: int
+    row_counts: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Context:
+    model: Any
+    shape: Shape
+    paged_kv: PagedKv
+    progress: Console
+
+
+def _prompt(row: int, tokens: int) -> list[int]:
+    return [(7 * j + 31 * row + (j * j) % 97) % 1000 + 3 for j in range(tokens)]
+
+
+def _serial_decode_s(context: Context, paged: bool) -> float:
+    """Seconds per decode step of one request after a `long_tokens` prompt."""
+    shape, model = context.shape, context.model
+    cache = make_prompt_cache(model)
+    if paged:
+        cache = context.paged_kv.page(cache, shape.long_tokens + shape.new_tokens + 1)
+    logits = prefill(model, _prompt(0, shape.long_tokens), cache)
+    token = mx.argmax(logits, axis=-1)
+    mx.eval(token)
+    started = time.perf_counter()
+    for _ in range(shape.new_tokens):
+        logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+        token = mx.argmax(logits, axis=-1)
+        mx.eval(token)
+    return (time.perf_counter() - started) / shape.new_tokens
+
+
+def measure_paged_decode_b1(context: Context) -> dict[str, Any]:
+    plain, paged = [], []
+    for _ in range(context.shape.rounds):
+        plain.append(_serial_decode_s(context, paged=False))
+        paged.append(_serial_decode_s(context, paged=True))
+    plain_rate, paged_rate = 1 / statistics.median(plain), 1 / statistics.median(paged)
+    context.progress.print(f"batch 1: plain {plain_rate:.1f} tok/s, paged {paged_rate:.1f} tok/s")
+    return {
+        "plain_decode_tok_s_b1": round(plain_rate, 2),
+        "paged_decode_tok_s_b1": round(paged_rate, 2),
+        "paged_decode_ratio_b1": round(paged_rate / plain_rate, 3),
+    }
+
+
+def _mixed_batch(context: Context, rows: int, paged: bool) -> tuple[float, int]:
+    """Aggregate decode tokens/s of `rows` rows (one long, the rest short) once
+    all are decoding, and the KV bytes the batch then holds."""
+    shape, model = context.shape, context.model
+    prompts = [_prompt(row, shape.long_tokens if row == 0 else shape.short_tokens) for row in range(rows)]
+    generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows, prefill_step_size=512)
+    max_tokens = 2 * shape.new_tokens + 2
+    caches = [
+        context.paged_kv.page(make_prompt_cache(model), len(prompt) + max_tokens) if paged else None
+        for prompt in prompts
+    ]
+    try:
+        generator.insert_segments([[p] for p in prompts], max_tokens=[max_tokens] * rows, caches=caches)
+        while len(generator._generation_batch) < rows:  # prefill until every row decodes
+            generator.next()
+        for _ in range(2):
+            generator.next()
+        started = time.perf_counter()
+        for _ in range(shape.new_tokens):
+            generator.next()
+        elapsed = time.perf_counter() - started
+        return rows * shape.new_tokens / elapsed, generator.prompt_cache_nbytes
+    finally:
+        generator.close()
+
+
+def measure_paged_mixed_rows(context: Context) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for rows in context.shape.row_counts:
+        plain, paged = [], []
+        for _ in range(context.shape.rounds):
+            plain.append(_mixed_batch(context, rows, paged=False))
+            paged.append(_mixed_batch(context, rows, paged=True))
+        plain_rate = statistics.median(rate for rate, _ in plain)
+        paged_rate = statistics.median(rate for rate, _ in paged)
+        figures |= {
+            f"plain_decode_tok_s_{rows}": round(plain_rate, 2),
+            f"paged_decode_tok_s_{rows}": round(paged_rate, 2),
+            f"paged_decode_ratio_{rows}": round(paged_rate / plain_rate, 3),
+            f"plain_kv_bytes_{rows}": plain[-1][1],
+            f"paged_kv_bytes_{rows}": paged[-1][1],
+            f"paged_kv_bytes_ratio_{rows}": round(paged[-1][1] / plain[-1][1], 3),
+        }
+        context.progress.print(
+            f"{rows} mixed rows: plain {plain_rate:.1f} tok/s {plain[-1][1] / 1e6:.1f} MB, "
+            f"paged {paged_rate:.1f} tok/s {paged[-1][1] / 1e6:.1f} MB"
+        )
+    return figures
+
+
+def _rows_admitted(budget_bytes: int, row_bytes: list[int], billing: Callable[..., int]) -> int:
+    core = SchedulerCore(rows_max=ADMISSION_ROWS_MAX, kv_budget_bytes=budget_bytes, billing=billing)
+    for request_id, kv_bytes in enumerate(row_bytes):
+        core.handle(Submit(request_id=request_id, prompt_tokens=1, kv_bytes=kv_bytes), now=0.0)
+    return len(core.active)
+
+
+def measure_paged_rows_admitted(context: Context) -> dict[str, Any]:
+    shape, scheme = context.shape, KvScheme.bf16()
+    prototypes = warm_up_prototype_caches(context.model)
+    lengths = [shape.long_tokens] + [shape.short_tokens] * (ADMISSION_ROWS_MAX - 1)
+    tokens = [length + shape.new_tokens for length in lengths]
+    plain_bytes = [row_projected_kv_bytes(scheme, prototypes, t, None) for t in tokens]
+    paged_bytes = [row_projected_kv_bytes(scheme, prototypes, t, context.paged_kv) for t in tokens]
+    budget_bytes = padded_kv_bytes(plain_bytes[:PLAIN_ROWS_BUDGETED])
+    plain_rows = _rows_admitted(budget_bytes, plain_bytes, padded_kv_bytes)
+    paged_rows = _rows_admitted(budget_bytes, paged_bytes, summed_kv_bytes)
+    context.progress.print(f"admitted under {budget_bytes / 1e6:.1f} MB: plain {plain_rows}, paged {paged_rows}")
+    return {
+        "kv_budget_bytes": budget_bytes,
+        "plain_rows_admitted": plain_rows,
+        "paged_rows_admitted": paged_rows,
+        "paged_rows_admitted_ratio": round(paged_rows / plain_rows, 3),
+    }
+
+
+# One function per measurement; each adds its figures (and headline keys) to the result.
+MEASUREMENTS: tuple[Callable[[Context], dict[str, Any]], ...] = (
+    measure_paged_decode_b1,
+    measure_paged_mixed_rows,
+    measure_paged_rows_admitted,
+)
+
+
+def measure(model_dir: Path, shape: Shape, progress: Console) -> dict[str, Any]:
+    model = load(str(model_dir))[0]
+    context = Context(model=model, shape=shape, paged_kv=PagedKv.with_block_size(shape.block_size), progress=progress)
+    result: dict[str, Any] = {"shape": attrs.asdict(shape)}
+    for measurement in MEASUREMENTS:
+        result |= measurement(context)
+    return result
+
+
+def _mb(value: int) -> str:
+    return f"{value / 1e6:.1f} MB"
+
+
+def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = [
+        (
+            "decode tok/s, batch 1",
+            f"{result['plain_decode_tok_s_b1']:.1f}",
+            f"{result['paged_decode_tok_s_b1']:.1f}",
+            f"{result['paged_decode_ratio_b1']}x",
+        )
+    ]
+    for count in result["shape"]["row_counts"]:
+        rows += [
+            (
+                f"decode tok/s, {count} mixed rows",
+                f"{result[f'plain_decode_tok_s_{count}']:.1f}",
+                f"{result[f'paged_decode_tok_s_{count}']:.1f}",
+                f"{result[f'paged_decode_ratio_{count}']}x",
+            ),
+            (
+                f"KV bytes held, {count} mixed rows",
+                _mb(result[f"plain_kv_bytes_{count}"]),
+                _mb(result[f"paged_kv_bytes_{count}"]),
+                f"{result[f'paged_kv_bytes_ratio_{count}']}x",
+            ),
+        ]
+    rows.append(
+        (
+            f"rows admitted by a {_mb(result['kv_budget_bytes'])} KV budget",
+            str(result["plain_rows_admitted"]),
+            str(result["paged_rows_admitted"]),
+            f"{result['paged_rows_admitted_ratio']}x",
+        )
+    )
+    return rows
+
+
+def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
+    machine, shape = result["machine"], result["shape"]
+    rows = [f"| {name} | {plain} | {paged} | {ratio} |" for name, plain, paged, ratio in figure_rows(result)]
+    return "\n".join(
+        [
+            "## Live-tier layouts: paged KV on vs off",
+            "",
+            f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs, "
+            f"{machine['memory_total']}), Python {machine['python']}, mlx {machine['mlx']} (CPU backend), "
+            f"model {result['model']}; the machine was shared with other agents' work (one of them training "
+            "a model), so rates are noisy.",
+            "",
+            f"Blocks of {shape['block_size']} tokens. Batch 1: one {shape['long_tokens']}-token prompt, "
+            f"{shape['new_tokens']} decode steps timed. Mixed rows: one {shape['long_tokens']}-token row beside "
+            f"{shape['short_tokens']}-token rows in mlx-lm's BatchGenerator (the batch lane's engine), "
+            f"{shape['new_tokens']} decode steps timed once every row decodes; KV bytes are what the batch's "
+            "caches hold then (plain: every row padded to the longest, in 256-token steps; paged: each row's "
+            "pools, sized from its prompt plus max_tokens). Medians of "
+            f"{shape['rounds']} alternating rounds. Admission: the Scheduler core with each layout's billing "
+            f"(plain: rows x the largest row; paged: the sum of each row's whole blocks), one long row then "
+            f"short ones, under the budget the plain lane needs for {PLAIN_ROWS_BUDGETED} such rows.",
+            "",
+            "| measure | plain | paged | paged / plain |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            f"At batch 1 paged decode runs at {result['paged_decode_ratio_b1']}x plain: every step gathers the "
+            "row's blocks into a contiguous tensor for the attention op (a copy plain KV does not make). In "
+            "mixed batches the gathered tensor is still padded for the attention op, so the rate stays near "
+            "plain's; what paging removes is the held padding, and with it the budget a short row costs: the "
+            f"same budget admits {result['paged_rows_admitted_ratio']}x the rows.",
+        ]
+    )
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--long-tokens", type=click.IntRange(min=2), default=2048, show_default=True)
+@click.option("--short-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Decode steps timed.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--rows", "row_counts", default="4,8", show_default=True, help="Row counts of the mixed batches.")
+@click.option("--block-size", type=click.IntRange(min=1), default=BLOCK_SIZE_DEFAULT, show_default=True)
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small", "medium"]),
+    default="small",
+    show_default=True,
+    help="Demo model size when --model is not given.",
+)
+@model_option("An mlx-lm model directory to run instead of the demo llama.")
+@scratch_dir_option("the demo model")
+@publish_options(DOCS_BEGIN, DOCS_END)
+def main(
+    long_tokens: int,
+    short_tokens: int,
+    new_tokens: int,
+    rounds: int,
+    row_counts: str,
+    block_size: int,
+    size: str,
+    model_dir: Path | None,
+    directory: Path | None,
+    as_json: bool,
+    write_docs: bool,
+) -> None:
+    """Measure paged KV against plain KV on the live tier."""
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    progress = Console(stderr=True)
+    try:
+        counts = tuple(int(count) for count in row_counts.split(","))
+    except ValueError as e:
+        raise click.BadParameter(f"--rows takes comma-separated row counts, got {row_counts!r}") from e
+    if any(count < 2 for count in counts):
+        raise click.BadParameter("--rows: a mixed batch needs at least 2 rows")
+    shape = Shape(
+        long_tokens=long_tokens,
+        short_tokens=short_tokens,
+        new_tokens=new_tokens,
+        rounds=rounds,
+        block_size=block_size,
+        row_counts=counts,
+    )
+    with scratch_with_model("live-layouts", directory, model_dir, progress, size=size) as scratch:
+        result = measure(scratch.model_dir, shape, progress)
+        result["model"] = scratch.model_described
+        result["machine"] = describe_machine(scratch.workdir)
+    print_figures(
+        "live-tier layouts: paged KV on vs off",
+        ("measurement", "plain", "paged", "paged / plain"),
+        figure_rows(result),
+        [
+            f"paged decode at batch 1: {result['paged_decode_ratio_b1']}x plain",
+            f"rows the same KV budget admits: {result['paged_rows_admitted_ratio']}x plain",
+        ],
+        console,
+    )
+    publish(
+        "live_layouts",
+        result,
+        lambda command, run_date: markdown_section(result, command, run_date),
+        write_docs=write_docs,
+        as_json=as_json,
+        console=console,
+        progress=progress,
+    )
+
+
+if __name__ == "__main__":
+    main()
