@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import click
@@ -127,7 +127,10 @@ def _mixed_batch(context: Context, rows: int, paged: bool) -> tuple[float, int]:
         for prompt in prompts
     ]
     try:
-        generator.insert_segments([[p] for p in prompts], max_tokens=[max_tokens] * rows, caches=caches)
+        # A plain row's None (a fresh cache) is what mlx-lm takes, which its annotation does not say.
+        generator.insert_segments(
+            [[p] for p in prompts], max_tokens=[max_tokens] * rows, caches=cast("list[list[Any]]", caches)
+        )
         while len(generator._generation_batch) < rows:  # prefill until every row decodes
             generator.next()
         for _ in range(2):
