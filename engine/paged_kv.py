@@ -188,8 +188,8 @@ class BlockPool:
         # mlx-lm deep-copies a prompt batch before splitting it: the copy is a
         # pool of its own, counted as one.
         clone = BlockPool(blocks=self.blocks_total, block_size=self.block_size, ledger=self._count.ledger)
-        # MLX writes are functional (a slice update makes a new array), so sharing is safe.
-        clone.k_pool, clone.v_pool = self.k_pool, self.v_pool
+        # New array objects: a slice write rebinds the object it is made through, so sharing one would alias.
+        clone.k_pool, clone.v_pool = copy.deepcopy(self.k_pool, memo), copy.deepcopy(self.v_pool, memo)
         clone._free = list(self._free)
         clone._count.change_used(self.blocks_total - len(self._free))
         return clone
@@ -463,12 +463,6 @@ class PagedKv:
     def plain(self, caches: Sequence[Any]) -> list[Any]:
         """The tier form: every paged layer as a plain, owned `KVCache` copy."""
         return [cache.to_plain() if type(cache) is PagedKVCache else cache for cache in caches]
-
-    def row_bytes(self, prototypes: Sequence[Any], tokens: int, layer_bytes: Any) -> int:
-        """What a row of `tokens` tokens reserves: its paged layers in whole
-        blocks, the other layers as `layer_bytes(cache, tokens)` bills them."""
-        blocked = blocks_for(tokens, self.block_size) * self.block_size
-        return sum(layer_bytes(cache, blocked if type(cache) is _PAGEABLE else tokens) for cache in prototypes)
 
     def stats(self) -> dict[str, int]:
         return self.ledger.stats()

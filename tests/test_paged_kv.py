@@ -4,6 +4,7 @@ the batch lane's billing, with real tiny MLX models."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import mlx.core as mx
@@ -111,6 +112,19 @@ def test_plain_round_trip_and_the_ledger_counts_live_pools_until_they_are_droppe
     del paged
     gc.collect()
     assert ledger.stats() == {"block_size": BLOCK, "pools": 0, "blocks_total": 0, "blocks_free": 0, "pools_created": 1}
+
+
+def test_a_deep_copy_is_a_pool_of_its_own_as_mlx_lm_splits_a_prompt_batch():
+    ledger = PagedPoolLedger(BLOCK)
+    paged = PagedKVCache(block_size=BLOCK, capacity_tokens=12, ledger=ledger)
+    keys, values = _kv(6, 7)
+    paged.update_and_fetch(keys, values)
+    batch = BatchPagedKVCache.merge([paged])
+    clone = copy.deepcopy(batch)
+    assert ledger.stats()["pools"] == 2 and ledger.stats()["blocks_free"] == 2 * (3 - 2)
+    clone.update_and_fetch(*_kv(1, 8))
+    assert batch.rows[0].offset == 6 and clone.rows[0].offset == 7
+    assert _same(batch.rows[0].fetch()[0], keys) and _same(clone.rows[0].fetch()[0][..., :6, :], keys)
 
 
 def test_the_signature_is_real_and_the_tiers_refuse_a_paged_cache_explicitly():
