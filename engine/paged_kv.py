@@ -10,8 +10,8 @@ never silent truncation.
 
 `PagedKVCache` is the serial row: `update_and_fetch` splits the incoming
 tokens at block boundaries, allocating a tail block as each is reached, then
-gathers the occupied blocks (take along the block axis, transpose, reshape,
-slice to `offset`): the same bytes a plain `KVCache` returns, differently
+gathers the occupied blocks (one concatenation of block views, the last
+cut to `offset`): the same bytes a plain `KVCache` returns, differently
 arranged. `trim` rewinds `offset` and frees the now-unoccupied tail blocks
 (the stale bytes past `offset` are never read: `KVCache`'s padding
 invariant, block-shaped).
@@ -172,11 +172,14 @@ class BlockPool:
         self.k_pool[block, :, within:end, :] = keys
         self.v_pool[block, :, within:end, :] = values
 
-    def gather(self, table: Sequence[int], tokens: int) -> tuple[mx.array, mx.array]:
-        """The first `tokens` tokens of the blocks in `table`, as `[1, H, tokens, D]`."""
+    def gather(self, table: Sequence[int], tokens: int, *, left: int = 0, right: int = 0) -> tuple[mx.array, mx.array]:
+        """The first `tokens` tokens of the blocks in `table` as `[1, H, left + tokens + right, D]`,
+        with `left` and `right` zero tokens around them (a batch row's transient padding)."""
         assert self.k_pool is not None and self.v_pool is not None
-        index = mx.array(list(table), dtype=mx.uint32)
-        return _gathered(self.k_pool, index, tokens), _gathered(self.v_pool, index, tokens)
+        return (
+            _gathered(self.k_pool, table, tokens, left, right),
+            _gathered(self.v_pool, table, tokens, left, right),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -195,10 +198,20 @@ class BlockPool:
         return clone
 
 
-def _gathered(pool: mx.array, index: mx.array, tokens: int) -> mx.array:
+def _gathered(pool: mx.array, table: Sequence[int], tokens: int, left: int, right: int) -> mx.array:
+    """One concatenation of views: each occupied block `pool[b]` (the last cut
+    to the tokens it holds) between the zero padding, so the gather is a single
+    copy (a `take` along the block axis then a transpose would make two)."""
     _, heads, block_size, dim = pool.shape
-    taken = mx.take(pool, index, axis=0).transpose(1, 0, 2, 3)
-    return taken.reshape(1, heads, index.size * block_size, dim)[..., :tokens, :]
+    pieces = [mx.zeros((heads, left, dim), pool.dtype)] if left else []
+    for position, block in enumerate(table):
+        held = min(block_size, tokens - position * block_size)
+        pieces.append(pool[block] if held == block_size else pool[block, :, :held])
+    if right:
+        pieces.append(mx.zeros((heads, right, dim), pool.dtype))
+    if not pieces:
+        return mx.zeros((1, heads, 0, dim), pool.dtype)
+    return mx.concatenate(pieces, axis=1)[None]
 
 
 class PagedKVCache:
@@ -228,9 +241,9 @@ class PagedKVCache:
             written += piece
         self.offset += length
 
-    def fetch(self) -> tuple[mx.array, mx.array]:
-        """The held keys and values, `[1, H, offset, D]`."""
-        return self.pool.gather(self.block_table, self.offset)
+    def fetch(self, *, left: int = 0, right: int = 0) -> tuple[mx.array, mx.array]:
+        """The held keys and values, `[1, H, offset, D]` (with `left`/`right` zero padding around)."""
+        return self.pool.gather(self.block_table, self.offset, left=left, right=right)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.append(keys, values)
@@ -341,10 +354,7 @@ class BatchPagedKVCache:
     def _gather(self) -> tuple[mx.array, mx.array]:
         keys, values = [], []
         for row, left, unwritten in zip(self.rows, self._left, self._unwritten, strict=True):
-            row_keys, row_values = row.fetch()
-            if left or unwritten:
-                padding = [(0, 0), (0, 0), (left, unwritten), (0, 0)]
-                row_keys, row_values = mx.pad(row_keys, padding), mx.pad(row_values, padding)
+            row_keys, row_values = row.fetch(left=left, right=unwritten)
             keys.append(row_keys)
             values.append(row_values)
         return mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
