@@ -2,7 +2,9 @@
 fixed-size blocks of a per-layer pool instead of one contiguous buffer.
 
 `BlockPool` is one layer's arena of one request: K and V pool tensors
-`[blocks, kv_heads, block_size, head_dim]` (V may differ in head dim),
+`[kv_heads, blocks, block_size, head_dim]` (V may differ in head dim; heads
+outermost rather than the spec's `[blocks, kv_heads, ...]`, so consecutive
+blocks are one strided view, see `_gathered`),
 allocated by MLX (`mx.zeros`) on the first write, with a LIFO free list. It is
 sized once from the request's prompt plus `max_tokens` (the admission's own
 projection), so `PagedPoolExhausted` is a tripwire for an accounting bug,
@@ -10,8 +12,8 @@ never silent truncation.
 
 `PagedKVCache` is the serial row: `update_and_fetch` splits the incoming
 tokens at block boundaries, allocating a tail block as each is reached, then
-gathers the occupied blocks (one concatenation of block views, the last
-cut to `offset`): the same bytes a plain `KVCache` returns, differently
+gathers the occupied blocks (a strided view of the pool when they are
+consecutive, one concatenation otherwise, cut to `offset`): the same bytes a plain `KVCache` returns, differently
 arranged. `trim` rewinds `offset` and frees the now-unoccupied tail blocks
 (the stale bytes past `offset` are never read: `KVCache`'s padding
 invariant, block-shaped).
@@ -162,24 +164,20 @@ class BlockPool:
         self._count.change_used(-1)
 
     def write(self, block: int, within: int, keys: mx.array, values: mx.array) -> None:
-        """Write `[H, l, D]` pieces at `[block, :, within:within+l, :]`."""
+        """Write `[H, l, D]` pieces at `[:, block, within:within+l, :]`."""
         if self.k_pool is None or self.v_pool is None:
             heads, _, k_dim = keys.shape
-            shape = (self.blocks_total, heads, self.block_size)
+            shape = (heads, self.blocks_total, self.block_size)
             self.k_pool = mx.zeros((*shape, k_dim), keys.dtype)
             self.v_pool = mx.zeros((*shape, values.shape[-1]), values.dtype)
         end = within + keys.shape[1]
-        self.k_pool[block, :, within:end, :] = keys
-        self.v_pool[block, :, within:end, :] = values
+        self.k_pool[:, block, within:end, :] = keys
+        self.v_pool[:, block, within:end, :] = values
 
-    def gather(self, table: Sequence[int], tokens: int, *, left: int = 0, right: int = 0) -> tuple[mx.array, mx.array]:
-        """The first `tokens` tokens of the blocks in `table` as `[1, H, left + tokens + right, D]`,
-        with `left` and `right` zero tokens around them (a batch row's transient padding)."""
+    def gather(self, table: Sequence[int], tokens: int) -> tuple[mx.array, mx.array]:
+        """The first `tokens` tokens of the blocks in `table`, as `[1, H, tokens, D]`."""
         assert self.k_pool is not None and self.v_pool is not None
-        return (
-            _gathered(self.k_pool, table, tokens, left, right),
-            _gathered(self.v_pool, table, tokens, left, right),
-        )
+        return _gathered(self.k_pool, table, tokens), _gathered(self.v_pool, table, tokens)
 
     @property
     def nbytes(self) -> int:
@@ -198,20 +196,20 @@ class BlockPool:
         return clone
 
 
-def _gathered(pool: mx.array, table: Sequence[int], tokens: int, left: int, right: int) -> mx.array:
-    """One concatenation of views: each occupied block `pool[b]` (the last cut
-    to the tokens it holds) between the zero padding, so the gather is a single
-    copy (a `take` along the block axis then a transpose would make two)."""
-    _, heads, block_size, dim = pool.shape
-    pieces = [mx.zeros((heads, left, dim), pool.dtype)] if left else []
-    for position, block in enumerate(table):
-        held = min(block_size, tokens - position * block_size)
-        pieces.append(pool[block] if held == block_size else pool[block, :, :held])
-    if right:
-        pieces.append(mx.zeros((heads, right, dim), pool.dtype))
-    if not pieces:
-        return mx.zeros((1, heads, 0, dim), pool.dtype)
-    return mx.concatenate(pieces, axis=1)[None]
+def _gathered(pool: mx.array, table: Sequence[int], tokens: int) -> mx.array:
+    """The pool seen as `[1, H, blocks * block_size, D]` (a free reshape: the
+    pool is contiguous). A table of consecutive blocks, which a request's own
+    LIFO pool hands out (trim gives the tail back, the next writes take it in
+    the same order), is one strided slice of that, as a plain `KVCache`'s
+    buffer is: no copy. Any other table is one concatenation of its blocks."""
+    heads, blocks, block_size, dim = pool.shape
+    flat = pool.reshape(1, heads, blocks * block_size, dim)
+    first = table[0] if table else 0
+    if list(table) == list(range(first, first + len(table))):
+        start = first * block_size
+        return flat[:, :, start : start + tokens, :]
+    pieces = [flat[:, :, block * block_size : (block + 1) * block_size, :] for block in table]
+    return mx.concatenate(pieces, axis=2)[:, :, :tokens, :]
 
 
 class PagedKVCache:
@@ -241,9 +239,9 @@ class PagedKVCache:
             written += piece
         self.offset += length
 
-    def fetch(self, *, left: int = 0, right: int = 0) -> tuple[mx.array, mx.array]:
-        """The held keys and values, `[1, H, offset, D]` (with `left`/`right` zero padding around)."""
-        return self.pool.gather(self.block_table, self.offset, left=left, right=right)
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """The held keys and values, `[1, H, offset, D]`."""
+        return self.pool.gather(self.block_table, self.offset)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.append(keys, values)
@@ -349,15 +347,22 @@ class BatchPagedKVCache:
                 self._real_left[i] -= real
             self._unwritten[i] += length - real
         self._idx += length
-        return self._gather()
+        return self._gather(keys, values)
 
-    def _gather(self) -> tuple[mx.array, mx.array]:
-        keys, values = [], []
-        for row, left, unwritten in zip(self.rows, self._left, self._unwritten, strict=True):
-            row_keys, row_values = row.fetch(left=left, right=unwritten)
-            keys.append(row_keys)
-            values.append(row_values)
-        return mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
+    def _gather(self, keys_in: mx.array, values_in: mx.array) -> tuple[mx.array, mx.array]:
+        """The transient `[B, H, _idx, D]` attention input: zeros, each row's
+        tokens written at `[left, left + offset)` (one copy of the held KV)."""
+        rows, heads = len(self.rows), keys_in.shape[1]
+        keys = mx.zeros((rows, heads, self._idx, keys_in.shape[-1]), keys_in.dtype)
+        values = mx.zeros((rows, heads, self._idx, values_in.shape[-1]), values_in.dtype)
+        for index, (row, left) in enumerate(zip(self.rows, self._left, strict=True)):
+            if row.offset == 0:
+                continue  # nothing written yet: all padding
+            row_keys, row_values = row.fetch()
+            end = left + row.offset
+            keys[index : index + 1, :, left:end, :] = row_keys
+            values[index : index + 1, :, left:end, :] = row_values
+        return keys, values
 
     def prepare(self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
         if left_padding is not None:

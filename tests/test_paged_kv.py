@@ -88,6 +88,16 @@ def test_trim_frees_tail_blocks_and_the_free_list_hands_the_last_freed_out_first
     assert _same(keys, want_keys) and _same(values, want_values)
 
 
+def test_a_table_of_scattered_blocks_gathers_the_same_tokens():
+    paged = PagedKVCache(block_size=BLOCK, capacity_tokens=16)
+    taken = paged.pool.alloc(), paged.pool.alloc()
+    paged.pool.free(taken[0])
+    keys, values = _kv(10, 9)
+    got_keys, got_values = paged.update_and_fetch(keys, values)
+    assert paged.block_table == [0, 2, 3], "not consecutive: the concatenating gather"
+    assert _same(got_keys, keys) and _same(got_values, values)
+
+
 def test_a_pool_out_of_blocks_raises_the_typed_tripwire_and_keeps_what_it_held():
     paged = PagedKVCache(block_size=BLOCK, capacity_tokens=8)
     paged.update_and_fetch(*_kv(8, 3))
