@@ -276,11 +276,13 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "|---|---|---|---|",
             *rows,
             "",
-            f"At batch 1 paged decode runs at {result['paged_decode_ratio_b1']}x plain: every step gathers the "
-            "row's blocks into a contiguous tensor for the attention op (a copy plain KV does not make). In "
-            "mixed batches the gathered tensor is still padded for the attention op, so the rate stays near "
-            "plain's; what paging removes is the held padding, and with it the budget a short row costs: the "
-            f"same budget admits {result['paged_rows_admitted_ratio']}x the rows.",
+            f"At batch 1 paged decode runs at {result['paged_decode_ratio_b1']}x plain: a request's blocks are "
+            "consecutive in its own pool, so attention reads them as one strided view, as it reads a plain "
+            "KVCache's buffer; what remains is the write split at block boundaries. In mixed batches every step "
+            "copies each row's blocks into one zero-padded transient tensor for the attention op (plain "
+            "BatchKVCache keeps that padded tensor as its storage and copies nothing), which is the decode "
+            "cost there; what paging removes is the held padding, and with it the budget a short row costs: "
+            f"the same budget admits {result['paged_rows_admitted_ratio']}x the rows.",
         ]
     )
 

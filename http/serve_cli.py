@@ -266,7 +266,7 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     default=False,
     help="Hold full-attention KV in fixed-size blocks (spec §6): batch rows keep their own blocks instead of "
     "padding to the longest row, and --kv-budget bills each row's blocks. Not with --kv-quant; a small "
-    "decode cost (a gather per step).",
+    "decode cost in the batch lane (each step copies the rows' blocks for the attention op).",
 )
 @click.option(
     "--paged-kv-block-size",
