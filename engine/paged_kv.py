@@ -350,19 +350,20 @@ class BatchPagedKVCache:
         return self._gather(keys, values)
 
     def _gather(self, keys_in: mx.array, values_in: mx.array) -> tuple[mx.array, mx.array]:
-        """The transient `[B, H, _idx, D]` attention input: zeros, each row's
-        tokens written at `[left, left + offset)` (one copy of the held KV)."""
-        rows, heads = len(self.rows), keys_in.shape[1]
-        keys = mx.zeros((rows, heads, self._idx, keys_in.shape[-1]), keys_in.dtype)
-        values = mx.zeros((rows, heads, self._idx, values_in.shape[-1]), values_in.dtype)
-        for index, (row, left) in enumerate(zip(self.rows, self._left, strict=True)):
-            if row.offset == 0:
-                continue  # nothing written yet: all padding
-            row_keys, row_values = row.fetch()
-            end = left + row.offset
-            keys[index : index + 1, :, left:end, :] = row_keys
-            values[index : index + 1, :, left:end, :] = row_values
-        return keys, values
+        """The transient `[B, H, _idx, D]` attention input: each row's tokens
+        (a view of its pool) between zeros at `[left, left + offset)`, one
+        concatenation per row, then one across rows. (Writing rows into an
+        `mx.zeros` buffer instead materializes the broadcast zeros once per row.)"""
+        keys, values = [], []
+        for row, left in zip(self.rows, self._left, strict=True):
+            right = self._idx - left - row.offset
+            if row.offset:
+                row_keys, row_values = row.fetch()
+            else:  # nothing written yet: all padding
+                row_keys, row_values = keys_in[:1, :, :0, :], values_in[:1, :, :0, :]
+            keys.append(_padded(row_keys, left, right))
+            values.append(_padded(row_values, left, right))
+        return mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
 
     def prepare(self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
         if left_padding is not None:
@@ -432,6 +433,18 @@ class BatchPagedKVCache:
         clone._unwritten = list(self._unwritten)
         clone._real_left = None if self._real_left is None else list(self._real_left)
         return clone
+
+
+def _padded(row: mx.array, left: int, right: int) -> mx.array:
+    """`row` (`[1, H, n, D]`) with `left` and `right` zero tokens around it."""
+    if not left and not right:
+        return row
+    _, heads, _, dim = row.shape
+    pieces = [mx.zeros((1, heads, left, dim), row.dtype)] if left else []
+    pieces.append(row)
+    if right:
+        pieces.append(mx.zeros((1, heads, right, dim), row.dtype))
+    return mx.concatenate(pieces, axis=2)
 
 
 def paged_model_refusal(caches: Sequence[Any]) -> str | None:

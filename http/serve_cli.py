@@ -355,7 +355,15 @@ def serve_command(
         paged_kv_block_size=paged_kv_block_size if paged_kv else None,
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
-    trio.run(serve_forever, config, host, port, settings)
+    try:
+        trio.run(serve_forever, config, host, port, settings)
+    except UsageError as e:
+        # A start-up refusal made once the model is loaded (`--paged-kv`'s model gate): MLX ran,
+        # so its static destructors could abort the exit below too; report it as `kvcellar` does.
+        click.echo(f"error: {e}", err=True)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(2)
     # Everything is flushed and the engine thread joined by now. MLX's C++
     # runtime can abort in its static destructors at interpreter exit
     # ("terminate called without an active exception", SIGABRT, seen in about
