@@ -84,29 +84,46 @@ def _prompt(row: int, tokens: int) -> list[int]:
     return [(7 * j + 31 * row + (j * j) % 97) % 1000 + 3 for j in range(tokens)]
 
 
-def _serial_decode_s(context: Context, paged: bool) -> float:
-    """Seconds per decode step of one request after a `long_tokens` prompt."""
+def _alternating_bursts(
+    context: Context, step_plain: Callable[[], None], step_paged: Callable[[], None]
+) -> tuple[float, float]:
+    """Median seconds per decode step of each layout, timed in alternating
+    bursts of `new_tokens` steps (`rounds` each), so load that other work puts
+    on a shared machine falls on both alike."""
+    plain: list[float] = []
+    paged: list[float] = []
+    for _ in range(context.shape.rounds):
+        for step, times in ((step_plain, plain), (step_paged, paged)):
+            started = time.perf_counter()
+            for _ in range(context.shape.new_tokens):
+                step()
+            times.append((time.perf_counter() - started) / context.shape.new_tokens)
+    return statistics.median(plain), statistics.median(paged)
+
+
+def _serial_stepper(context: Context, paged: bool) -> Callable[[], None]:
+    """One request after a `long_tokens` prompt: a function that runs one greedy decode step."""
     shape, model = context.shape, context.model
     cache = make_prompt_cache(model)
     if paged:
-        cache = context.paged_kv.page(cache, shape.long_tokens + shape.new_tokens + 1)
+        cache = context.paged_kv.page(cache, shape.long_tokens + shape.rounds * shape.new_tokens + 1)
     logits = prefill(model, _prompt(0, shape.long_tokens), cache)
-    token = mx.argmax(logits, axis=-1)
-    mx.eval(token)
-    started = time.perf_counter()
-    for _ in range(shape.new_tokens):
-        logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
-        token = mx.argmax(logits, axis=-1)
-        mx.eval(token)
-    return (time.perf_counter() - started) / shape.new_tokens
+    token = [mx.argmax(logits, axis=-1)]
+
+    def step() -> None:
+        logits = model(token[0].reshape(1, 1), cache=cache)[:, -1, :]
+        token[0] = mx.argmax(logits, axis=-1)
+        mx.eval(token[0])
+
+    step()
+    return step
 
 
 def measure_paged_decode_b1(context: Context) -> dict[str, Any]:
-    plain, paged = [], []
-    for _ in range(context.shape.rounds):
-        plain.append(_serial_decode_s(context, paged=False))
-        paged.append(_serial_decode_s(context, paged=True))
-    plain_rate, paged_rate = 1 / statistics.median(plain), 1 / statistics.median(paged)
+    plain_s, paged_s = _alternating_bursts(
+        context, _serial_stepper(context, paged=False), _serial_stepper(context, paged=True)
+    )
+    plain_rate, paged_rate = 1 / plain_s, 1 / paged_s
     context.progress.print(f"batch 1: plain {plain_rate:.1f} tok/s, paged {paged_rate:.1f} tok/s")
     return {
         "plain_decode_tok_s_b1": round(plain_rate, 2),
@@ -115,55 +132,48 @@ def measure_paged_decode_b1(context: Context) -> dict[str, Any]:
     }
 
 
-def _mixed_batch(context: Context, rows: int, paged: bool) -> tuple[float, int]:
-    """Aggregate decode tokens/s of `rows` rows (one long, the rest short) once
-    all are decoding, and the KV bytes the batch then holds."""
+def _mixed_batch(context: Context, rows: int, paged: bool) -> BatchGenerator:
+    """`rows` rows (one long, the rest short) in mlx-lm's BatchGenerator, all decoding."""
     shape, model = context.shape, context.model
     prompts = [_prompt(row, shape.long_tokens if row == 0 else shape.short_tokens) for row in range(rows)]
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows, prefill_step_size=512)
-    max_tokens = 2 * shape.new_tokens + 2
+    max_tokens = shape.rounds * shape.new_tokens + 4
     caches = [
         context.paged_kv.page(make_prompt_cache(model), len(prompt) + max_tokens) if paged else None
         for prompt in prompts
     ]
-    try:
-        # A plain row's None (a fresh cache) is what mlx-lm takes, which its annotation does not say.
-        generator.insert_segments(
-            [[p] for p in prompts], max_tokens=[max_tokens] * rows, caches=cast("list[list[Any]]", caches)
-        )
-        while len(generator._generation_batch) < rows:  # prefill until every row decodes
-            generator.next()
-        for _ in range(2):
-            generator.next()
-        started = time.perf_counter()
-        for _ in range(shape.new_tokens):
-            generator.next()
-        elapsed = time.perf_counter() - started
-        return rows * shape.new_tokens / elapsed, generator.prompt_cache_nbytes
-    finally:
-        generator.close()
+    # A plain row's None (a fresh cache) is what mlx-lm takes, which its annotation does not say.
+    generator.insert_segments(
+        [[p] for p in prompts], max_tokens=[max_tokens] * rows, caches=cast("list[list[Any]]", caches)
+    )
+    while len(generator._generation_batch) < rows:  # prefill until every row decodes
+        generator.next()
+    generator.next()
+    return generator
 
 
 def measure_paged_mixed_rows(context: Context) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     for rows in context.shape.row_counts:
-        plain, paged = [], []
-        for _ in range(context.shape.rounds):
-            plain.append(_mixed_batch(context, rows, paged=False))
-            paged.append(_mixed_batch(context, rows, paged=True))
-        plain_rate = statistics.median(rate for rate, _ in plain)
-        paged_rate = statistics.median(rate for rate, _ in paged)
+        plain, paged = _mixed_batch(context, rows, paged=False), _mixed_batch(context, rows, paged=True)
+        try:
+            plain_s, paged_s = _alternating_bursts(context, plain.next, paged.next)
+            plain_bytes, paged_bytes = plain.prompt_cache_nbytes, paged.prompt_cache_nbytes
+        finally:
+            plain.close()
+            paged.close()
+        plain_rate, paged_rate = rows / plain_s, rows / paged_s
         figures |= {
             f"plain_decode_tok_s_{rows}": round(plain_rate, 2),
             f"paged_decode_tok_s_{rows}": round(paged_rate, 2),
             f"paged_decode_ratio_{rows}": round(paged_rate / plain_rate, 3),
-            f"plain_kv_bytes_{rows}": plain[-1][1],
-            f"paged_kv_bytes_{rows}": paged[-1][1],
-            f"paged_kv_bytes_ratio_{rows}": round(paged[-1][1] / plain[-1][1], 3),
+            f"plain_kv_bytes_{rows}": plain_bytes,
+            f"paged_kv_bytes_{rows}": paged_bytes,
+            f"paged_kv_bytes_ratio_{rows}": round(paged_bytes / plain_bytes, 3),
         }
         context.progress.print(
-            f"{rows} mixed rows: plain {plain_rate:.1f} tok/s {plain[-1][1] / 1e6:.1f} MB, "
-            f"paged {paged_rate:.1f} tok/s {paged[-1][1] / 1e6:.1f} MB"
+            f"{rows} mixed rows: plain {plain_rate:.1f} tok/s {plain_bytes / 1e6:.1f} MB, "
+            f"paged {paged_rate:.1f} tok/s {paged_bytes / 1e6:.1f} MB"
         )
     return figures
 
@@ -262,13 +272,13 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             f"model {result['model']}; the machine was shared with other agents' work (one of them training "
             "a model), so rates are noisy.",
             "",
-            f"Blocks of {shape['block_size']} tokens. Batch 1: one {shape['long_tokens']}-token prompt, "
-            f"{shape['new_tokens']} decode steps timed. Mixed rows: one {shape['long_tokens']}-token row beside "
-            f"{shape['short_tokens']}-token rows in mlx-lm's BatchGenerator (the batch lane's engine), "
-            f"{shape['new_tokens']} decode steps timed once every row decodes; KV bytes are what the batch's "
-            "caches hold then (plain: every row padded to the longest, in 256-token steps; paged: each row's "
-            "pools, sized from its prompt plus max_tokens). Medians of "
-            f"{shape['rounds']} alternating rounds. Admission: the Scheduler core with each layout's billing "
+            f"Blocks of {shape['block_size']} tokens. Batch 1: one {shape['long_tokens']}-token prompt. Mixed "
+            f"rows: one {shape['long_tokens']}-token row beside {shape['short_tokens']}-token rows in mlx-lm's "
+            "BatchGenerator (the batch lane's engine), once every row decodes; KV bytes are what the batch's "
+            "caches then hold (plain: every row padded to the longest, in 256-token steps; paged: each row's "
+            "pools, sized from its prompt plus max_tokens). Rates: both layouts prefilled once, then "
+            f"{shape['rounds']} alternating bursts of {shape['new_tokens']} decode steps each, medians. "
+            "Admission: the Scheduler core with each layout's billing "
             f"(plain: rows x the largest row; paged: the sum of each row's whole blocks), one long row then "
             f"short ones, under the budget the plain lane needs for {PLAIN_ROWS_BUDGETED} such rows.",
             "",
@@ -290,8 +300,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--long-tokens", type=click.IntRange(min=2), default=2048, show_default=True)
 @click.option("--short-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Decode steps timed.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Decode steps a burst.")
+@click.option("--rounds", type=click.IntRange(min=1), default=7, show_default=True, help="Bursts of each layout.")
 @click.option("--rows", "row_counts", default="4,8", show_default=True, help="Row counts of the mixed batches.")
 @click.option("--block-size", type=click.IntRange(min=1), default=BLOCK_SIZE_DEFAULT, show_default=True)
 @click.option(
