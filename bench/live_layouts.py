@@ -60,6 +60,7 @@ from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 DOCS_BEGIN, DOCS_END = docs_markers("live_layouts")
 ADMISSION_ROWS_MAX = 256
 PLAIN_ROWS_BUDGETED = 4
+PREFILL_STEP_TOKENS = 512
 
 
 @attrs.frozen(kw_only=True)
@@ -136,8 +137,11 @@ def _mixed_batch(context: Context, rows: int, paged: bool) -> BatchGenerator:
     """`rows` rows (one long, the rest short) in mlx-lm's BatchGenerator, all decoding."""
     shape, model = context.shape, context.model
     prompts = [_prompt(row, shape.long_tokens if row == 0 else shape.short_tokens) for row in range(rows)]
-    generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows, prefill_step_size=512)
-    max_tokens = shape.rounds * shape.new_tokens + 4
+    generator = BatchGenerator(
+        model, completion_batch_size=rows, prefill_batch_size=rows, prefill_step_size=PREFILL_STEP_TOKENS
+    )
+    # Enough that no row finishes before the bursts end: short rows decode during the long row's prefill chunks.
+    max_tokens = shape.rounds * shape.new_tokens + -(-shape.long_tokens // PREFILL_STEP_TOKENS) + 8
     caches = [
         context.paged_kv.page(make_prompt_cache(model), len(prompt) + max_tokens) if paged else None
         for prompt in prompts
@@ -157,8 +161,10 @@ def measure_paged_mixed_rows(context: Context) -> dict[str, Any]:
     for rows in context.shape.row_counts:
         plain, paged = _mixed_batch(context, rows, paged=False), _mixed_batch(context, rows, paged=True)
         try:
-            plain_s, paged_s = _alternating_bursts(context, plain.next, paged.next)
             plain_bytes, paged_bytes = plain.prompt_cache_nbytes, paged.prompt_cache_nbytes
+            plain_s, paged_s = _alternating_bursts(context, plain.next, paged.next)
+            if len(plain._generation_batch) < rows or len(paged._generation_batch) < rows:
+                raise click.ClickException("a row finished during the timed bursts: the rates would be wrong")
         finally:
             plain.close()
             paged.close()
