@@ -265,8 +265,8 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     is_flag=True,
     default=False,
     help="Hold full-attention KV in fixed-size blocks (spec §6): batch rows keep their own blocks instead of "
-    "padding to the longest row, and --kv-budget bills each row's blocks. Not with --kv-quant; a small "
-    "decode cost in the batch lane (each step copies the rows' blocks for the attention op).",
+    "padding to the longest row, and --kv-budget bills each row's blocks. Not with --kv-quant. Batch-lane "
+    "decode pays a copy of the rows' blocks per step (docs/benchmarks.md, live-tier layouts).",
 )
 @click.option(
     "--paged-kv-block-size",
