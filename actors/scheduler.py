@@ -44,7 +44,7 @@ import math
 import queue
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 import attrs
@@ -66,6 +66,7 @@ from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.engine.memory import MemoryGuard
+from kvcellar.engine.paged_kv import PagedKv, blocks_for
 from kvcellar.errors import KvCellarError, UsageError
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 from kvcellar.store.prompt_cache import PromptCache
@@ -205,6 +206,21 @@ def padded_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
     return len(sizes) * max(sizes, default=0)
 
 
+def row_projected_kv_bytes(scheme: KvScheme, prototypes: list, tokens: int, paged_kv: PagedKv | None) -> int:
+    """A row's projected KV bytes for `tokens` tokens under the scheme; a
+    paged row's pools hold whole blocks."""
+    if paged_kv is not None:
+        tokens = blocks_for(tokens, paged_kv.block_size) * paged_kv.block_size
+    return scheme.projected_bytes(prototypes, tokens)
+
+
+def summed_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
+    """What paged rows take together (engine/paged_kv.py): each row its own
+    blocks, no padding to the longest. Sliding-window rings and recurrent
+    state stay unpaged and are billed here per row, not padded."""
+    return sum(row_kv_bytes)
+
+
 class SchedulerCore:
     """Sans-IO admission of batch rows under `rows_max` and `kv_budget_bytes`.
 
@@ -214,13 +230,17 @@ class SchedulerCore:
     engine job (kvcellar's fault). The core is unchanged when it raises.
     """
 
-    def __init__(self, *, rows_max: int, kv_budget_bytes: int) -> None:
+    def __init__(
+        self, *, rows_max: int, kv_budget_bytes: int, billing: Callable[[Iterable[int]], int] = padded_kv_bytes
+    ) -> None:
         if rows_max < 1:
             raise UsageError(f"a batch needs at least 1 row, got {rows_max}")
         if kv_budget_bytes < 0:
             raise UsageError(f"the KV budget must be >= 0 bytes, got {kv_budget_bytes}")
         self.rows_max = rows_max
         self.kv_budget_bytes = kv_budget_bytes
+        # What admitted rows cost together: padded (the default) or, with paged KV, `summed_kv_bytes`.
+        self.billing = billing
         self.state = BatchState.IDLE
         self.admitting = True
         self.batch_id = 0
@@ -233,7 +253,7 @@ class SchedulerCore:
     @property
     def kv_bytes_active(self) -> int:
         """The active rows' padded projection (see the module docstring)."""
-        return padded_kv_bytes(self.active.values())
+        return self.billing(self.active.values())
 
     @property
     def busy(self) -> bool:
@@ -349,7 +369,7 @@ class SchedulerCore:
         effects: list[SchedulerEffect] = []
         while self.waiting and len(self.active) < self.rows_max:
             head = next(iter(self.waiting.values()))
-            if self.active and padded_kv_bytes([*self.active.values(), head.kv_bytes]) > self.kv_budget_bytes:
+            if self.active and self.billing([*self.active.values(), head.kv_bytes]) > self.kv_budget_bytes:
                 break
             del self.waiting[head.request_id]
             self.active[head.request_id] = head.kv_bytes
@@ -410,8 +430,11 @@ class Scheduler:
         wait_for_rows: bool = True,
         memory_guard: MemoryGuard | None = None,
         checkpointing: Checkpointing | None = None,
+        paged_kv: PagedKv | None = None,
     ) -> None:
-        self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes)
+        billing = padded_kv_bytes if paged_kv is None else summed_kv_bytes
+        self.core = SchedulerCore(rows_max=rows_max, kv_budget_bytes=kv_budget_bytes, billing=billing)
+        self.paged_kv = paged_kv
         self.memory_guard = memory_guard
         self.shell = ActorShell("scheduler", self.core, self._perform, journal=journal)
         self.gateway = gateway
@@ -442,7 +465,8 @@ class Scheduler:
         memory budget's headroom."""
         if self.memory_guard is not None and self.memory_guard.enabled:
             return self.memory_guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens)
-        return self.scheme.projected_bytes(self._prototypes, len(request.prompt_ids) + request.params.max_tokens)
+        tokens = len(request.prompt_ids) + request.params.max_tokens
+        return row_projected_kv_bytes(self.scheme, self._prototypes, tokens, self.paged_kv)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until `close()`; a batch job still running then finishes first."""
@@ -540,6 +564,7 @@ class Scheduler:
             memory_guard=self.memory_guard,
             checkpointing=self._checkpointing,
             scheme=self.scheme,
+            paged_kv=self.paged_kv,
         )
         error = "the batch job was cancelled"
         try:
@@ -593,6 +618,7 @@ async def open_batch_lane(
     journal: Journal | None = None,
     memory_guard: MemoryGuard | None = None,
     checkpointing: Checkpointing | None = None,
+    paged_kv: PagedKv | None = None,
 ) -> tuple[Scheduler | None, str]:
     """Start the Scheduler when the gates allow it; otherwise log why requests
     take the serial lane. Returns the scheduler (or None) and that reason."""
@@ -622,6 +648,7 @@ async def open_batch_lane(
         wait_for_rows=getattr(engine, "blocking_waits", True),
         memory_guard=memory_guard,
         checkpointing=checkpointing,
+        paged_kv=paged_kv,
     )
     await nursery.start(scheduler.run)
     log.info("batch lane on: up to %d rows, KV budget %.3g GB", rows_max, kv_budget_bytes / 1e9)

@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 import trio
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvcellar.actors.admission import AdmissionGate
 from kvcellar.actors.checkpoint_writer import SPILL_QUEUE_SHARE, CheckpointWriter
@@ -68,6 +69,7 @@ from kvcellar.engine.memory import (
     MemoryMeter,
     MlxMemoryMeter,
 )
+from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
 from kvcellar.errors import UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalError, JournalEvent
@@ -117,6 +119,8 @@ class System:
         # None when the budget is 0 (off). Owned by the engine thread but for
         # `check_memory`'s static check, whose refusals this Trio-side count holds.
         self.memory_guard: MemoryGuard | None = None
+        # Paged KV's layout and pool ledger (engine/paged_kv.py); None when --paged-kv is off.
+        self.paged_kv: PagedKv | None = None
         self.memory_meter: MemoryMeter = seams.memory_meter or MlxMemoryMeter()
         self._memory_refused_at_gate = 0
         # Owned by the Trio thread: fed by `generate` and `flush`, read by `stats` and the routes.
@@ -197,6 +201,7 @@ class System:
                 prefill_step_tokens=self.config.prefill_step_tokens,
                 memory_guard=self.memory_guard,
                 checkpointing=self.checkpointing,
+                paged_kv=self.paged_kv,
             )
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
@@ -427,6 +432,7 @@ class System:
             "requests": self.recent_requests.stats(),
             "flush": self._flush_stats(),
             "checkpoints": self._checkpoint_stats(),
+            "paged_kv": self.paged_kv.stats() if self.paged_kv is not None else {},
         }
 
     def check_memory(self, request: GenerationRequest) -> None:
@@ -533,6 +539,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
     try:
         loaded = await engine.start()
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
+        paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
         # The simulator's store (`store_opener`) has no wear monitor: it models no drive wear.
         wear: WearMonitor | None = None
         if seams.store_opener is not None:
@@ -543,7 +550,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
         try:
             async with trio.open_nursery() as nursery:
                 system = await _start_actors(
-                    nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear
+                    nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
                 )
                 try:
                     yield system
@@ -567,12 +574,14 @@ async def _start_actors(
     store: SsdStore | None,
     tokenizer_hash: str,
     wear: WearMonitor | None = None,
+    paged_kv: PagedKv | None = None,
 ) -> System:
     """Start the actors tier by tier, each tier on the ones before it: the
     gateway and the RAM tier, the lanes (with the checkpoint writer), the SSD
     tier's writers, the shared tier."""
     token = trio.lowlevel.current_trio_token()
     system = await _start_ram_tier(nursery, config, seams, engine, loaded, scheme, store)
+    system.paged_kv = paged_kv
     queue_bytes = await _start_lanes(nursery, system, token)
     if store is None:
         if config.shared_cache is not None:
@@ -631,6 +640,7 @@ async def _start_lanes(nursery: trio.Nursery, system: System, token: trio.lowlev
         journal=journal,
         memory_guard=system.memory_guard,
         checkpointing=system.checkpointing,
+        paged_kv=system.paged_kv,
     )
     return queue_bytes
 
@@ -733,3 +743,21 @@ async def _start_checkpoints(
         listeners=seams.checkpoint_listeners,
     )
     return queue_bytes - share_bytes
+
+
+async def open_paged_kv(engine: Any, block_size: int | None, scheme: KvScheme) -> PagedKv | None:
+    """Paged KV's start-up gates (spec §6.3), before anything else starts:
+    refuse a quantized KV scheme and a model whose caches paging cannot take,
+    with `UsageError`. None when paged KV is off."""
+    if block_size is None:
+        return None
+    if scheme.quantized:
+        raise UsageError(
+            f"--paged-kv cannot run with --kv-quant ({scheme.cache_key}): paged blocks hold unquantized KV only"
+        )
+    paged_kv = PagedKv.with_block_size(block_size)
+    refusal = await engine.call(lambda loaded: paged_model_refusal(make_prompt_cache(loaded.model)), label="probe")
+    if refusal is not None:
+        raise UsageError(f"--paged-kv refused for this model: {refusal}")
+    log.info("paged KV on: blocks of %d tokens", block_size)
+    return paged_kv

@@ -73,6 +73,8 @@ class SystemConfig:
     shared_cache: SharedCacheConfig | None = None
     # In-flight generation checkpoints every this many emitted tokens (spec §5.7); 0: off. Needs `ssd_dir`.
     generation_checkpoint_tokens: int = 0
+    # Paged KV (spec §6, engine/paged_kv.py): the block size in tokens; None: off (no paged code runs).
+    paged_kv_block_size: int | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]

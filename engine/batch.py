@@ -78,6 +78,7 @@ from kvcellar.engine.generation import (
     take_reuse,
 )
 from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
+from kvcellar.engine.paged_kv import PagedKv, blocks_for
 from kvcellar.engine.quant_batch import PREFILL_ROWS, QuantizedRows, quantized_batch_refusal
 from kvcellar.engine.sampling import build_processors
 from kvcellar.engine.scalars import item_int
@@ -210,10 +211,13 @@ class BatchLoop:
         memory_guard: MemoryGuard | None = None,
         checkpointing: Checkpointing | None = None,
         scheme: KvScheme | None = None,
+        paged_kv: PagedKv | None = None,
     ) -> None:
         self.prompt_cache = prompt_cache
         # A quantized scheme's conversion points (engine/quant_batch.py); None keeps KV as the model makes it.
         self._quantized = QuantizedRows(scheme) if scheme is not None and scheme.quantized else None
+        # With paged KV, rows hold their plain layers in block pools (engine/paged_kv.py).
+        self.paged_kv = paged_kv
         self.memory_guard = memory_guard if memory_guard is not None and memory_guard.enabled else None
         # Decode steps since the guard last checked (a check is due every DECODE_CHECK_TOKENS).
         self._decode_steps_unchecked = 0
@@ -310,7 +314,7 @@ class BatchLoop:
             # A cold row has no caches: mlx-lm takes None for it, which its annotation does not say.
             [segments],
             max_tokens=[params.max_tokens],
-            caches=cast("list[list[Any]]", [self._row_caches(reuse.caches)]),
+            caches=cast("list[list[Any]]", [self._row_caches(reuse.caches, row.request)]),
             all_tokens=[prompt[:cached_tokens]],
             samplers=[sampler],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
@@ -330,9 +334,6 @@ class BatchLoop:
             checkpoints=checkpoints,
             sampler=sampler if params.seed is not None else None,
         )
-
-    def _row_caches(self, caches: list | None) -> list | None:
-        return caches if self._quantized is None else self._quantized.row_caches(caches)
 
     def _sampler(self, params: SamplingParams) -> Any:
         """None for greedy rows (they share the generator's greedy sampler, one
@@ -383,7 +384,7 @@ class BatchLoop:
         (state.uid,) = self._generator.insert_segments(
             [[[pending]]],
             max_tokens=[params.max_tokens - state.produced],
-            caches=cast("list[list[Any]]", [self._row_caches(point.caches)]),
+            caches=cast("list[list[Any]]", [self._row_caches(point.caches, request)]),
             all_tokens=[list(point.tokens)],
             samplers=[sampler],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
@@ -521,7 +522,7 @@ class BatchLoop:
         while self._rows:
             rows = len(self._rows)
             longest = max(state.prefilled_tokens + state.produced for state in self._rows.values())
-            live_kv = rows * guard.footprint.kv_bytes(longest)
+            live_kv = self._live_kv_bytes(guard, rows, longest)
             if prefilling:
                 # mlx-lm pads the rows' chunks of one prefill step to the longest.
                 chunk = max(
@@ -540,3 +541,30 @@ class BatchLoop:
                 newest = self._rows[max(self._rows)]
                 self._finish(newest, "failed", events, removed=None, error=e)
                 prefilling = sum(state.prefilling for state in self._rows.values())
+
+    # -- paged KV (engine/paged_kv.py) -----------------------------------------------
+
+    def _row_caches(self, caches: list[Any] | None, request: GenerationRequest) -> list[Any] | None:
+        """A row's caches as it joins: as lent (None: cold), or paged, its pools
+        sized from its prompt plus `max_tokens`, or at a quantized scheme's
+        conversion point (the two exclude each other: `serve` refuses both)."""
+        if self._quantized is not None:
+            return self._quantized.row_caches(caches)
+        if self.paged_kv is None:
+            return caches
+        assert self._loaded is not None
+        fresh = caches if caches is not None else mlx_cache.make_prompt_cache(self._loaded.model)
+        return self.paged_kv.page(fresh, len(request.prompt_ids) + request.params.max_tokens)
+
+    def _live_kv_bytes(self, guard: MemoryGuard, rows: int, longest: int) -> int:
+        """The batch's live KV: rows x the longest row (padded rows), or with
+        paged KV the blocks each row's pools hold (whole blocks of its prompt
+        plus `max_tokens`)."""
+        paged = self.paged_kv
+        if paged is None:
+            return rows * guard.footprint.kv_bytes(longest)
+        reserved_tokens = (
+            blocks_for(len(state.prompt) + state.row.request.params.max_tokens, paged.block_size) * paged.block_size
+            for state in self._rows.values()
+        )
+        return sum(guard.footprint.kv_bytes(tokens) for tokens in reserved_tokens)

@@ -47,6 +47,7 @@ from kvcellar.engine.engine import (
     release_cached_buffers,
 )
 from kvcellar.engine.memory import GuardedRequest, MemoryGuard
+from kvcellar.engine.paged_kv import PagedKv
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
@@ -57,6 +58,12 @@ from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 
 SNAPSHOT_PREFILL_TOKENS_MIN = 512
+
+
+def tier_form(cache: list, paged_kv: PagedKv | None) -> list:
+    """The caches as the tiers and checkpoints take them: with paged KV, every
+    paged layer converted to a plain copy (the tier boundary, spec §6.3)."""
+    return cache if paged_kv is None else paged_kv.plain(cache)
 
 
 @attrs.frozen(kw_only=True)
@@ -168,6 +175,7 @@ def _prefill_boundary_snapshot(
     scheme: KvScheme | None,
     prefill_step_tokens: int,
     memory: GuardedRequest,
+    paged_kv: PagedKv | None = None,
 ) -> list:
     """Prefill from what the tiers served up to the stable boundary and put
     an owned, evaluated snapshot of the caches, which then hold exactly
@@ -179,7 +187,8 @@ def _prefill_boundary_snapshot(
     if scheme is not None:
         # The snapshot is put in the form every entry has: converted.
         cache = scheme.convert(cache)
-    memory.keep(prompt_cache.put_entry(request.prompt_ids[:boundary], snapshot_caches(cache), request.namespace))
+    snapshot = snapshot_caches(tier_form(cache, paged_kv))
+    memory.keep(prompt_cache.put_entry(request.prompt_ids[:boundary], snapshot, request.namespace))
     return cache
 
 
@@ -207,6 +216,7 @@ def _cold_start(
     prefill_step_tokens: int,
     snapshot_prefill_tokens_min: int,
     memory_guard: MemoryGuard | None,
+    paged_kv: PagedKv | None = None,
 ) -> _Start:
     """Take what the tiers hold, admit the request against the memory budget,
     prefill the rest (with the prompt-boundary snapshot)."""
@@ -217,11 +227,22 @@ def _cold_start(
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
     tiers = prompt_cache if reuse.use_cache else None
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
+    if paged_kv is not None:
+        # Paging changes layout, not arithmetic: once, before prefill, pools sized for the whole request.
+        cache = paged_kv.page(cache, len(prompt) + request.params.max_tokens)
     prefilled_tokens = reuse.cached_tokens
     boundary = reuse.boundary_snapshot_at(request)
     if boundary is not None and tiers is not None:
         cache = _prefill_boundary_snapshot(
-            loaded, tiers, request, reuse, cache, scheme=scheme, prefill_step_tokens=prefill_step_tokens, memory=memory
+            loaded,
+            tiers,
+            request,
+            reuse,
+            cache,
+            scheme=scheme,
+            prefill_step_tokens=prefill_step_tokens,
+            memory=memory,
+            paged_kv=paged_kv,
         )
         prefilled_tokens = boundary
     check = memory.prefill_check(prefilled_tokens)
@@ -231,7 +252,7 @@ def _cold_start(
         cache = scheme.convert(cache)
     if tiers is not None and reuse.snapshot_due(request, snapshot_prefill_tokens_min):
         mx.eval(logits)
-        memory.keep(tiers.put_entry(prompt, lend_caches(cache), request.namespace))
+        memory.keep(tiers.put_entry(prompt, lend_caches(tier_form(cache, paged_kv)), request.namespace))
     sampling = SerialSampling(request.params, loaded.tokenizer, prompt, request.make_logits_processors())
     return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, logits=logits)
 
@@ -245,6 +266,7 @@ def _resumed_start(
     scheme: KvScheme | None,
     safeguards: Safeguards,
     memory_guard: MemoryGuard | None,
+    paged_kv: PagedKv | None = None,
 ) -> _Start:
     """Go on from a checkpoint (spec §5.7): its caches cover the prompt and
     the emitted tokens; the pending token and the sampler's key and history
@@ -255,6 +277,8 @@ def _resumed_start(
     use_cache = prompt_cache is not None and prompt_cache.enabled
     reuse = Reuse(use_cache=use_cache, caches=None, cached_tokens=len(prompt), tier="checkpoint")
     cache = scheme.convert(point.caches) if scheme is not None else point.caches
+    if paged_kv is not None:
+        cache = paged_kv.page(cache, len(prompt) + request.params.max_tokens)
     emitted, pending = point.emitted, point.checkpoint.pending_token
     sampling = SerialSampling(
         request.params,
@@ -281,12 +305,20 @@ def _start(
     snapshot_prefill_tokens_min: int,
     memory_guard: MemoryGuard | None,
     safeguards: Safeguards,
+    paged_kv: PagedKv | None = None,
 ) -> _Start:
     """A resume when the request has a checkpoint, else a cold start."""
     point = checkpoints.resume() if checkpoints is not None else None
     if point is not None:
         return _resumed_start(
-            loaded, prompt_cache, request, point, scheme=scheme, safeguards=safeguards, memory_guard=memory_guard
+            loaded,
+            prompt_cache,
+            request,
+            point,
+            scheme=scheme,
+            safeguards=safeguards,
+            memory_guard=memory_guard,
+            paged_kv=paged_kv,
         )
     return _cold_start(
         loaded,
@@ -296,6 +328,7 @@ def _start(
         prefill_step_tokens=prefill_step_tokens,
         snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
         memory_guard=memory_guard,
+        paged_kv=paged_kv,
     )
 
 
@@ -310,6 +343,7 @@ def run_generation(
     snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
     memory_guard: MemoryGuard | None = None,
     checkpointing: Checkpointing | None = None,
+    paged_kv: PagedKv | None = None,
 ) -> Iterator[TokenDelta | GenerationDone]:
     """Yield a `TokenDelta` per sampled token, then one `GenerationDone`.
     With `memory_guard`, the request is admitted against its budget after the
@@ -317,7 +351,8 @@ def run_generation(
     every 256 decode tokens (engine/memory.py); `InsufficientMemory` fails
     this request alone. With `checkpointing`, an identical request's
     checkpoint is resumed (its emitted tokens replayed first) and new ones
-    are offered every interval."""
+    are offered every interval. With `paged_kv`, plain full-attention layers
+    are paged (engine/paged_kv.py) and converted back at the tier boundary."""
     params = request.params
     prompt = list(request.prompt_ids)
     checkpoints = checkpointing.begin(request) if checkpointing is not None else None
@@ -331,6 +366,7 @@ def run_generation(
         snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
         memory_guard=memory_guard,
         safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
+        paged_kv=paged_kv,
     )
     tiers = prompt_cache if start.reuse.use_cache else None
     cache, sampling, logits, pending, memory = start.cache, start.sampling, start.logits, start.pending, start.memory
@@ -351,7 +387,8 @@ def run_generation(
                 token_id = item_int(token)
                 if checkpoints is not None and checkpoints.due(produced):
                     # The boundary: the caches cover every emitted token; `token_id` is sampled, not emitted.
-                    checkpoints.offer(prompt + fed, cache, token_id, produced + 1, sampling.rng_key)
+                    offered = tier_form(cache, paged_kv)
+                    checkpoints.offer(prompt + fed, offered, token_id, produced + 1, sampling.rng_key)
             produced += 1
             text = assembler.add(token_id)
             yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
@@ -369,7 +406,7 @@ def run_generation(
     finally:
         if tiers is not None:
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
-            tiers.put(prompt + fed, cache, request.namespace)
+            tiers.put(prompt + fed, tier_form(cache, paged_kv), request.namespace)
         release_cached_buffers()
     yield GenerationDone(
         finish_reason=assembler.finish_reason,

@@ -236,6 +236,15 @@ SPECS += (
 )
 _STRUCTURED.add((_CHECKPOINTS, "skipped"))
 
+# Paged KV's pool section (spec §6, `--paged-kv`; `{}` when off), appended after the others.
+SPECS += (
+    _gauge("paged_kv", "block_size", "Tokens per paged-KV block."),
+    _gauge("paged_kv", "pools", "Live paged-KV block pools (one per paged layer of each running request)."),
+    _gauge("paged_kv", "blocks_total", "Blocks the live paged-KV pools reserve."),
+    _gauge("paged_kv", "blocks_free", "Blocks of the live paged-KV pools that hold no token."),
+    _counter("paged_kv", "pools_created", "Paged-KV block pools made since start."),
+)
+
 
 class StatsCollector(Collector):
     """Typed families over `stats()`, read afresh on every scrape."""

@@ -259,6 +259,23 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="Check every tensor's xxh3-64 checksum when restoring from the SSD tier (off: a corrupted "
     "tensor is restored as it is on disk; the header is always checked). Needs --ssd-cache.",
 )
+@click.option(
+    "--paged-kv",
+    "paged_kv",
+    is_flag=True,
+    default=False,
+    help="Hold full-attention KV in fixed-size blocks (spec §6): batch rows keep their own blocks instead of "
+    "padding to the longest row, and --kv-budget bills each row's blocks. Not with --kv-quant. Batch-lane "
+    "decode pays a copy of the rows' blocks per step (docs/benchmarks.md, live-tier layouts).",
+)
+@click.option(
+    "--paged-kv-block-size",
+    "paged_kv_block_size",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per paged-KV block. Needs --paged-kv.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -287,6 +304,8 @@ def serve_command(
     shared_cache_timeout_s: float,
     shared_cache_refresh_s: float,
     ssd_cache_verify: str,
+    paged_kv: bool,
+    paged_kv_block_size: int,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -300,6 +319,7 @@ def serve_command(
     if ssd_dir is not None and prompt_cache_gb == 0:
         raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
     check_generation_checkpoint(generation_checkpoint_tokens, ssd_dir)
+    check_paged_kv(paged_kv, kv_quant, ssd_dir)
     if ssd_dir is None and (ssd_max_gb is not None or demote_idle_s is not None):
         log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
     if ssd_dir is None and (ssd_admission != "always" or ssd_write_budget_gb_per_day is not None):
@@ -332,9 +352,18 @@ def serve_command(
         ),
         generation_checkpoint_tokens=generation_checkpoint_tokens,
         ssd_verify=ssd_cache_verify == "on",
+        paged_kv_block_size=paged_kv_block_size if paged_kv else None,
     )
     settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
-    trio.run(serve_forever, config, host, port, settings)
+    try:
+        trio.run(serve_forever, config, host, port, settings)
+    except UsageError as e:
+        # A start-up refusal made once the model is loaded (`--paged-kv`'s model gate): MLX ran,
+        # so its static destructors could abort the exit below too; report it as `kvcellar` does.
+        click.echo(f"error: {e}", err=True)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(2)
     # Everything is flushed and the engine thread joined by now. MLX's C++
     # runtime can abort in its static destructors at interpreter exit
     # ("terminate called without an active exception", SIGABRT, seen in about
@@ -394,3 +423,18 @@ def check_generation_checkpoint(tokens: int, ssd_dir: Path | None) -> None:
     """`--generation-checkpoint N` needs the SSD tier: a clear start-up error otherwise."""
     if tokens > 0 and ssd_dir is None:
         raise UsageError("--generation-checkpoint needs --ssd-cache DIR: checkpoints are written to the SSD tier")
+
+
+def check_paged_kv(paged_kv: bool, kv_quant: str, ssd_dir: Path | None) -> None:
+    """`--paged-kv`'s start-up gates (spec §6.3): refused with `--kv-quant`;
+    with the tiers on, a warning of what they see. The model's own gate runs
+    once it is loaded (`actors/system.py`, `open_paged_kv`)."""
+    if not paged_kv:
+        return
+    if kv_quant != "off":
+        raise UsageError(f"--paged-kv cannot run with --kv-quant {kv_quant}: paged blocks hold unquantized KV only")
+    if ssd_dir is not None:
+        log.warning(
+            "--paged-kv with --ssd-cache: the RAM and SSD tiers see plain KVCache entries, converted from "
+            "blocks at the tier boundary (a copy at every take, put and snapshot)"
+        )

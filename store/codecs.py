@@ -138,6 +138,7 @@ def _plan_one(cache: Any, name: str, token_count: int, plan: _Plan) -> CacheReco
     signature = sig.cache_signature(cache)
     if signature in sig.BATCH_SIGNATURES:
         raise RefusedCacheKind(f"{name}: {signature} holds a batch; extract one row per entry before persisting")
+    sig.refuse_paged(signature, name)
     fields: dict[str, int] = {}
     tensors: list[TensorRecord] = []
     children: list[CacheRecord] = []

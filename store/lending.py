@@ -23,7 +23,12 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.errors import UsageError
-from kvcellar.store.signature import cache_signature, declared_minimum_reusable_offset, minimum_reusable_offset
+from kvcellar.store.signature import (
+    cache_signature,
+    declared_minimum_reusable_offset,
+    minimum_reusable_offset,
+    refuse_paged,
+)
 
 
 def _rows_view(array: mx.array | None, rows: int) -> mx.array | None:
@@ -93,6 +98,7 @@ def lend_cache(cache: Any, drop_tokens: int = 0) -> Any:
     trimmed, or below its minimum reusable offset (the caller's bug: the
     usable-prefix rule never asks for it)."""
     signature = cache_signature(cache)
+    refuse_paged(signature, "lend")
     if type(cache) is mlx_cache.CacheList:
         return mlx_cache.CacheList(*(lend_cache(child, drop_tokens) for child in cache.caches))
     if type(cache) is mlx_cache.ArraysCache:

@@ -292,7 +292,7 @@ def _serving_signature(cache: Any, index: int) -> str:
     """The cache's signature; batched caches are refused because a scheme
     converts and bills one request's caches, never a merged batch."""
     signature = sig.cache_signature(cache)
-    if signature in sig.BATCH_SIGNATURES:
+    if signature in sig.BATCH_SIGNATURES or signature.startswith(sig.BATCH_PAGED_PREFIX):
         raise RefusedCacheKind(
             f"layer {index}: {signature} holds a batch; a KV scheme converts and "
             "bills per-request caches, and a lane that cannot convert must not batch"
@@ -331,6 +331,9 @@ def _held_bytes(cache: Any, index: int) -> int:
     signature = _serving_signature(cache, index)
     if signature.startswith(sig.LIST_PREFIX):
         return sum(_held_bytes(member, index) for member in cache.caches)
+    if signature.startswith(sig.PAGED_PREFIX):
+        # A paged layer holds its whole pool (sized once from prompt plus max_tokens).
+        return int(cache.nbytes)
     if signature == sig.SIGNATURE_SSM:
         extras = [getattr(cache, name, None) for name in ("left_padding", "lengths")]
         return sum(array.nbytes for array in (*cache.cache, *extras) if array is not None)

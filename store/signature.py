@@ -24,6 +24,7 @@ from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
 
+from kvcellar.engine.paged_kv import BatchPagedKVCache, PagedKVCache
 from kvcellar.errors import RefusedCacheKind, UnknownCacheKind
 
 SIGNATURE_PLAIN = "kv:plain"
@@ -33,6 +34,9 @@ SIGNATURE_SSM = "ssm"
 SIGNATURE_BATCH_PLAIN = "kv:batch-plain"
 SIGNATURE_BATCH_ROTATING = "kv:batch-rotating-plain"
 QUANT_PREFIX = "kv:quant:"
+# Paged KV (spec §6, engine/paged_kv.py): `kv:paged:<block_size>`, and its batch lane form.
+PAGED_PREFIX = "kv:paged:"
+BATCH_PAGED_PREFIX = "kv:batch-paged:"
 LIST_PREFIX = "list("
 
 # Batched caches hold several rows; they reach the scheduler but never
@@ -66,6 +70,10 @@ def cache_signature(cache: Any) -> str:
         return fixed
     if cls is mlx_cache.QuantizedKVCache:
         return f"{QUANT_PREFIX}{cache.bits}:{cache.group_size}"
+    if cls is PagedKVCache:
+        return f"{PAGED_PREFIX}{cache.block_size}"
+    if cls is BatchPagedKVCache:
+        return f"{BATCH_PAGED_PREFIX}{cache.block_size}"
     if cls is mlx_cache.CacheList:
         return LIST_PREFIX + ",".join(cache_signature(child) for child in cache.caches) + ")"
     if cls is mlx_cache.ConcatenateKVCache:
@@ -158,3 +166,19 @@ def usable_prefix_length(
     if usable < minimum_reusable:
         return 0
     return usable
+
+
+def is_paged(signature: str) -> bool:
+    """Whether a signature names a paged layout (one row or a batch of them)."""
+    return signature.startswith((PAGED_PREFIX, BATCH_PAGED_PREFIX))
+
+
+def refuse_paged(signature: str, where: str) -> None:
+    """The tiers' explicit refusal of paged KV: the engine converts every paged
+    layer to a plain `KVCache` at the tier boundary (engine/paged_kv.py), so a
+    paged cache reaching a tier is kvcellar's bug, never stored as it is."""
+    if is_paged(signature):
+        raise RefusedCacheKind(
+            f"{where}: {signature} is a paged layout; the tiers hold plain KVCache entries, "
+            "converted at the tier boundary (PagedKv.plain)"
+        )
