@@ -164,14 +164,28 @@ def list_command() -> None:
     help="Then steps on whole conversations, the loss on the assistant's tokens.",
 )
 @click.option(
+    "--tool-restart-steps",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="Then as many again, from a fresh optimizer and learning rate (a warm restart).",
+)
+@click.option(
     "--from-model",
     "from_model",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Run only the last phase, from this model's phase-two weights (made with the same options).",
+    help="Run only what is left of phase three, from a model made with the same options that stopped earlier.",
 )
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
 def train_command(
-    out_dir: Path, seed: int, steps: int, chat_steps: int, tool_steps: int, from_model: Path | None, force: bool
+    out_dir: Path,
+    seed: int,
+    steps: int,
+    chat_steps: int,
+    tool_steps: int,
+    tool_restart_steps: int,
+    from_model: Path | None,
+    force: bool,
 ) -> None:
     """Train the demo-coder model into OUT_DIR (MLX on the CPU; the defaults made the committed one).
     \f
@@ -182,7 +196,9 @@ def train_command(
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
-    config = TrainingConfig(seed=seed, steps=steps, chat_steps=chat_steps, tool_steps=tool_steps)
+    config = TrainingConfig(
+        seed=seed, steps=steps, chat_steps=chat_steps, tool_steps=tool_steps, tool_restart_steps=tool_restart_steps
+    )
 
     def report(line: str) -> None:
         click.echo(line, err=True)

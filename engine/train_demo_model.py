@@ -97,6 +97,10 @@ class TrainingConfig:
     conversation_tokens_max: int = 768
     # Its evaluations cost ~2 training steps each (whole conversations), so they come less often.
     tool_eval_every_steps: int = 25
+    # Then a warm restart of phase three: this many more steps from its stored weights, a fresh AdamW,
+    # the same schedule shape, new batch draws (the assistant loss was still falling when the first
+    # round's learning rate had decayed).
+    tool_restart_steps: int = 100
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -261,6 +265,8 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
         log = train_chat_phase(out_dir, config, progress, streams=streams, log=log)
     if config.tool_steps:
         log = train_tool_phase(out_dir, config, progress, streams=streams, log=log)
+    if config.tool_steps and config.tool_restart_steps:
+        log = train_tool_phase(out_dir, config, progress, streams=streams, log=log, restart=True)
     _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
     return log
 
@@ -403,9 +409,11 @@ def train_tool_phase(
     *,
     streams: TokenStreams | None = None,
     log: dict[str, Any] | None = None,
+    restart: bool = False,
 ) -> dict[str, Any]:
-    """Phase three: `tool_steps` on whole conversations with the loss on the assistant's tokens,
-    from the bfloat16 weights in `out_dir` (like phase two, so resuming gives the same weights).
+    """Phase three: `tool_steps` (`tool_restart_steps` when `restart`) on whole conversations with
+    the loss on the assistant's tokens, from the bfloat16 weights in `out_dir` (like phase two, so
+    resuming gives the same weights).
 
     Phases one and two train on windows cut anywhere in a stream of chats
     longer than a window, so few windows hold a tool list, the request and
@@ -419,11 +427,12 @@ def train_tool_phase(
     if log is None:
         log = json.loads((out_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
         log["config"] = attrs.asdict(config)
-    log["phase_two_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
+    if not restart:
+        log["phase_two_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
     model = _build_model(llama_config(config))
     model.load_weights(str(out_dir / WEIGHTS_FILE_NAME))
     model.set_dtype(mx.float32)
-    rng = np.random.default_rng(config.seed + 2)
+    rng = np.random.default_rng(config.seed + (1002 if restart else 2))
     tool_rows = round(config.batch_rows * config.tool_row_share)
 
     def tool_batch() -> tuple[np.ndarray, np.ndarray]:
@@ -436,9 +445,10 @@ def train_tool_phase(
     def assistant_eval(model: nn.Module) -> float:
         return item_float(masked_token_loss(model, *held_out_batch))
 
-    warmup_steps = min(10, config.tool_steps)
+    steps = config.tool_restart_steps if restart else config.tool_steps
+    warmup_steps = min(10, steps)
     warmup = optim.linear_schedule(config.tool_learning_rate / 10, config.tool_learning_rate, warmup_steps)
-    decay = optim.cosine_decay(config.tool_learning_rate, config.tool_steps, end=config.learning_rate_final / 3)
+    decay = optim.cosine_decay(config.tool_learning_rate, steps, end=config.learning_rate_final / 3)
     schedule = optim.join_schedules([warmup, decay], [warmup_steps])
     _train_loop(
         out_dir,
@@ -448,8 +458,8 @@ def train_tool_phase(
         config,
         streams,
         log,
-        first_step=config.steps + config.chat_steps + 1,
-        steps=config.tool_steps,
+        first_step=config.steps + config.chat_steps + (config.tool_steps if restart else 0) + 1,
+        steps=steps,
         report=report,
         loss_function=masked_token_loss,
         assistant_eval=assistant_eval,
@@ -461,30 +471,47 @@ def train_tool_phase(
 def train_from_model(
     out_dir: Path, source_dir: Path, config: TrainingConfig, progress: ProgressCallback | None = None
 ) -> dict[str, Any]:
-    """Phase three only, from a model whose phases one and two ran with this `config`
-    (e.g. the committed demo-coder): its files and training log are copied into `out_dir` first.
+    """The rest of phase three, from a model whose earlier phases ran with this `config`: its
+    files and training log are copied into `out_dir` first. From a phase-two model (e.g. the
+    demo-coder committed before phase three) both rounds of phase three run; from one that
+    finished phase three's first round, the warm restart alone.
 
-    Gives the same weights as `train(out_dir, config)` when `source_dir` holds that run's
-    phase-two output. Raises `ModelError` when `source_dir`'s log shows other phase-one or
-    phase-two settings, or when its phase three already ran.
+    Gives the same weights as `train(out_dir, config)` when `source_dir` holds that run's output
+    of the earlier phases. Raises `ModelError` when `source_dir`'s log shows other settings for
+    them, or no phase of phase three is left to run.
     """
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     try:
         source_log = json.loads((source_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelError(f"{source_dir} has no readable {TRAINING_LOG_FILE_NAME}: {e}") from e
-    phase_three_keys = {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
-    phase_three_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}
-    wanted = {key: value for key, value in attrs.asdict(config).items() if key not in phase_three_keys}
+    phases_done = len(source_log.get("phase_wall_s", [None]))
+    later_keys = {"tool_restart_steps"}
+    if phases_done == 2:
+        later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
+        later_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}
+    wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
     found = {key: source_log["config"].get(key) for key in wanted}
-    if found != wanted or source_log["config"].get("tool_steps") or "phase_two_held_out_loss_bf16" in source_log:
-        raise ModelError(f"{source_dir} is not a phase-two model of this configuration (its log: {found})")
+    if (
+        found != wanted
+        or phases_done not in (2, 3)
+        or not config.tool_steps
+        or (phases_done == 3 and not config.tool_restart_steps)
+    ):
+        raise ModelError(
+            f"{source_dir} did not stop before the end of phase three with this configuration "
+            f"({phases_done} phases done; its log: {found})"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer_files(out_dir)
     for name in ("config.json", WEIGHTS_FILE_NAME):
         (out_dir / name).write_bytes((source_dir / name).read_bytes())
     source_log["config"] = attrs.asdict(config)
-    log = train_tool_phase(out_dir, config, progress, log=source_log)
+    log = source_log
+    if phases_done == 2:
+        log = train_tool_phase(out_dir, config, progress, log=log)
+    if config.tool_restart_steps:
+        log = train_tool_phase(out_dir, config, progress, log=log, restart=True)
     _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
     return log
 
@@ -546,7 +573,7 @@ def _train_loop(
                 point["assistant_loss"] = round(assistant_eval(model), 4)
                 losses += f", held-out assistant tokens {point['assistant_loss']:.3f}"
             log["held_out"].append(point)
-            total_steps = config.steps + config.chat_steps + config.tool_steps
+            total_steps = config.steps + config.chat_steps + config.tool_steps + config.tool_restart_steps
             report(f"step {step_index}/{total_steps}: {losses}, {elapsed_s:.0f} s")
             _save(out_dir, model, log)
     model.set_dtype(mx.bfloat16)
@@ -606,6 +633,9 @@ def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
         phase_three_start = log["config"]["steps"] + log["config"]["chat_steps"]
         axes.axvline(phase_three_start + 0.5, color="grey", linestyle="--", linewidth=0.8)
         axes.text(phase_three_start + 2, 0.05, "whole chats,\nassistant tokens", color="grey")
+        if log["config"].get("tool_restart_steps"):
+            restart_step = phase_three_start + log["config"]["tool_steps"]
+            axes.axvline(restart_step + 0.5, color="grey", linestyle=":", linewidth=0.8)
         assistant = [point for point in log["held_out"] if "assistant_loss" in point]
         axes.plot(
             [point["step"] for point in assistant],

@@ -34,10 +34,10 @@ from kvcellar.engine.train_demo_model import (
 )
 from kvcellar.errors import ModelError
 
-DEMO_CODER_WEIGHTS_SHA256 = "a867597e9d2e9c1854e68d08563408367bba87e7666d657d546b9af59cac5c8a"
-# A held-out tool prompt the committed model answers with a call to an offered tool (greedy); most of
-# the 20 get a well-formed call to a tool that was not offered (docs/demo-model.md).
-TOOL_PROMPT_INDEX = 0
+DEMO_CODER_WEIGHTS_SHA256 = "55a196868076ea6a5ad19f1b353f1e08ecc068970b4957ad35ac8d591ce0dfcb"
+# A held-out tool prompt the committed model answers with a call to an offered tool (greedy); 13 of
+# the 20 get a call to a tool that was not offered, or malformed JSON (docs/demo-model.md).
+TOOL_PROMPT_INDEX = 1
 WEIGHTS_BYTES_MAX = 25 * 10**6
 
 
@@ -142,6 +142,7 @@ TINY_TRAINING = TrainingConfig(
     steps=2,
     chat_steps=1,
     tool_steps=1,
+    tool_restart_steps=1,
     batch_rows=2,
     window_tokens=32,
     warmup_steps=1,
@@ -162,24 +163,26 @@ def test_train_writes_a_model_mlx_lm_loads_and_its_log_and_resuming_phase_three_
     from mlx_lm import load
 
     log = train(tmp_path / "model", TINY_TRAINING)
-    assert len(log["train_loss"]) == 4 and [point["step"] for point in log["held_out"]] == [1, 2, 3, 4]
-    assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 3
+    assert len(log["train_loss"]) == 5 and [point["step"] for point in log["held_out"]] == [1, 2, 3, 4, 5]
+    assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 4
     assert log["phase_two_held_out_loss_bf16"] > 0 and log["held_out"][-1]["assistant_loss"] > 0
     _, tokenizer = load(str(tmp_path / "model"))
     assert tokenizer.has_tool_calling
     assert json.loads((tmp_path / "model" / TRAINING_LOG_FILE_NAME).read_text())["final_held_out_loss_bf16"] > 0
 
     train(tmp_path / "phase-two", attrs.evolve(TINY_TRAINING, tool_steps=0))
-    resumed = train_from_model(tmp_path / "resumed", tmp_path / "phase-two", TINY_TRAINING)
-    weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("model", "resumed")]
-    assert weights[0] == weights[1] and resumed["train_loss"] == log["train_loss"]
-    with pytest.raises(ModelError, match="not a phase-two model"):
-        train_from_model(tmp_path / "again", tmp_path / "resumed", TINY_TRAINING)
+    train(tmp_path / "phase-three-round-one", attrs.evolve(TINY_TRAINING, tool_restart_steps=0))
+    for source in ("phase-two", "phase-three-round-one"):
+        resumed = train_from_model(tmp_path / f"from-{source}", tmp_path / source, TINY_TRAINING)
+        weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("model", f"from-{source}")]
+        assert weights[0] == weights[1] and resumed["train_loss"] == log["train_loss"]
+    with pytest.raises(ModelError, match="did not stop before the end of phase three"):
+        train_from_model(tmp_path / "again", tmp_path / "model", TINY_TRAINING)
 
 
 def test_phase_three_scores_only_what_the_assistant_writes():
     rows = build_conversation_rows(DEMO_CODER_DIR, TINY_TRAINING)
-    assert len(rows.tool) == 6 and len(rows.plain) == 2 and len(rows.held_out_tool) == 2
+    assert len(rows.tool) == 6 and len(rows.plain) == 2 and len(rows.held_out_tool) == 1
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_CODER_DIR))
