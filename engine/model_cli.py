@@ -168,7 +168,7 @@ def list_command() -> None:
     type=click.IntRange(min=0),
     default=100,
     show_default=True,
-    help="Then as many again, from a fresh optimizer and learning rate (a warm restart).",
+    help="Then this many more, from a fresh optimizer and learning rate (a warm restart).",
 )
 @click.option(
     "--from-model",

@@ -628,11 +628,17 @@ def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
     )
     if log["config"].get("chat_steps"):
         axes.axvline(log["config"]["steps"] + 0.5, color="grey", linestyle="--", linewidth=0.8)
-        axes.text(log["config"]["steps"] + 2, 0.05, "chats only", color="grey")
+        axes.text(log["config"]["steps"] + 2, 0.02, "chats only", color="grey", transform=axes.get_xaxis_transform())
     if log["config"].get("tool_steps"):
         phase_three_start = log["config"]["steps"] + log["config"]["chat_steps"]
         axes.axvline(phase_three_start + 0.5, color="grey", linestyle="--", linewidth=0.8)
-        axes.text(phase_three_start + 2, 0.05, "whole chats,\nassistant tokens", color="grey")
+        axes.text(
+            phase_three_start + 2,
+            0.02,
+            "whole chats,\nassistant tokens",
+            color="grey",
+            transform=axes.get_xaxis_transform(),
+        )
         if log["config"].get("tool_restart_steps"):
             restart_step = phase_three_start + log["config"]["tool_steps"]
             axes.axvline(restart_step + 0.5, color="grey", linestyle=":", linewidth=0.8)
