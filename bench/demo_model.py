@@ -121,6 +121,9 @@ def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
         "tool_prompts": len(tool_hits),
         "sample_chat_reply": chats[0],
         "sample_tool_reply": tool_replies[0],
+        # Which held-out tool prompts got a call to an offered tool (tests/test_demo_coder.py uses one).
+        "tool_prompt_hits": [index for index, hit in enumerate(tool_hits) if hit],
+        "plain_replies_with_tool_calls": sum("<tool_call>" in chat for chat in chats),
     }
 
 

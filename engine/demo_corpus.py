@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -289,17 +290,42 @@ def function_docs(modules: list[tuple[str, str]]) -> list[FunctionDoc]:
             tree = ast.parse(text)
         except SyntaxError:
             continue
+        lines = _split_source_lines(text)
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             docstring = ast.get_docstring(node)
-            source = ast.get_source_segment(text, node)
+            source = _source_segment(lines, node)
             if not docstring or source is None or len(source) > FUNCTION_SOURCE_CHARS_MAX:
                 continue
             first_paragraph = " ".join(docstring.split("\n\n")[0].split())[:DOCSTRING_CHARS_MAX]
             if first_paragraph.isascii():
                 docs.append(FunctionDoc(module=module_name, name=node.name, doc=first_paragraph, source=source))
     return docs
+
+
+_LINE_END = re.compile(r"(\r\n|\r|\n)")
+
+
+def _split_source_lines(text: str) -> list[str]:
+    """`text`'s lines with their ends, split only at \\r\\n, \\r and \\n: the lines
+    `ast.get_source_segment` indexes (it splits the whole file again at every call, in a
+    character loop, which made reading the corpus take minutes)."""
+    parts = _LINE_END.split(text)
+    lines = [parts[index] + parts[index + 1] for index in range(0, len(parts) - 1, 2)]
+    return [*lines, parts[-1]] if parts[-1] else lines
+
+
+def _source_segment(lines: list[str], node: ast.FunctionDef) -> str | None:
+    """What `ast.get_source_segment(text, node)` returns, from `text`'s split lines."""
+    if node.end_lineno is None or node.end_col_offset is None:
+        return None
+    first_line, last_line = node.lineno - 1, node.end_lineno - 1
+    if first_line == last_line:
+        return lines[first_line].encode()[node.col_offset : node.end_col_offset].decode()
+    first = lines[first_line].encode()[node.col_offset :].decode()
+    last = lines[last_line].encode()[: node.end_col_offset].decode()
+    return "".join([first, *lines[first_line + 1 : last_line], last])
 
 
 def code_conversation(rng: random.Random, function: FunctionDoc) -> Conversation:

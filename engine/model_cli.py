@@ -21,7 +21,7 @@ from kvcellar.engine.demo_models import (
     is_complete_model,
     model_size_bytes,
 )
-from kvcellar.errors import UsageError
+from kvcellar.errors import ModelError, UsageError
 
 _OPTIONS_EXCLUDED_BY_DEMO = ("arch", "size", "dtype", "seed", "force", "out_dir")
 
@@ -156,19 +156,60 @@ def list_command() -> None:
 @click.option(
     "--chat-steps", type=click.IntRange(min=0), default=240, show_default=True, help="Then steps on chats alone."
 )
+@click.option(
+    "--tool-steps",
+    type=click.IntRange(min=0),
+    default=150,
+    show_default=True,
+    help="Then steps on whole conversations, the loss on the assistant's tokens.",
+)
+@click.option(
+    "--tool-restart-steps",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="Then this many more, from a fresh optimizer and learning rate (a warm restart).",
+)
+@click.option(
+    "--from-model",
+    "from_model",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Run only what is left of phase three, from a model made with the same options that stopped earlier.",
+)
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
-def train_command(out_dir: Path, seed: int, steps: int, chat_steps: int, force: bool) -> None:
+def train_command(
+    out_dir: Path,
+    seed: int,
+    steps: int,
+    chat_steps: int,
+    tool_steps: int,
+    tool_restart_steps: int,
+    from_model: Path | None,
+    force: bool,
+) -> None:
     """Train the demo-coder model into OUT_DIR (MLX on the CPU; the defaults made the committed one).
     \f
     On Linux, run it with OpenBLAS preloaded (see `kvcellar.engine.train_demo_model`):
     the reference BLAS of the mlx[cpu] wheel makes it ~20x slower.
     """
-    from kvcellar.engine.train_demo_model import TrainingConfig, train
+    from kvcellar.engine.train_demo_model import TrainingConfig, train, train_from_model
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
-    config = TrainingConfig(seed=seed, steps=steps, chat_steps=chat_steps)
-    log = train(out_dir, config, progress=lambda line: click.echo(line, err=True))
+    config = TrainingConfig(
+        seed=seed, steps=steps, chat_steps=chat_steps, tool_steps=tool_steps, tool_restart_steps=tool_restart_steps
+    )
+
+    def report(line: str) -> None:
+        click.echo(line, err=True)
+
+    if from_model is None:
+        log = train(out_dir, config, progress=report)
+    else:
+        try:
+            log = train_from_model(out_dir, from_model, config, progress=report)
+        except ModelError as e:
+            raise UsageError(str(e)) from e
     click.echo(f"trained {out_dir}: {log['parameters']:,} parameters, held-out loss {log['final_held_out_loss_bf16']}")
 
 

@@ -88,6 +88,19 @@ class TrainingConfig:
     # Phase two (`train_chat_phase`): chat windows only, a fresh AdamW with a cosine decay from this rate.
     chat_steps: int = 240
     chat_learning_rate: float = 1e-3
+    # Phase three (`train_tool_phase`): whole conversations, one per row from its first token, with the
+    # loss on the assistant's tokens only; `tool_row_share` of the rows are tool chats, the rest plain chats.
+    tool_steps: int = 150
+    tool_learning_rate: float = 1e-3
+    tool_conversations: int = 3000
+    tool_row_share: float = 0.75
+    conversation_tokens_max: int = 768
+    # Its evaluations cost ~2 training steps each (whole conversations), so they come less often.
+    tool_eval_every_steps: int = 25
+    # Then a warm restart of phase three: this many more steps from its stored weights, a fresh AdamW,
+    # the same schedule shape, new batch draws (the assistant loss was still falling when the first
+    # round's learning rate had decayed).
+    tool_restart_steps: int = 100
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -201,9 +214,10 @@ def held_out_loss(model: nn.Module, windows: list[np.ndarray]) -> float:
 def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Train the model into `out_dir` and return the training log.
 
-    Two phases: `steps` on the mixed stream (chats and code), then, when
+    Three phases: `steps` on the mixed stream (chats and code), then, when
     `chat_steps` is non-zero, `train_chat_phase` on chats alone, starting from
-    the bfloat16 weights phase one stored. The model files are rewritten at
+    the bfloat16 weights phase one stored, then, when `tool_steps` is
+    non-zero, `train_tool_phase` from the weights phase two stored. The model files are rewritten at
     every evaluation, so an interrupted run leaves a usable (less trained)
     model behind. Raises `ModelError` when mlx-lm cannot build the model.
     """
@@ -233,13 +247,14 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
     rng = np.random.default_rng(config.seed)
     chat_rows = round(config.batch_rows * config.chat_row_share)
 
-    def mixed_batch() -> np.ndarray:
-        return np.concatenate(
+    def mixed_batch() -> tuple[np.ndarray]:
+        windows = np.concatenate(
             [
                 sample_windows(rng, streams.chat_train, chat_rows, config.window_tokens),
                 sample_windows(rng, streams.code_train, config.batch_rows - chat_rows, config.window_tokens),
             ]
         )
+        return (windows,)
 
     schedule = learning_rate_schedule(config)
     _train_loop(
@@ -248,6 +263,10 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
     log["phase_one_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
     if config.chat_steps:
         log = train_chat_phase(out_dir, config, progress, streams=streams, log=log)
+    if config.tool_steps:
+        log = train_tool_phase(out_dir, config, progress, streams=streams, log=log)
+    if config.tool_steps and config.tool_restart_steps:
+        log = train_tool_phase(out_dir, config, progress, streams=streams, log=log, restart=True)
     _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
     return log
 
@@ -279,8 +298,8 @@ def train_chat_phase(
     model.set_dtype(mx.float32)
     rng = np.random.default_rng(config.seed + 1)
 
-    def chat_batch() -> np.ndarray:
-        return sample_windows(rng, streams.chat_train, config.batch_rows, config.window_tokens)
+    def chat_batch() -> tuple[np.ndarray]:
+        return (sample_windows(rng, streams.chat_train, config.batch_rows, config.window_tokens),)
 
     schedule = optim.cosine_decay(config.chat_learning_rate, config.chat_steps, end=config.learning_rate_final)
     first_step = config.steps + 1
@@ -299,6 +318,204 @@ def train_chat_phase(
     return log
 
 
+ASSISTANT_TURN_START = "<|im_start|>assistant\n"
+ASSISTANT_TURN_END = EOS_TOKEN
+# Conversation rows are padded to a multiple of this, so the compiled step sees few distinct shapes.
+ROW_TOKENS_QUANTUM = 128
+
+
+@attrs.frozen(kw_only=True)
+class ConversationRow:
+    """One tokenized conversation and, per id, whether the assistant wrote it."""
+
+    ids: np.ndarray
+    assistant: np.ndarray
+
+
+@attrs.frozen(kw_only=True)
+class ConversationRows:
+    tool: list[ConversationRow]
+    plain: list[ConversationRow]
+    held_out_tool: list[ConversationRow]
+
+
+def assistant_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant's turns in a rendered chat: after the turn's header,
+    through its closing `<|im_end|>` (the model must learn to stop)."""
+    spans = []
+    start = text.find(ASSISTANT_TURN_START)
+    while start != -1:
+        begin = start + len(ASSISTANT_TURN_START)
+        end = text.find(ASSISTANT_TURN_END, begin)
+        end = len(text) if end == -1 else end + len(ASSISTANT_TURN_END)
+        spans.append((begin, end))
+        start = text.find(ASSISTANT_TURN_START, end)
+    return spans
+
+
+def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> ConversationRows:
+    """Phase three's whole conversations (own seed), tokenized with their assistant masks."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    functions = demo_corpus.function_docs(demo_corpus.read_modules(demo_corpus.TRAINING_MODULES))
+
+    def encode(conversation: demo_corpus.Conversation) -> ConversationRow:
+        tools: Any = conversation.tools or None
+        text = str(tokenizer.apply_chat_template(conversation.messages, tools=tools, tokenize=False))
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = assistant_spans(text)
+        assistant = [any(begin <= first < end for begin, end in spans) for first, _ in encoding["offset_mapping"]]
+        return ConversationRow(ids=np.asarray(encoding["input_ids"], np.int32), assistant=np.asarray(assistant))
+
+    rng = random.Random(config.seed + 2)
+    tool_count = round(config.tool_conversations * config.tool_row_share)
+    tool = [encode(demo_corpus.tool_conversation(rng)) for _ in range(tool_count)]
+    plain = [
+        encode(demo_corpus.code_conversation(rng, rng.choice(functions)))
+        for _ in range(config.tool_conversations - tool_count)
+    ]
+    held_out_rng = random.Random(config.seed + 3)
+    held_out_count = max(1, config.eval_windows // 2)
+    held_out = [encode(demo_corpus.tool_conversation(held_out_rng, held_out=True)) for _ in range(held_out_count)]
+    return ConversationRows(tool=tool, plain=plain, held_out_tool=held_out)
+
+
+def conversation_batch(rows: list[ConversationRow], tokens_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows from their first token, padded (masked out) to a multiple of `ROW_TOKENS_QUANTUM`,
+    cut at `tokens_max`; the mask is over the predicted tokens (`windows[:, 1:]`)."""
+    longest = max(len(row.ids) for row in rows)
+    tokens = min(tokens_max, -(-longest // ROW_TOKENS_QUANTUM) * ROW_TOKENS_QUANTUM)
+    windows = np.full((len(rows), tokens + 1), PAD_TOKEN_ID, dtype=np.int32)
+    mask = np.zeros((len(rows), tokens), dtype=np.float32)
+    for index, row in enumerate(rows):
+        ids = row.ids[: tokens + 1]
+        windows[index, : len(ids)] = ids
+        mask[index, : len(ids) - 1] = row.assistant[1 : len(ids)]
+    return windows, mask
+
+
+def masked_token_loss(model: nn.Module, windows: mx.array, mask: mx.array) -> mx.array:
+    """Mean next-token cross-entropy over the tokens `mask` marks (the assistant's)."""
+    logits = model(windows[:, :-1])
+    losses = nn.losses.cross_entropy(logits.astype(mx.float32), windows[:, 1:]) * mask
+    return losses.sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def train_tool_phase(
+    out_dir: Path,
+    config: TrainingConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    streams: TokenStreams | None = None,
+    log: dict[str, Any] | None = None,
+    restart: bool = False,
+) -> dict[str, Any]:
+    """Phase three: `tool_steps` (`tool_restart_steps` when `restart`) on whole conversations with
+    the loss on the assistant's tokens, from the bfloat16 weights in `out_dir` (like phase two, so
+    resuming gives the same weights).
+
+    Phases one and two train on windows cut anywhere in a stream of chats
+    longer than a window, so few windows hold a tool list, the request and
+    the call together; here each row is one whole chat and only what the
+    model must write is scored.
+    """
+    report = progress or (lambda line: None)
+    out_dir = Path(out_dir)
+    streams = streams if streams is not None else build_streams(out_dir, config)
+    rows = build_conversation_rows(out_dir, config)
+    if log is None:
+        log = json.loads((out_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
+        log["config"] = attrs.asdict(config)
+    if not restart:
+        log["phase_two_held_out_loss_bf16"] = log["final_held_out_loss_bf16"]
+    model = _build_model(llama_config(config))
+    model.load_weights(str(out_dir / WEIGHTS_FILE_NAME))
+    model.set_dtype(mx.float32)
+    rng = np.random.default_rng(config.seed + (1002 if restart else 2))
+    tool_rows = round(config.batch_rows * config.tool_row_share)
+
+    def tool_batch() -> tuple[np.ndarray, np.ndarray]:
+        picked = [rows.tool[index] for index in rng.integers(0, len(rows.tool), tool_rows)]
+        picked += [rows.plain[index] for index in rng.integers(0, len(rows.plain), config.batch_rows - tool_rows)]
+        return conversation_batch(picked, config.conversation_tokens_max)
+
+    held_out_batch = [mx.array(array) for array in conversation_batch(rows.held_out_tool, 10**6)]
+
+    def assistant_eval(model: nn.Module) -> float:
+        return item_float(masked_token_loss(model, *held_out_batch))
+
+    steps = config.tool_restart_steps if restart else config.tool_steps
+    warmup_steps = min(10, steps)
+    warmup = optim.linear_schedule(config.tool_learning_rate / 10, config.tool_learning_rate, warmup_steps)
+    decay = optim.cosine_decay(config.tool_learning_rate, steps, end=config.learning_rate_final / 3)
+    schedule = optim.join_schedules([warmup, decay], [warmup_steps])
+    _train_loop(
+        out_dir,
+        model,
+        schedule,
+        tool_batch,
+        config,
+        streams,
+        log,
+        first_step=config.steps + config.chat_steps + (config.tool_steps if restart else 0) + 1,
+        steps=steps,
+        report=report,
+        loss_function=masked_token_loss,
+        assistant_eval=assistant_eval,
+        eval_every_steps=config.tool_eval_every_steps,
+    )
+    return log
+
+
+def train_from_model(
+    out_dir: Path, source_dir: Path, config: TrainingConfig, progress: ProgressCallback | None = None
+) -> dict[str, Any]:
+    """The rest of phase three, from a model whose earlier phases ran with this `config`: its
+    files and training log are copied into `out_dir` first. From a phase-two model (e.g. the
+    demo-coder committed before phase three) both rounds of phase three run; from one that
+    finished phase three's first round, the warm restart alone.
+
+    Gives the same weights as `train(out_dir, config)` when `source_dir` holds that run's output
+    of the earlier phases. Raises `ModelError` when `source_dir`'s log shows other settings for
+    them, or no phase of phase three is left to run.
+    """
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    try:
+        source_log = json.loads((source_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{source_dir} has no readable {TRAINING_LOG_FILE_NAME}: {e}") from e
+    phases_done = len(source_log.get("phase_wall_s", [None]))
+    later_keys = {"tool_restart_steps"}
+    if phases_done == 2:
+        later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
+        later_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}
+    wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
+    found = {key: source_log["config"].get(key) for key in wanted}
+    if (
+        found != wanted
+        or phases_done not in (2, 3)
+        or not config.tool_steps
+        or (phases_done == 3 and not config.tool_restart_steps)
+    ):
+        raise ModelError(
+            f"{source_dir} did not stop before the end of phase three with this configuration "
+            f"({phases_done} phases done; its log: {found})"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_files(out_dir)
+    for name in ("config.json", WEIGHTS_FILE_NAME):
+        (out_dir / name).write_bytes((source_dir / name).read_bytes())
+    source_log["config"] = attrs.asdict(config)
+    log = source_log
+    if phases_done == 2:
+        log = train_tool_phase(out_dir, config, progress, log=log)
+    if config.tool_restart_steps:
+        log = train_tool_phase(out_dir, config, progress, log=log, restart=True)
+    _plot_loss_curve(log, out_dir / LOSS_CURVE_FILE_NAME)
+    return log
+
+
 def _build_model(model_config: dict[str, Any]) -> nn.Module:
     try:
         module = importlib.import_module("mlx_lm.models.llama")
@@ -311,7 +528,7 @@ def _train_loop(
     out_dir: Path,
     model: nn.Module,
     schedule: Callable[[mx.array], mx.array],
-    next_batch: Callable[[], np.ndarray],
+    next_batch: Callable[[], tuple[np.ndarray, ...]],
     config: TrainingConfig,
     streams: TokenStreams,
     log: dict[str, Any],
@@ -319,16 +536,20 @@ def _train_loop(
     first_step: int,
     steps: int,
     report: ProgressCallback,
+    loss_function: Callable[..., mx.array] = token_loss,
+    assistant_eval: Callable[[nn.Module], float] | None = None,
+    eval_every_steps: int | None = None,
 ) -> None:
-    """`steps` AdamW steps on `next_batch()`, evaluating and saving every `eval_every_steps`,
-    then the held-out loss of the bfloat16 weights (the model is left in bfloat16)."""
+    """`steps` AdamW steps of `loss_function(model, *next_batch())`, evaluating and saving every
+    `eval_every_steps` (`assistant_eval` adds a second held-out figure), then the held-out loss
+    of the bfloat16 weights (the model is left in bfloat16)."""
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
-    loss_and_grad = nn.value_and_grad(model, token_loss)
+    loss_and_grad = nn.value_and_grad(model, loss_function)
     state = [model.state, optimizer.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def step(windows: mx.array) -> mx.array:
-        loss, grads = loss_and_grad(model, windows)
+    def step(*arrays: mx.array) -> mx.array:
+        loss, grads = loss_and_grad(model, *arrays)
         optimizer.update(model, grads)
         return loss
 
@@ -337,17 +558,23 @@ def _train_loop(
         fixed_windows(streams.chat_held_out, config.eval_windows // 2, config.window_tokens),
     ]
     last_step = first_step + steps - 1
+    eval_every_steps = eval_every_steps or config.eval_every_steps
     started_s = time.monotonic()
     for step_index in range(first_step, last_step + 1):
-        loss = step(mx.array(next_batch()))
+        loss = step(*(mx.array(array) for array in next_batch()))
         mx.eval(loss, state)
         log["train_loss"].append(round(item_float(loss), 4))
-        if (step_index - first_step + 1) % config.eval_every_steps == 0 or step_index == last_step:
+        if (step_index - first_step + 1) % eval_every_steps == 0 or step_index == last_step:
             loss_now = held_out_loss(model, eval_windows)
             elapsed_s = time.monotonic() - started_s
-            log["held_out"].append({"step": step_index, "loss": round(loss_now, 4), "elapsed_s": round(elapsed_s, 1)})
+            point = {"step": step_index, "loss": round(loss_now, 4), "elapsed_s": round(elapsed_s, 1)}
             losses = f"train {item_float(loss):.3f}, held-out {loss_now:.3f}"
-            report(f"step {step_index}/{config.steps + config.chat_steps}: {losses}, {elapsed_s:.0f} s")
+            if assistant_eval is not None:
+                point["assistant_loss"] = round(assistant_eval(model), 4)
+                losses += f", held-out assistant tokens {point['assistant_loss']:.3f}"
+            log["held_out"].append(point)
+            total_steps = config.steps + config.chat_steps + config.tool_steps + config.tool_restart_steps
+            report(f"step {step_index}/{total_steps}: {losses}, {elapsed_s:.0f} s")
             _save(out_dir, model, log)
     model.set_dtype(mx.bfloat16)
     final_loss = held_out_loss(model, eval_windows)
@@ -401,12 +628,32 @@ def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
     )
     if log["config"].get("chat_steps"):
         axes.axvline(log["config"]["steps"] + 0.5, color="grey", linestyle="--", linewidth=0.8)
-        axes.text(log["config"]["steps"] + 2, max(log["train_loss"]) * 0.95, "chats only", color="grey")
+        axes.text(log["config"]["steps"] + 2, 0.02, "chats only", color="grey", transform=axes.get_xaxis_transform())
+    if log["config"].get("tool_steps"):
+        phase_three_start = log["config"]["steps"] + log["config"]["chat_steps"]
+        axes.axvline(phase_three_start + 0.5, color="grey", linestyle="--", linewidth=0.8)
+        axes.text(
+            phase_three_start + 2,
+            0.02,
+            "whole chats,\nassistant tokens",
+            color="grey",
+            transform=axes.get_xaxis_transform(),
+        )
+        if log["config"].get("tool_restart_steps"):
+            restart_step = phase_three_start + log["config"]["tool_steps"]
+            axes.axvline(restart_step + 0.5, color="grey", linestyle=":", linewidth=0.8)
+        assistant = [point for point in log["held_out"] if "assistant_loss" in point]
+        axes.plot(
+            [point["step"] for point in assistant],
+            [point["assistant_loss"] for point in assistant],
+            label="held-out tool chats, assistant tokens",
+            marker="s",
+        )
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats/token)")
     axes.set_title(f"demo-coder: {log['parameters']:,} parameters, {log['tokens_per_step']} tokens/step")
     axes.grid(alpha=0.3)
-    axes.legend()
+    axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, metadata={"Software": None})
     plt.close(figure)

@@ -17,18 +17,27 @@ import subprocess
 import sys
 import time
 
+import attrs
 import httpx
 import pytest
 
 from kvcellar.bench.demo_model import chat_request, is_mostly_printable, names_only_offered_tools
 from kvcellar.engine import demo_corpus
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, count_parameters, packaged_demo_coder_dir
-from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, TrainingConfig, train
+from kvcellar.engine.train_demo_model import (
+    TRAINING_LOG_FILE_NAME,
+    TrainingConfig,
+    build_conversation_rows,
+    conversation_batch,
+    train,
+    train_from_model,
+)
+from kvcellar.errors import ModelError
 
-DEMO_CODER_WEIGHTS_SHA256 = "14c2e982e8ea26f22ac572aaeeaf7d3d1a954fd81ebbfa72550c2a600e61fa7c"
-# A held-out tool prompt the committed model answers with a call to an offered tool (greedy); most of
-# the 20 get a well-formed call to a tool that was not offered (docs/demo-model.md).
-TOOL_PROMPT_INDEX = 11
+DEMO_CODER_WEIGHTS_SHA256 = "55a196868076ea6a5ad19f1b353f1e08ecc068970b4957ad35ac8d591ce0dfcb"
+# A held-out tool prompt the committed model answers with a call to an offered tool (greedy); 13 of
+# the 20 get a call to a tool that was not offered, or malformed JSON (docs/demo-model.md).
+TOOL_PROMPT_INDEX = 1
 WEIGHTS_BYTES_MAX = 25 * 10**6
 
 
@@ -129,27 +138,58 @@ def test_held_out_tool_arguments_never_occur_in_training_pools():
     assert len(demo_corpus.held_out_chat_prompts()) == 20
 
 
-def test_train_writes_a_model_mlx_lm_loads_and_its_log(tmp_path):
+TINY_TRAINING = TrainingConfig(
+    steps=2,
+    chat_steps=1,
+    tool_steps=1,
+    tool_restart_steps=1,
+    batch_rows=2,
+    window_tokens=32,
+    warmup_steps=1,
+    chat_conversations=8,
+    tool_conversations=8,
+    conversation_tokens_max=128,
+    eval_every_steps=1,
+    eval_windows=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
+
+def test_train_writes_a_model_mlx_lm_loads_and_its_log_and_resuming_phase_three_gives_the_same_weights(tmp_path):
     from mlx_lm import load
 
-    config = TrainingConfig(
-        steps=2,
-        chat_steps=1,
-        batch_rows=2,
-        window_tokens=32,
-        warmup_steps=1,
-        chat_conversations=8,
-        eval_every_steps=1,
-        eval_windows=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    log = train(tmp_path / "model", config)
-    assert len(log["train_loss"]) == 3 and [point["step"] for point in log["held_out"]] == [1, 2, 3]
-    assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 2
+    log = train(tmp_path / "model", TINY_TRAINING)
+    assert len(log["train_loss"]) == 5 and [point["step"] for point in log["held_out"]] == [1, 2, 3, 4, 5]
+    assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 4
+    assert log["phase_two_held_out_loss_bf16"] > 0 and log["held_out"][-1]["assistant_loss"] > 0
     _, tokenizer = load(str(tmp_path / "model"))
     assert tokenizer.has_tool_calling
     assert json.loads((tmp_path / "model" / TRAINING_LOG_FILE_NAME).read_text())["final_held_out_loss_bf16"] > 0
+
+    train(tmp_path / "phase-two", attrs.evolve(TINY_TRAINING, tool_steps=0))
+    train(tmp_path / "phase-three-round-one", attrs.evolve(TINY_TRAINING, tool_restart_steps=0))
+    for source in ("phase-two", "phase-three-round-one"):
+        resumed = train_from_model(tmp_path / f"from-{source}", tmp_path / source, TINY_TRAINING)
+        weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("model", f"from-{source}")]
+        assert weights[0] == weights[1] and resumed["train_loss"] == log["train_loss"]
+    with pytest.raises(ModelError, match="did not stop before the end of phase three"):
+        train_from_model(tmp_path / "again", tmp_path / "model", TINY_TRAINING)
+
+
+def test_phase_three_scores_only_what_the_assistant_writes():
+    rows = build_conversation_rows(DEMO_CODER_DIR, TINY_TRAINING)
+    assert len(rows.tool) == 6 and len(rows.plain) == 2 and len(rows.held_out_tool) == 1
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_CODER_DIR))
+    for row in rows.tool:
+        written = tokenizer.decode(row.ids[row.assistant].tolist())
+        assert written.startswith("<tool_call>") and written.count("<|im_end|>") == 2, written
+        assert "<tools>" not in written and "<tool_response>" not in written
+    windows, mask = conversation_batch(rows.plain, 64)
+    assert windows.shape == (2, 65) and mask.shape == (2, 64)
+    assert mask.sum() == sum(min(row.assistant[1:65].sum(), 64) for row in rows.plain)
