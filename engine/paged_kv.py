@@ -52,6 +52,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
 from kvcellar.errors import KvCellarError, UsageError
+from kvcellar.store.signature import BATCH_PAGED_PREFIX, PAGED_PREFIX
 
 BLOCK_SIZE_DEFAULT = 256  # = KVCache.step: v1's growth granularity, permuted into reusable slots
 _PAGEABLE = mlx_cache.KVCache
@@ -215,6 +216,9 @@ def _gathered(pool: mx.array, table: Sequence[int], tokens: int) -> mx.array:
 class PagedKVCache:
     """One request's paged full-attention layer (`kv:paged:<block_size>`)."""
 
+    # How store/signature.py names this layout (the store layer cannot import this module).
+    paged_signature_prefix = PAGED_PREFIX
+
     def __init__(self, *, block_size: int, capacity_tokens: int, ledger: PagedPoolLedger | None = None) -> None:
         self.block_size = block_size
         blocks = blocks_for(max(1, capacity_tokens), block_size)
@@ -313,6 +317,9 @@ class BatchPagedKVCache:
     sized from the real tokens), only zero-padded into the gathered tensor,
     where the causal mask hides it from every real query, as in `BatchKVCache`.
     """
+
+    # How store/signature.py names this layout (the store layer cannot import this module).
+    paged_signature_prefix = BATCH_PAGED_PREFIX
 
     def __init__(self, rows: list[PagedKVCache], left: list[int], idx: int) -> None:
         self.rows = rows

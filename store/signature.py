@@ -24,7 +24,6 @@ from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
 
-from kvcellar.engine.paged_kv import BatchPagedKVCache, PagedKVCache
 from kvcellar.errors import RefusedCacheKind, UnknownCacheKind
 
 SIGNATURE_PLAIN = "kv:plain"
@@ -70,10 +69,11 @@ def cache_signature(cache: Any) -> str:
         return fixed
     if cls is mlx_cache.QuantizedKVCache:
         return f"{QUANT_PREFIX}{cache.bits}:{cache.group_size}"
-    if cls is PagedKVCache:
-        return f"{PAGED_PREFIX}{cache.block_size}"
-    if cls is BatchPagedKVCache:
-        return f"{BATCH_PAGED_PREFIX}{cache.block_size}"
+    # The paged layouts live in the engine layer (engine/paged_kv.py), above this one, so they name
+    # their prefix as a class attribute rather than being imported here; only the two paged prefixes count.
+    paged_prefix = getattr(cls, "paged_signature_prefix", None)
+    if paged_prefix in (PAGED_PREFIX, BATCH_PAGED_PREFIX):
+        return f"{paged_prefix}{cache.block_size}"
     if cls is mlx_cache.CacheList:
         return LIST_PREFIX + ",".join(cache_signature(child) for child in cache.caches) + ")"
     if cls is mlx_cache.ConcatenateKVCache:
