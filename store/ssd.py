@@ -29,6 +29,7 @@ the journal's own thread commits).
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -37,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
@@ -246,12 +247,13 @@ class SsdStore:
                     if journal_opener is not None
                     else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=safeguards)
                 )
-            journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
-            trusted = store._scan(journaled)
-            store._reconcile_journal(journaled, trusted)
-            if store.safeguards.redo_startup_supersession:
-                store._supersede_all()
-            store._unlink_removed(store._evict_over_cap())
+            with _cyclic_gc_paused():
+                journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
+                trusted = store._scan(journaled)
+                store._reconcile_journal(journaled, trusted)
+                if store.safeguards.redo_startup_supersession:
+                    store._supersede_all()
+                store._unlink_removed(store._evict_over_cap())
         except BaseException:
             store.close()
             raise
@@ -857,6 +859,24 @@ def _trimmed(caches: list[Any], entry_tokens: int, usable_tokens: int) -> list[A
 
 
 _ENTRY_ID = re.compile(r"[0-9a-f]{32}")
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector over the startup scan, then
+    restore its previous state. The scan allocates tens of thousands of
+    long-lived containers (trie nodes, entries, frontier tuples), and every
+    automatic collection traverses all those built so far: measured at 60-110
+    us per entry at 3,000 entries, a third of the scan. The scan makes no
+    cyclic garbage of note; reference counting frees the rest as before, and
+    the first collection after the scan finds whatever cycles there are."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _is_entry_id(name: str) -> bool:
