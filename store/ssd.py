@@ -248,8 +248,7 @@ class SsdStore:
                     else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=safeguards)
                 )
             with _cyclic_gc_paused():
-                journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
-                trusted = store._scan(journaled)
+                journaled, trusted = store._scan(store.journal.entries_later() if store.journal else list)
                 store._reconcile_journal(journaled, trusted)
                 if store.safeguards.redo_startup_supersession:
                     store._supersede_all()
@@ -294,19 +293,26 @@ class SsdStore:
 
     # -- startup -----------------------------------------------------------
 
-    def _scan(self, journaled: dict[str, dict[str, Any]]) -> set[str]:
-        """Index every entry file; returns the ids indexed from the journal.
-        A file whose path, size and mtime match the journal's projection is
-        indexed from the projection (its header was read and checked when it
-        was journaled, and `restore` checks it again); any other file gets a
-        full header read."""
-        known = {row["path"]: row for row in journaled.values()}
+    def _scan(self, rows_later: Callable[[], list[dict[str, Any]]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        """Index every entry file; returns the journal's projection by entry
+        id and the ids indexed from it. A file whose path, size and mtime
+        match the projection is indexed from the projection (its header was
+        read and checked when it was journaled, and `restore` checks it
+        again); any other file gets a full header read. `rows_later()` waits
+        for the projection, which the journal thread reads while this one
+        lists the first directories (the disk operations keep their order)."""
+        journaled: dict[str, dict[str, Any]] | None = None
+        known: dict[str, dict[str, Any]] = {}
         trusted: set[str] = set()
         for entry in self.disk.scandir(self.directory):
             if not entry.is_dir or entry.name in (QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME):
                 continue
             ns_dir = self.directory / entry.name
-            for item in self.disk.scandir(ns_dir):
+            items = self.disk.scandir(ns_dir)
+            if journaled is None:
+                journaled = {row["entry_id"]: row for row in rows_later()}
+                known = {row["path"]: row for row in journaled.values()}
+            for item in items:
                 path = ns_dir / item.name
                 if item.name.endswith(kvfile.TEMP_SUFFIX):
                     self._reap(path)
@@ -317,7 +323,9 @@ class SsdStore:
                         trusted.add(row["entry_id"])
                     else:
                         self._scan_file(path, entry.name, item)
-        return trusted
+        if journaled is None:
+            journaled = {row["entry_id"]: row for row in rows_later()}
+        return journaled, trusted
 
     def _reap(self, path: Path) -> None:
         try:
