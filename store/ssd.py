@@ -29,6 +29,7 @@ the journal's own thread commits).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -64,8 +65,12 @@ CHECKPOINT_DIR_NAME = "checkpoints"
 LOCK_FILE_NAME = "lock"
 QUARANTINE_BYTES_MAX_DEFAULT = 1 << 30
 _NS_HASH_HEX_CHARS = 16
+# A startup scan checks every file's namespace against its directory: a pure
+# function of a few distinct strings, so it is memoised.
+_NS_DIR_NAMES_CACHED = 1024
 
 
+@functools.lru_cache(maxsize=_NS_DIR_NAMES_CACHED)
 def namespace_dir_name(namespace: str) -> str:
     """The directory of a namespace: a hash, so any adapter spec is a safe name."""
     return hashlib.sha256(namespace.encode()).hexdigest()[:_NS_HASH_HEX_CHARS]
@@ -396,7 +401,11 @@ class SsdStore:
 
     def _index(self, entry: IndexedEntry) -> None:
         self._entries[entry.entry_id] = entry
-        self._indexes.setdefault(entry.namespace, PrefixIndex()).add(
+        index = self._indexes.get(entry.namespace)
+        if index is None:
+            # Not `setdefault(namespace, PrefixIndex())`: that built a throwaway index per entry scanned.
+            index = self._indexes[entry.namespace] = PrefixIndex()
+        index.add(
             entry.entry_id,
             entry.tokens,
             trimmable=entry.trimmable,
