@@ -84,6 +84,10 @@ class OwnedJournalRunner:
         finally:
             self.running_owner_work = outer
 
+    def call_later(self, work: Callable[[], T]) -> Callable[[], T]:
+        result = self.call(work)
+        return lambda: result
+
     def close(self) -> None:
         pass
 

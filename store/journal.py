@@ -188,6 +188,12 @@ class JournalRunner(Protocol):
 
     def call(self, work: Callable[[], T], timeout_s: float | None = None) -> T: ...
 
+    def call_later(self, work: Callable[[], T]) -> Callable[[], T]:
+        """Queue `work` like `submit` and return a function that waits for
+        its result (raising what it raised), so the caller can do something
+        else meanwhile."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -201,8 +207,15 @@ class InlineRunner:
     def call(self, work: Callable[[], T], timeout_s: float | None = None) -> T:
         return work()
 
+    def call_later(self, work: Callable[[], T]) -> Callable[[], T]:
+        return _ready(work())
+
     def close(self) -> None:
         pass
+
+
+def _ready(result: T) -> Callable[[], T]:
+    return lambda: result
 
 
 class JournalThread:
@@ -226,6 +239,9 @@ class JournalThread:
             return self._executor.submit(work).result(timeout_s)
         except concurrent.futures.TimeoutError as e:
             raise JournalError(f"the journal did not answer within {timeout_s} s") from e
+
+    def call_later(self, work: Callable[[], T]) -> Callable[[], T]:
+        return self._executor.submit(work).result
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -429,6 +445,12 @@ class Journal:
     def entries(self) -> list[dict[str, Any]]:
         """The stored `entries` projection, ordered by entry id."""
         return self._runner.call(lambda: _entry_rows(self._db) if self._db is not None else [])
+
+    def entries_later(self) -> Callable[[], list[dict[str, Any]]]:
+        """`entries`, read on the runner while the caller goes on: returns a
+        function that waits for the rows (the startup scan lists directories
+        meanwhile)."""
+        return self._runner.call_later(lambda: _entry_rows(self._db) if self._db is not None else [])
 
     def replay(self, *, until_seq: int | None = None) -> list[dict[str, Any]]:
         """The `entries` projection rebuilt from the events alone (up to `until_seq`)."""

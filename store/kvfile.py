@@ -382,7 +382,8 @@ def read_header(
     the file cannot be read.
     """
     disk = disk or RealDisk()
-    path = Path(path)
+    # A scan passes thousands of Paths: re-parsing each (`Path(path)`) cost about as much as building it.
+    path = path if isinstance(path, Path) else Path(path)
     handle = disk.open_read(path)
     try:
         return _read_header_from(disk, handle, path, size_bytes, safeguards)

@@ -29,6 +29,8 @@ the journal's own thread commits).
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import hashlib
 import logging
 import os
@@ -37,7 +39,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,12 @@ CHECKPOINT_DIR_NAME = "checkpoints"
 LOCK_FILE_NAME = "lock"
 QUARANTINE_BYTES_MAX_DEFAULT = 1 << 30
 _NS_HASH_HEX_CHARS = 16
+# A startup scan checks every file's namespace against its directory: a pure
+# function of a few distinct strings, so it is memoised.
+_NS_DIR_NAMES_CACHED = 1024
 
 
+@functools.lru_cache(maxsize=_NS_DIR_NAMES_CACHED)
 def namespace_dir_name(namespace: str) -> str:
     """The directory of a namespace: a hash, so any adapter spec is a safe name."""
     return hashlib.sha256(namespace.encode()).hexdigest()[:_NS_HASH_HEX_CHARS]
@@ -246,12 +252,12 @@ class SsdStore:
                     if journal_opener is not None
                     else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=safeguards)
                 )
-            journaled = {row["entry_id"]: row for row in store.journal.entries()} if store.journal else {}
-            trusted = store._scan(journaled)
-            store._reconcile_journal(journaled, trusted)
-            if store.safeguards.redo_startup_supersession:
-                store._supersede_all()
-            store._unlink_removed(store._evict_over_cap())
+            with _cyclic_gc_paused():
+                journaled, trusted = store._scan(store.journal.entries_later() if store.journal else list)
+                store._reconcile_journal(journaled, trusted)
+                if store.safeguards.redo_startup_supersession:
+                    store._supersede_all()
+                store._unlink_removed(store._evict_over_cap())
         except BaseException:
             store.close()
             raise
@@ -292,19 +298,26 @@ class SsdStore:
 
     # -- startup -----------------------------------------------------------
 
-    def _scan(self, journaled: dict[str, dict[str, Any]]) -> set[str]:
-        """Index every entry file; returns the ids indexed from the journal.
-        A file whose path, size and mtime match the journal's projection is
-        indexed from the projection (its header was read and checked when it
-        was journaled, and `restore` checks it again); any other file gets a
-        full header read."""
-        known = {row["path"]: row for row in journaled.values()}
+    def _scan(self, rows_later: Callable[[], list[dict[str, Any]]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        """Index every entry file; returns the journal's projection by entry
+        id and the ids indexed from it. A file whose path, size and mtime
+        match the projection is indexed from the projection (its header was
+        read and checked when it was journaled, and `restore` checks it
+        again); any other file gets a full header read. `rows_later()` waits
+        for the projection, which the journal thread reads while this one
+        lists the first directories (the disk operations keep their order)."""
+        journaled: dict[str, dict[str, Any]] | None = None
+        known: dict[str, dict[str, Any]] = {}
         trusted: set[str] = set()
         for entry in self.disk.scandir(self.directory):
             if not entry.is_dir or entry.name in (QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME):
                 continue
             ns_dir = self.directory / entry.name
-            for item in self.disk.scandir(ns_dir):
+            items = self.disk.scandir(ns_dir)
+            if journaled is None:
+                journaled = {row["entry_id"]: row for row in rows_later()}
+                known = {row["path"]: row for row in journaled.values()}
+            for item in items:
                 path = ns_dir / item.name
                 if item.name.endswith(kvfile.TEMP_SUFFIX):
                     self._reap(path)
@@ -315,7 +328,9 @@ class SsdStore:
                         trusted.add(row["entry_id"])
                     else:
                         self._scan_file(path, entry.name, item)
-        return trusted
+        if journaled is None:
+            journaled = {row["entry_id"]: row for row in rows_later()}
+        return journaled, trusted
 
     def _reap(self, path: Path) -> None:
         try:
@@ -386,7 +401,11 @@ class SsdStore:
 
     def _index(self, entry: IndexedEntry) -> None:
         self._entries[entry.entry_id] = entry
-        self._indexes.setdefault(entry.namespace, PrefixIndex()).add(
+        index = self._indexes.get(entry.namespace)
+        if index is None:
+            # Not `setdefault(namespace, PrefixIndex())`: that built a throwaway index per entry scanned.
+            index = self._indexes[entry.namespace] = PrefixIndex()
+        index.add(
             entry.entry_id,
             entry.tokens,
             trimmable=entry.trimmable,
@@ -857,6 +876,24 @@ def _trimmed(caches: list[Any], entry_tokens: int, usable_tokens: int) -> list[A
 
 
 _ENTRY_ID = re.compile(r"[0-9a-f]{32}")
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector over the startup scan, then
+    restore its previous state. The scan allocates tens of thousands of
+    long-lived containers (trie nodes, entries, frontier tuples), and every
+    automatic collection traverses all those built so far: measured at 60-110
+    us per entry at 3,000 entries, a third of the scan. The scan makes no
+    cyclic garbage of note; reference counting frees the rest as before, and
+    the first collection after the scan finds whatever cycles there are."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _is_entry_id(name: str) -> bool:
