@@ -297,6 +297,7 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine, shape = result["machine"], result["shape"]
     rows = [f"| {name} | {plain} | {paged} | {ratio} |" for name, plain, paged, ratio in figure_rows(result)]
+    quantized = [f"- {line}" for line in quantized_summary(result)]
     return "\n".join(
         [
             "## Live-tier layouts: paged KV on vs off",
@@ -327,7 +328,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "BatchKVCache keeps that padded tensor as its storage and copies nothing), which is the decode "
             "cost there; what paging removes is the held padding, and with it the budget a short row costs: "
             f"the same budget admits {result['paged_rows_admitted_ratio']}x the rows.",
-            *(["", *(f"- {line}" for line in quantized_summary(result))] if quantized_summary(result) else []),
+            *(["", *quantized] if quantized else []),
         ]
     )
 
