@@ -249,9 +249,9 @@ def quantized_summary(result: dict[str, Any]) -> list[str]:
         return []
     figures = result["quant_batch"]
     return [
-        f"kv4, 4 clients, batch / serial lane (quant_batch_ratio_4): {result['quant_batch_ratio_4']}x "
+        f"kv4, 4 clients, batch / serial lane (quant_batch_ratio_4): {result['quant_batch_ratio_4']:.2f}x "
         f"({figures['model']}; outputs equal: {figures['outputs_equal']})",
-        f"kv4 KV bytes held / bf16 (kv_bytes_vs_bf16): {result['kv_bytes_vs_bf16']}",
+        f"kv4 KV bytes held / bf16 (kv_bytes_vs_bf16): {result['kv_bytes_vs_bf16']:.3f}",
     ]
 
 
