@@ -343,14 +343,93 @@ def code_conversation(rng: random.Random, function: FunctionDoc) -> Conversation
     return Conversation(messages=messages, tools=[])
 
 
-def tool_prompt(rng: random.Random, *, held_out: bool) -> tuple[Conversation, ToolSpec, dict[str, str]]:
+_SYLLABLE_STARTS = tuple(
+    [
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "z",
+        "br",
+        "ch",
+        "dr",
+        "kr",
+        "pl",
+        "st",
+        "tr",
+    ]
+)
+_SYLLABLE_VOWELS = tuple(["a", "e", "i", "o", "u", "a", "e", "i", "o", "ai", "ou"])
+_DIRECTORIES = ("", "src/", "docs/", "tests/", "app/")
+_FILE_SUFFIXES = (".py", ".md", ".txt", ".toml", ".json", ".csv", ".cfg")
+_OPERATORS = ("+", "-", "*", "/")
+_REGIONS = ("Europe", "Asia", "America", "Africa", "Pacific")
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    """A pronounceable made-up lowercase word of 2 to 4 syllables."""
+    syllables = rng.randint(2, 4)
+    return "".join(rng.choice(_SYLLABLE_STARTS) + rng.choice(_SYLLABLE_VOWELS) for _ in range(syllables))
+
+
+def _varied_expression(rng: random.Random) -> str:
+    return f"{rng.randint(1, 999)} {rng.choice(_OPERATORS)} {rng.randint(1, 99)}"
+
+
+def _varied_pattern(rng: random.Random) -> str:
+    word = _pseudo_word(rng)
+    return rng.choice((word, f"def {word}", f"import {word}", f"class {word.title()}", word.upper()))
+
+
+# Argument values made up afresh for each phase-three tool chat: with values drawn from the
+# small training pools the model memorises the pools, and then cannot write a held-out value
+# (it never copies from the request); values it cannot have seen teach it to copy.
+VARIED_VALUE_MAKERS: dict[str, Callable[[random.Random], str]] = {
+    "city": lambda rng: _pseudo_word(rng).title(),
+    "path": lambda rng: rng.choice(_DIRECTORIES) + _pseudo_word(rng) + rng.choice(_FILE_SUFFIXES),
+    "pattern": _varied_pattern,
+    "expression": _varied_expression,
+    "symbol": lambda rng: "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 5))),
+    "word": _pseudo_word,
+    "timezone": lambda rng: f"{rng.choice(_REGIONS)}/{_pseudo_word(rng).title()}",
+    "package": lambda rng: _pseudo_word(rng) + rng.choice(("", "", "py", "-tools", "lib")),
+}
+
+
+def varied_value(rng: random.Random, slot: str) -> str:
+    """A made-up value for `slot` that is none of its pools' values (held-out ones included)."""
+    known = set(VALUE_POOLS[slot][0]) | set(VALUE_POOLS[slot][1])
+    while True:
+        value = VARIED_VALUE_MAKERS[slot](rng)
+        if value not in known:
+            return value
+
+
+def tool_prompt(
+    rng: random.Random, *, held_out: bool, varied_value_share: float = 0.0
+) -> tuple[Conversation, ToolSpec, dict[str, str]]:
     """The opening of a tool conversation (system, tools, user request), the
-    tool that answers it and the call's arguments."""
+    tool that answers it and the call's arguments. With `varied_value_share`
+    > 0, that share of the training chats' arguments are made-up values
+    (`varied_value`); at 0 the draws are exactly those of before it existed."""
     spec = rng.choice(TOOL_SPECS)
     others = [other for other in TOOL_SPECS if other is not spec]
     offered = [spec, *rng.sample(others, rng.randint(0, 2))]
     rng.shuffle(offered)
     arguments = {name: rng.choice(VALUE_POOLS[slot][1 if held_out else 0]) for name, slot in spec.parameters.items()}
+    if varied_value_share > 0 and not held_out and rng.random() < varied_value_share:
+        arguments = {name: varied_value(rng, slot) for name, slot in spec.parameters.items()}
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.5:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
@@ -358,18 +437,38 @@ def tool_prompt(rng: random.Random, *, held_out: bool) -> tuple[Conversation, To
     return Conversation(messages=messages, tools=[tool.schema() for tool in offered]), spec, arguments
 
 
-def tool_conversation(rng: random.Random, *, held_out: bool = False) -> Conversation:
-    """A whole tool-use chat: request, the assistant's call, the result, the final answer."""
-    opening, spec, arguments = tool_prompt(rng, held_out=held_out)
+def tool_conversation(
+    rng: random.Random, *, held_out: bool = False, varied_value_share: float = 0.0, rounds: int = 1
+) -> Conversation:
+    """A whole tool-use chat: request, the assistant's call, the result, the final answer; with
+    `rounds` > 1, that many requests in one chat, each after the previous answer and each for
+    one of the offered tools (so one rendering of the tool list teaches several choices)."""
+    opening, spec, arguments = tool_prompt(rng, held_out=held_out, varied_value_share=varied_value_share)
+    messages = [*opening.messages, *_tool_round(rng, spec, arguments)]
+    offered = [tool for tool in TOOL_SPECS if tool.name in {schema["function"]["name"] for schema in opening.tools}]
+    for _ in range(rounds - 1):
+        spec = rng.choice(offered)
+        arguments = _arguments(rng, spec, held_out=held_out, varied_value_share=varied_value_share)
+        messages.append({"role": "user", "content": rng.choice(spec.requests).format(**arguments)})
+        messages.extend(_tool_round(rng, spec, arguments))
+    return Conversation(messages=messages, tools=opening.tools)
+
+
+def _arguments(rng: random.Random, spec: ToolSpec, *, held_out: bool, varied_value_share: float) -> dict[str, str]:
+    if varied_value_share > 0 and not held_out and rng.random() < varied_value_share:
+        return {name: varied_value(rng, slot) for name, slot in spec.parameters.items()}
+    return {name: rng.choice(VALUE_POOLS[slot][1 if held_out else 0]) for name, slot in spec.parameters.items()}
+
+
+def _tool_round(rng: random.Random, spec: ToolSpec, arguments: dict[str, str]) -> list[dict[str, Any]]:
+    """The assistant's call of `spec`, its result and the final answer."""
     result = spec.result(rng, arguments)
     call = {"type": "function", "function": {"name": spec.name, "arguments": arguments}}
-    messages = [
-        *opening.messages,
+    return [
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": json.dumps(result)},
         {"role": "assistant", "content": spec.answer.format(**{**arguments, **result})},
     ]
-    return Conversation(messages=messages, tools=opening.tools)
 
 
 def conversations(rng: random.Random, functions: list[FunctionDoc], count: int) -> Iterator[Conversation]:

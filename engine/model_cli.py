@@ -171,6 +171,30 @@ def list_command() -> None:
     help="Then this many more, from a fresh optimizer and learning rate (a warm restart).",
 )
 @click.option(
+    "--tool-varied-values",
+    "tool_varied_value_share",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="Share of phase three's tool chats whose arguments are made-up values (teaches copying them).",
+)
+@click.option(
+    "--tool-call-weight",
+    "tool_call_loss_weight",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Weight of a tool call's tokens in phase three's loss (the assistant's other tokens weigh 1).",
+)
+@click.option(
+    "--tool-rounds",
+    "tool_rounds_max",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Phase three's tool chats hold 1 to this many request/call/answer rounds.",
+)
+@click.option(
     "--from-model",
     "from_model",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -184,6 +208,9 @@ def train_command(
     chat_steps: int,
     tool_steps: int,
     tool_restart_steps: int,
+    tool_varied_value_share: float,
+    tool_call_loss_weight: float,
+    tool_rounds_max: int,
     from_model: Path | None,
     force: bool,
 ) -> None:
@@ -197,7 +224,14 @@ def train_command(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
     config = TrainingConfig(
-        seed=seed, steps=steps, chat_steps=chat_steps, tool_steps=tool_steps, tool_restart_steps=tool_restart_steps
+        seed=seed,
+        steps=steps,
+        chat_steps=chat_steps,
+        tool_steps=tool_steps,
+        tool_restart_steps=tool_restart_steps,
+        tool_varied_value_share=tool_varied_value_share,
+        tool_call_loss_weight=tool_call_loss_weight,
+        tool_rounds_max=tool_rounds_max,
     )
 
     def report(line: str) -> None:

@@ -101,6 +101,15 @@ class TrainingConfig:
     # the same schedule shape, new batch draws (the assistant loss was still falling when the first
     # round's learning rate had decayed).
     tool_restart_steps: int = 100
+    # Share of phase three's tool chats whose arguments are made-up values (`demo_corpus.varied_value`),
+    # so the model learns to copy them from the request rather than recall the training pools.
+    tool_varied_value_share: float = 0.0
+    # Weight of the tokens of a `<tool_call>` block in phase three's loss, against 1 for the
+    # assistant's other tokens: the call's ~25 tokens decide a tool prompt's outcome.
+    tool_call_loss_weight: float = 1.0
+    # Phase three's tool chats hold 1 to this many request/call/result/answer rounds (uniformly): the
+    # tool list is most of a chat's tokens, and each round after the first adds a choice for ~70 more.
+    tool_rounds_max: int = 1
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -320,6 +329,7 @@ def train_chat_phase(
 
 ASSISTANT_TURN_START = "<|im_start|>assistant\n"
 ASSISTANT_TURN_END = EOS_TOKEN
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # Conversation rows are padded to a multiple of this, so the compiled step sees few distinct shapes.
 ROW_TOKENS_QUANTUM = 128
 
@@ -329,6 +339,7 @@ class ConversationRow:
     """One tokenized conversation and, per id, whether the assistant wrote it."""
 
     ids: np.ndarray
+    # Per id: its weight in the loss (0 for context, 1 for the assistant's text, more in a tool call).
     assistant: np.ndarray
 
 
@@ -353,6 +364,19 @@ def assistant_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+def tool_call_spans(text: str, assistant: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character spans of the `<tool_call>` blocks inside the assistant's turns (markers included)."""
+    calls = []
+    for begin, end in assistant:
+        start = text.find(TOOL_CALL_START, begin, end)
+        while start != -1:
+            close = text.find(TOOL_CALL_END, start, end)
+            stop = end if close == -1 else close + len(TOOL_CALL_END)
+            calls.append((start, stop))
+            start = text.find(TOOL_CALL_START, stop, end)
+    return calls
+
+
 def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> ConversationRows:
     """Phase three's whole conversations (own seed), tokenized with their assistant masks."""
     from transformers import AutoTokenizer
@@ -360,17 +384,35 @@ def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> Conversa
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     functions = demo_corpus.function_docs(demo_corpus.read_modules(demo_corpus.TRAINING_MODULES))
 
-    def encode(conversation: demo_corpus.Conversation) -> ConversationRow:
+    def encode(conversation: demo_corpus.Conversation, call_weight: float = 1.0) -> ConversationRow:
         tools: Any = conversation.tools or None
         text = str(tokenizer.apply_chat_template(conversation.messages, tools=tools, tokenize=False))
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         spans = assistant_spans(text)
-        assistant = [any(begin <= first < end for begin, end in spans) for first, _ in encoding["offset_mapping"]]
-        return ConversationRow(ids=np.asarray(encoding["input_ids"], np.int32), assistant=np.asarray(assistant))
+        calls = tool_call_spans(text, spans)
+        weights = [
+            (call_weight if any(begin <= first < end for begin, end in calls) else 1.0)
+            if any(begin <= first < end for begin, end in spans)
+            else 0.0
+            for first, _ in encoding["offset_mapping"]
+        ]
+        return ConversationRow(
+            ids=np.asarray(encoding["input_ids"], np.int32), assistant=np.asarray(weights, np.float32)
+        )
 
     rng = random.Random(config.seed + 2)
     tool_count = round(config.tool_conversations * config.tool_row_share)
-    tool = [encode(demo_corpus.tool_conversation(rng)) for _ in range(tool_count)]
+    tool = [
+        encode(
+            demo_corpus.tool_conversation(
+                rng,
+                varied_value_share=config.tool_varied_value_share,
+                rounds=rng.randint(1, config.tool_rounds_max),
+            ),
+            config.tool_call_loss_weight,
+        )
+        for _ in range(tool_count)
+    ]
     plain = [
         encode(demo_corpus.code_conversation(rng, rng.choice(functions)))
         for _ in range(config.tool_conversations - tool_count)
@@ -396,7 +438,7 @@ def conversation_batch(rows: list[ConversationRow], tokens_max: int) -> tuple[np
 
 
 def masked_token_loss(model: nn.Module, windows: mx.array, mask: mx.array) -> mx.array:
-    """Mean next-token cross-entropy over the tokens `mask` marks (the assistant's)."""
+    """Next-token cross-entropy averaged over the tokens `mask` marks (the assistant's), by their weights."""
     logits = model(windows[:, :-1])
     losses = nn.losses.cross_entropy(logits.astype(mx.float32), windows[:, 1:]) * mask
     return losses.sum() / mx.maximum(mask.sum(), 1.0)
@@ -468,6 +510,14 @@ def train_tool_phase(
     return log
 
 
+# Phase-three settings added after models were made without them, and the value that means "as before".
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
+    "tool_varied_value_share": 0.0,
+    "tool_call_loss_weight": 1.0,
+    "tool_rounds_max": 1,
+}
+
+
 def train_from_model(
     out_dir: Path, source_dir: Path, config: TrainingConfig, progress: ProgressCallback | None = None
 ) -> dict[str, Any]:
@@ -490,8 +540,10 @@ def train_from_model(
     if phases_done == 2:
         later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
         later_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}
+        later_keys |= {"tool_varied_value_share", "tool_call_loss_weight", "tool_rounds_max"}
     wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
-    found = {key: source_log["config"].get(key) for key in wanted}
+    # A log written before a setting existed ran with its neutral value.
+    found = {key: source_log["config"].get(key, SETTINGS_BEFORE_THEY_EXISTED.get(key)) for key in wanted}
     if (
         found != wanted
         or phases_done not in (2, 3)

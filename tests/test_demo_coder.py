@@ -143,6 +143,8 @@ TINY_TRAINING = TrainingConfig(
     chat_steps=1,
     tool_steps=1,
     tool_restart_steps=1,
+    tool_varied_value_share=0.5,
+    tool_call_loss_weight=3.0,
     batch_rows=2,
     window_tokens=32,
     warmup_steps=1,
@@ -187,9 +189,40 @@ def test_phase_three_scores_only_what_the_assistant_writes():
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_CODER_DIR))
     for row in rows.tool:
-        written = tokenizer.decode(row.ids[row.assistant].tolist())
+        written = tokenizer.decode(row.ids[row.assistant > 0].tolist())
         assert written.startswith("<tool_call>") and written.count("<|im_end|>") == 2, written
         assert "<tools>" not in written and "<tool_response>" not in written
+        call = tokenizer.decode(row.ids[row.assistant > 1].tolist())
+        assert call.startswith("<tool_call>") and call.endswith("</tool_call>") and "<|im_end|>" not in call
+        assert set(row.assistant.tolist()) == {0.0, 1.0, TINY_TRAINING.tool_call_loss_weight}
+    for row in rows.held_out_tool:
+        assert set(row.assistant.tolist()) == {0.0, 1.0}
     windows, mask = conversation_batch(rows.plain, 64)
     assert windows.shape == (2, 65) and mask.shape == (2, 64)
     assert mask.sum() == sum(min(row.assistant[1:65].sum(), 64) for row in rows.plain)
+
+
+def test_varied_tool_arguments_are_made_up_and_come_from_the_request():
+    rng = random.Random(11)
+    for slot, (training_values, held_out_values) in demo_corpus.VALUE_POOLS.items():
+        values = {demo_corpus.varied_value(rng, slot) for _ in range(200)}
+        assert len(values) > 100 and not values & (set(training_values) | set(held_out_values)), slot
+        assert all(value.isascii() and value.strip() == value for value in values)
+    for seed in range(20):
+        conversation = demo_corpus.tool_conversation(random.Random(seed), varied_value_share=1.0)
+        arguments = conversation.messages[-3]["tool_calls"][0]["function"]["arguments"]
+        assert all(value in conversation.messages[-4]["content"] for value in arguments.values())
+    # At share 0 the draws are those of before: phases one and two's streams stay as they were.
+    assert demo_corpus.tool_conversation(random.Random(5), varied_value_share=0.0) == demo_corpus.tool_conversation(
+        random.Random(5)
+    )
+
+
+def test_model_train_options_default_to_the_training_config_that_made_the_committed_model():
+    from kvcellar.engine.model_cli import train_command
+
+    defaults = {param.name: param.default for param in train_command.params}
+    config_defaults = attrs.asdict(TrainingConfig())
+    shared = set(defaults) & set(config_defaults)
+    assert {"steps", "tool_steps", "tool_varied_value_share", "tool_call_loss_weight"} <= shared
+    assert {name: defaults[name] for name in shared} == {name: config_defaults[name] for name in shared}
