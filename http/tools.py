@@ -42,6 +42,7 @@ the Trio thread); none of it is MLX work.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import uuid
@@ -183,8 +184,9 @@ def render_prompt(
     tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan = NO_TOOLS, *, probe: bool = False
 ) -> RenderedPrompt:
     """Render and tokenize a chat for the model; raises `PromptRefused`. With
-    `probe`, also run the template probe (one more render and an encode of
-    the common text)."""
+    `probe`, also run the template probe (one more render; with a fast
+    tokenizer the prompt's token offsets spare it a second encode whenever
+    the renderings part right after an added token such as a turn marker)."""
     if plan.parses_calls and not supports_tools(tokenizer):
         raise PromptRefused(
             "this model does not support tool calling (its tokenizer names no tool parser); "
@@ -198,13 +200,20 @@ def render_prompt(
         raise PromptRefused(f"the model's chat template cannot render these messages: {e}", param="messages") from e
     if not isinstance(text, str):
         raise PromptRefused("the model's chat template did not render text", param="messages")
-    prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    offsets = _fast_offsets_tokenizer(tokenizer) if probe else None
+    if offsets is not None:
+        encoding = offsets(text, add_special_tokens=False, return_offsets_mapping=True)
+        prompt_ids, token_spans = tuple(encoding["input_ids"]), tuple(encoding["offset_mapping"])
+    else:
+        prompt_ids, token_spans = tuple(tokenizer.encode(text, add_special_tokens=False)), None
     forced = forced_prefix_text(tokenizer, plan)
     forced_ids = tuple(tokenizer.encode(forced, add_special_tokens=False)) if forced else ()
     stable = 0
     if probe:
         try:
-            stable = stable_prefix_tokens(tokenizer, messages, prompt_ids, tools=tools, rendered=text)
+            stable = stable_prefix_tokens(
+                tokenizer, messages, prompt_ids, tools=tools, rendered=text, token_spans=token_spans
+            )
         except Exception as e:  # a template that refuses the probe turn: no stable boundary known
             log.info("template probe refused (%s: %s); no stable boundary", type(e).__name__, e)
     return RenderedPrompt(
@@ -394,27 +403,101 @@ def stable_prefix_tokens(
     *,
     tools: list[dict[str, Any]] | None,
     rendered: str,
+    token_spans: Sequence[tuple[int, int]] | None = None,
 ) -> int:
     """The template probe: render the same messages followed by one more user
     turn and count the leading tokens of `prompt_ids` (the rendering of
     `messages` with the generation prompt, `rendered` as text) that this
     continuation keeps. A template that renders every turn the same way keeps
     all of them but the generation prompt; one that re-renders earlier turns
-    once a new user turn follows keeps fewer. Raises whatever the template
-    raises (the caller decides what a refusal means)."""
+    once a new user turn follows keeps fewer. `token_spans` are the
+    (start, end) character offsets of `prompt_ids` in `rendered` (a fast
+    tokenizer's offset mapping), which let the common case skip encoding the
+    common text again (`_boundary_after_added_token`); the count is the same
+    either way. Raises whatever the template raises (the caller decides what
+    a refusal means)."""
     continued = tokenizer.apply_chat_template(
         messages + [_PROBE_MESSAGE], tools=tools, add_generation_prompt=False, tokenize=False
     )
-    common_ids = tokenizer.encode(rendered[: _common_length(rendered, continued)], add_special_tokens=False)
+    common_chars = _common_length(rendered, continued)
+    if token_spans is not None:
+        boundary = _boundary_after_added_token(tokenizer, prompt_ids, token_spans, rendered, common_chars)
+        if boundary is not None:
+            return boundary
+    common_ids = tokenizer.encode(rendered[:common_chars], add_special_tokens=False)
     # The text's last token may merge differently once cut: count only tokens both agree on.
     return _common_length(prompt_ids, common_ids)
 
 
+def _boundary_after_added_token(
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    token_spans: Sequence[tuple[int, int]],
+    rendered: str,
+    common_chars: int,
+) -> int | None:
+    """The probe's count without a second encode, when the common text ends
+    exactly at the end of an added token of the prompt (the usual case: the
+    renderings part at the role after a turn marker); None otherwise.
+
+    Why it equals encoding `rendered[:common_chars]` (the general path): a
+    fast tokenizer first splits its input at added tokens (leftmost-longest
+    match, on the raw text for an added token that is not `normalized`), then
+    normalizes, pre-tokenizes and encodes each piece between them on its own.
+    Cutting the text right after such a token leaves every match before the
+    cut, hence every piece and its tokens, unchanged, and leaves nothing after
+    it: the cut text encodes to exactly the prompt's first tokens up to that
+    token. A `single_word` added token could match differently at the new end
+    of the text, so a tokenizer that has one always takes the general path."""
+    added = _plain_added_tokens(tokenizer)
+    if added is None or len(token_spans) != len(prompt_ids):
+        return None
+    index = bisect.bisect_left(token_spans, common_chars, key=lambda span: span[1])
+    while index < len(token_spans) and token_spans[index][1] == common_chars:
+        content = added.get(prompt_ids[index])
+        start = token_spans[index][0]
+        if content is not None and rendered[start:common_chars] == content:
+            return index + 1
+        index += 1
+    return None
+
+
+def _fast_offsets_tokenizer(tokenizer: Any) -> Any | None:
+    """The Hugging Face fast tokenizer inside mlx-lm's wrapper (or the
+    tokenizer itself), which encodes with character offsets; None for any
+    other tokenizer."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    return inner if getattr(inner, "is_fast", False) is True and callable(inner) else None
+
+
+def _plain_added_tokens(tokenizer: Any) -> dict[int, str] | None:
+    """Id -> text of the fast tokenizer's added tokens matched on raw text
+    (not `normalized`); None when it has none, has a `single_word` one, or is
+    not a fast tokenizer (see `_boundary_after_added_token`)."""
+    inner = _fast_offsets_tokenizer(tokenizer)
+    decoder = getattr(inner, "added_tokens_decoder", None) if inner is not None else None
+    if not isinstance(decoder, dict) or not decoder:
+        return None
+    if any(getattr(token, "single_word", True) for token in decoder.values()):
+        return None
+    raw = {token_id: token for token_id, token in decoder.items() if getattr(token, "normalized", True) is False}
+    return {token_id: str(token.content) for token_id, token in raw.items()}
+
+
 def _common_length(left: Sequence[Any], right: Sequence[Any]) -> int:
-    """How many leading items two sequences share."""
-    shared = 0
-    for ours, theirs in zip(left, right, strict=False):
-        if ours != theirs:
-            break
-        shared += 1
+    """How many leading items two sequences share: slices compared in C,
+    halving the differing span (str against str, anything else as tuples)."""
+    if not (isinstance(left, str) and isinstance(right, str)):
+        left, right = tuple(left), tuple(right)
+    limit = min(len(left), len(right))
+    if left[:limit] == right[:limit]:
+        return limit
+    # Invariant: left[:shared] == right[:shared] and the first difference lies before `differs`.
+    shared, differs = 0, limit
+    while differs - shared > 1:
+        middle = (shared + differs) // 2
+        if left[shared:middle] == right[shared:middle]:
+            shared = middle
+        else:
+            differs = middle
     return shared
