@@ -53,6 +53,7 @@ import attrs
 from mlx_lm.generate import TextStateMachine
 
 from kvcellar.errors import UsageError
+from kvcellar.http.prompt_tokens import common_length, plain_added_tokens, prompt_encoder
 
 log = logging.getLogger("kvcellar.http.tools")
 
@@ -200,12 +201,8 @@ def render_prompt(
         raise PromptRefused(f"the model's chat template cannot render these messages: {e}", param="messages") from e
     if not isinstance(text, str):
         raise PromptRefused("the model's chat template did not render text", param="messages")
-    offsets = _fast_offsets_tokenizer(tokenizer) if probe else None
-    if offsets is not None:
-        encoding = offsets(text, add_special_tokens=False, return_offsets_mapping=True)
-        prompt_ids, token_spans = tuple(encoding["input_ids"]), tuple(encoding["offset_mapping"])
-    else:
-        prompt_ids, token_spans = tuple(tokenizer.encode(text, add_special_tokens=False)), None
+    encoded = prompt_encoder(tokenizer).encode(text)
+    prompt_ids, token_spans = encoded.ids, encoded.spans
     forced = forced_prefix_text(tokenizer, plan)
     forced_ids = tuple(tokenizer.encode(forced, add_special_tokens=False)) if forced else ()
     stable = 0
@@ -419,14 +416,14 @@ def stable_prefix_tokens(
     continued = tokenizer.apply_chat_template(
         messages + [_PROBE_MESSAGE], tools=tools, add_generation_prompt=False, tokenize=False
     )
-    common_chars = _common_length(rendered, continued)
+    common_chars = common_length(rendered, continued)
     if token_spans is not None:
         boundary = _boundary_after_added_token(tokenizer, prompt_ids, token_spans, rendered, common_chars)
         if boundary is not None:
             return boundary
     common_ids = tokenizer.encode(rendered[:common_chars], add_special_tokens=False)
     # The text's last token may merge differently once cut: count only tokens both agree on.
-    return _common_length(prompt_ids, common_ids)
+    return common_length(prompt_ids, common_ids)
 
 
 def _boundary_after_added_token(
@@ -449,55 +446,14 @@ def _boundary_after_added_token(
     it: the cut text encodes to exactly the prompt's first tokens up to that
     token. A `single_word` added token could match differently at the new end
     of the text, so a tokenizer that has one always takes the general path."""
-    added = _plain_added_tokens(tokenizer)
+    added = plain_added_tokens(tokenizer)
     if added is None or len(token_spans) != len(prompt_ids):
         return None
     index = bisect.bisect_left(token_spans, common_chars, key=lambda span: span[1])
     while index < len(token_spans) and token_spans[index][1] == common_chars:
-        content = added.get(prompt_ids[index])
+        content = added.texts.get(prompt_ids[index])
         start = token_spans[index][0]
         if content is not None and rendered[start:common_chars] == content:
             return index + 1
         index += 1
     return None
-
-
-def _fast_offsets_tokenizer(tokenizer: Any) -> Any | None:
-    """The Hugging Face fast tokenizer inside mlx-lm's wrapper (or the
-    tokenizer itself), which encodes with character offsets; None for any
-    other tokenizer."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    return inner if getattr(inner, "is_fast", False) is True and callable(inner) else None
-
-
-def _plain_added_tokens(tokenizer: Any) -> dict[int, str] | None:
-    """Id -> text of the fast tokenizer's added tokens matched on raw text
-    (not `normalized`); None when it has none, has a `single_word` one, or is
-    not a fast tokenizer (see `_boundary_after_added_token`)."""
-    inner = _fast_offsets_tokenizer(tokenizer)
-    decoder = getattr(inner, "added_tokens_decoder", None) if inner is not None else None
-    if not isinstance(decoder, dict) or not decoder:
-        return None
-    if any(getattr(token, "single_word", True) for token in decoder.values()):
-        return None
-    raw = {token_id: token for token_id, token in decoder.items() if getattr(token, "normalized", True) is False}
-    return {token_id: str(token.content) for token_id, token in raw.items()}
-
-
-def _common_length(left: Sequence[Any], right: Sequence[Any]) -> int:
-    """How many leading items two sequences share: slices compared in C,
-    halving the differing span (str against str, anything else as tuples)."""
-    if not (isinstance(left, str) and isinstance(right, str)):
-        left, right = tuple(left), tuple(right)
-    limit = min(len(left), len(right))
-    if left[:limit] == right[:limit]:
-        return limit
-    # Invariant: left[:shared] == right[:shared] and the first difference lies before `differs`.
-    shared, differs = 0, limit
-    while differs - shared > 1:
-        middle = (shared + differs) // 2
-        if left[shared:middle] == right[shared:middle]:
-            shared = middle
-        else:
-            differs = middle
-    return shared

@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from test_tools import TOOLS
 
 from kvcellar.http import tools
+from kvcellar.http.prompt_tokens import common_length
 from kvcellar.http.tools import NO_TOOLS, ToolPlan, render_prompt, stable_prefix_tokens
 
 
@@ -138,5 +139,5 @@ def test_common_length_matches_an_item_by_item_count(left, right):
         expected += 1
     if isinstance(left, str) != isinstance(right, str):
         return  # the probe compares text with text and ids with ids
-    assert tools._common_length(left, right) == expected
-    assert tools._common_length(tuple(left), list(right)) == expected
+    assert common_length(left, right) == expected
+    assert common_length(tuple(left), list(right)) == expected
