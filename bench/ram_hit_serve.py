@@ -227,9 +227,12 @@ def interpretation(result: dict[str, Any]) -> str:
         f"kvcellar's RAM hit reached the first token in {ratios} prompt tokens of mlx_lm.server's time in this run "
         f"(target <= {TARGET_RATIO}x: {'met at every length' if met else 'MISSED at one length or more'}). "
         f"Both servers hold all but the last prompt token and run two forward steps; on this model the KV is small "
-        f"(512 bytes a token), so the hit's time is mostly per-request work that grows with the prompt on both "
-        f"sides (the chat template, tokenizing the whole prompt, the cache lookup) plus the HTTP and thread hops. "
-        f"Single hits spread widely on a machine shared with other work: compare the medians of one run."
+        f"(512 bytes a token), so the rest of a hit is per-request work that grows with the prompt: the chat "
+        f"template, the tokenization, the cache lookup. mlx_lm.server tokenizes the whole prompt every time; "
+        f"kvcellar encodes only what follows the last turn marker it shares with a recent prompt "
+        f"(http/prompt_tokens.py), which for the timed request, the reply request's prompt again, is the generation "
+        f"prompt (a next turn's prompt would have its new turns encoded). Single hits spread widely on a machine "
+        f"shared with other work: compare the medians of one run."
     )
 
 
