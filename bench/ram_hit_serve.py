@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,13 +135,24 @@ class OthersCpus:
         return max(0.0, (others_s - start_s) / (wall - start_wall))
 
 
+def start_servers(model_dir: Path, workdir: Path, servers: dict[str, ServerProcess], progress: Console) -> None:
+    """Start both servers at once into `servers` (each healthy); raise the first failure once all have settled,
+    with the ones that started in `servers` for the caller to stop."""
+    progress.print(f"starting {' and '.join(LABELS[name] for name in SERVERS)}")
+    with ThreadPoolExecutor(max_workers=len(SERVERS)) as pool:
+        starts = {name: pool.submit(ServerProcess, name, model_dir, None, workdir / f"{name}.log") for name in SERVERS}
+    servers.update({name: start.result() for name, start in starts.items() if start.exception() is None})
+    for start in starts.values():
+        failure = start.exception()
+        if failure is not None:
+            raise failure
+
+
 def run_benchmark(model_dir: Path, workdir: Path, options: dict[str, Any], progress: Console) -> dict[str, Any]:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     servers: dict[str, ServerProcess] = {}
     try:
-        for name in SERVERS:
-            progress.print(f"starting {LABELS[name]}")
-            servers[name] = ServerProcess(name, model_dir, None, workdir / f"{name}.log")
+        start_servers(model_dir, workdir, servers, progress)
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
             warmup = text_of_tokens(tokenizer, WARMUP_PROMPT_TOKENS, options["seed"] + 1)
             for name in SERVERS:
