@@ -55,14 +55,14 @@ class AddedTokens:
 
 @attrs.frozen(kw_only=True)
 class EncodedPrompt:
-    """A text and its token ids; `spans` are the ids' (start, end) character
-    offsets in `text` (None from a tokenizer without offsets); `marks` are
-    (end, index) of the tokens that are added tokens of `AddedTokens`, in order."""
+    """A text and its token ids; `marks` are (start, end, index) of the ids
+    that are plain added tokens (`AddedTokens`) spelled out in `text` at
+    [start, end), in order: the splice points of a later text and the
+    template probe's boundaries. Empty for a tokenizer that cannot splice."""
 
     text: str
     ids: tuple[int, ...]
-    spans: tuple[tuple[int, int], ...] | None
-    marks: tuple[tuple[int, int], ...] = ()
+    marks: tuple[tuple[int, int, int], ...] = ()
 
 
 def fast_offsets_tokenizer(tokenizer: Any) -> Any | None:
@@ -122,67 +122,60 @@ class PromptEncoder:
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> EncodedPrompt:
-        if self._fast is None:
-            return EncodedPrompt(
-                text=text, ids=tuple(self.tokenizer.encode(text, add_special_tokens=False)), spans=None
-            )
+        if self._fast is None or self._added is None:
+            return EncodedPrompt(text=text, ids=tuple(self.tokenizer.encode(text, add_special_tokens=False)))
         with self._lock:
             recent = list(self._recent)
         same = [entry for entry in recent if entry.text == text]
-        encoded = same[0] if same else self._spliced(text, recent) if self._added is not None else None
+        encoded = same[0] if same else self._spliced(text, recent)
         if encoded is None:
             encoded = self._marked(text, *self._encode_with_offsets(text))
         with self._lock:
             self._recent = [encoded, *(entry for entry in self._recent if entry.text != text)][: self._recent_max]
         return encoded
 
-    def _encode_with_offsets(self, text: str) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    def _encode_with_offsets(self, text: str) -> tuple[tuple[int, ...], Sequence[tuple[int, int]]]:
         assert self._fast is not None
         encoding = self._fast(text, add_special_tokens=False, return_offsets_mapping=True)
-        return tuple(encoding["input_ids"]), tuple(encoding["offset_mapping"])
+        return tuple(encoding["input_ids"]), encoding["offset_mapping"]
 
-    def _marked(self, text: str, ids: tuple[int, ...], spans: tuple[tuple[int, int], ...]) -> EncodedPrompt:
-        """`ids` with the positions of their plain added tokens (the splice points of a later text)."""
-        added = self._added
-        marks: list[tuple[int, int]] = []
-        if added is not None:
-            texts = added.texts
-            for index in [index for index, token_id in enumerate(ids) if token_id in texts]:
-                start, end = spans[index]
-                if text[start:end] == texts[ids[index]]:
-                    marks.append((end, index))
-        return EncodedPrompt(text=text, ids=ids, spans=spans, marks=tuple(marks))
+    def _marked(
+        self, text: str, ids: tuple[int, ...], spans: Sequence[tuple[int, int]], shift: int = 0
+    ) -> EncodedPrompt:
+        """`ids` with the marks of their plain added tokens; `shift` is added to every index (a spliced tail's)."""
+        assert self._added is not None
+        texts = self._added.texts
+        marks = []
+        for index in [index for index, token_id in enumerate(ids) if token_id in texts]:
+            start, end = spans[index]
+            if text[start:end] == texts[ids[index]]:
+                marks.append((start, end, index + shift))
+        return EncodedPrompt(text=text, ids=ids, marks=tuple(marks))
 
     def _spliced(self, text: str, recent: list[EncodedPrompt]) -> EncodedPrompt | None:
         """`text` encoded from the last added token it shares with the recent
         prompt that shares most with it; None where no such token is found."""
-        added = self._added
-        assert added is not None
+        assert self._added is not None
+        longest_chars = self._added.longest_chars
         best, shared_chars = None, 0
         for entry in recent:
             length = common_length(entry.text, text)
             if length > shared_chars:
                 best, shared_chars = entry, length
-        if best is None or best.spans is None:
+        if best is None:
             return None
-        # The last added token that ends in the shared text with room for the longest added token after its start.
-        position = bisect.bisect_right(best.marks, (shared_chars, len(best.ids)))
-        while position > 0 and best.spans[best.marks[position - 1][1]][0] + added.longest_chars > shared_chars:
-            position -= 1
+        # The last added token that starts with room for the longest added token before the shared text ends.
+        position = bisect.bisect_right(best.marks, shared_chars - longest_chars, key=lambda mark: mark[0])
         if position == 0:
             return None
-        index = best.marks[position - 1][1]
-        start = best.spans[index][0]
+        start, end, index = best.marks[position - 1]
         tail_ids, tail_spans = self._encode_with_offsets(text[start:])
-        if not tail_ids or tail_ids[0] != best.ids[index] or tail_spans[0] != (0, best.spans[index][1] - start):
+        if not tail_ids or tail_ids[0] != best.ids[index] or tuple(tail_spans[0]) != (0, end - start):
             return None  # not the tokenizer this module reasons about: encode the whole text instead
-        ids = best.ids[:index] + tail_ids
-        spans = best.spans[:index] + tuple((begin + start, end + start) for begin, end in tail_spans)
-        marks = tuple(mark for mark in best.marks if mark[1] < index)
-        tail = self._marked(text[start:], tail_ids, tail_spans).marks
-        return EncodedPrompt(
-            text=text, ids=ids, spans=spans, marks=marks + tuple((end + start, i + index) for end, i in tail)
-        )
+        tail = self._marked(text[start:], tail_ids, tail_spans, shift=index)
+        kept = best.marks[: position - 1]
+        shifted = tuple((begin + start, stop + start, at) for begin, stop, at in tail.marks)
+        return EncodedPrompt(text=text, ids=best.ids[:index] + tail_ids, marks=kept + shifted)
 
 
 _ENCODERS: weakref.WeakKeyDictionary[Any, PromptEncoder] = weakref.WeakKeyDictionary()

@@ -53,7 +53,7 @@ import attrs
 from mlx_lm.generate import TextStateMachine
 
 from kvcellar.errors import UsageError
-from kvcellar.http.prompt_tokens import common_length, plain_added_tokens, prompt_encoder
+from kvcellar.http.prompt_tokens import common_length, prompt_encoder
 
 log = logging.getLogger("kvcellar.http.tools")
 
@@ -202,14 +202,14 @@ def render_prompt(
     if not isinstance(text, str):
         raise PromptRefused("the model's chat template did not render text", param="messages")
     encoded = prompt_encoder(tokenizer).encode(text)
-    prompt_ids, token_spans = encoded.ids, encoded.spans
+    prompt_ids = encoded.ids
     forced = forced_prefix_text(tokenizer, plan)
     forced_ids = tuple(tokenizer.encode(forced, add_special_tokens=False)) if forced else ()
     stable = 0
     if probe:
         try:
             stable = stable_prefix_tokens(
-                tokenizer, messages, prompt_ids, tools=tools, rendered=text, token_spans=token_spans
+                tokenizer, messages, prompt_ids, tools=tools, rendered=text, added_marks=encoded.marks
             )
         except Exception as e:  # a template that refuses the probe turn: no stable boundary known
             log.info("template probe refused (%s: %s); no stable boundary", type(e).__name__, e)
@@ -400,60 +400,29 @@ def stable_prefix_tokens(
     *,
     tools: list[dict[str, Any]] | None,
     rendered: str,
-    token_spans: Sequence[tuple[int, int]] | None = None,
+    added_marks: Sequence[tuple[int, int, int]] = (),
 ) -> int:
     """The template probe: render the same messages followed by one more user
     turn and count the leading tokens of `prompt_ids` (the rendering of
     `messages` with the generation prompt, `rendered` as text) that this
     continuation keeps. A template that renders every turn the same way keeps
     all of them but the generation prompt; one that re-renders earlier turns
-    once a new user turn follows keeps fewer. `token_spans` are the
-    (start, end) character offsets of `prompt_ids` in `rendered` (a fast
-    tokenizer's offset mapping), which let the common case skip encoding the
-    common text again (`_boundary_after_added_token`); the count is the same
-    either way. Raises whatever the template raises (the caller decides what
-    a refusal means)."""
+    once a new user turn follows keeps fewer. `added_marks` are the prompt's
+    plain added tokens (`EncodedPrompt.marks`): when the common text ends
+    right after one of them (the usual case: the renderings part at the role
+    after a turn marker), the count is its position, equal to what encoding
+    the common text again would give (http/prompt_tokens.py: cutting the text
+    right after such a token leaves every piece and token before it as it
+    was, and nothing after it); otherwise the common text is encoded again.
+    Raises whatever the template raises (the caller decides what a refusal
+    means)."""
     continued = tokenizer.apply_chat_template(
         messages + [_PROBE_MESSAGE], tools=tools, add_generation_prompt=False, tokenize=False
     )
     common_chars = common_length(rendered, continued)
-    if token_spans is not None:
-        boundary = _boundary_after_added_token(tokenizer, prompt_ids, token_spans, rendered, common_chars)
-        if boundary is not None:
-            return boundary
+    position = bisect.bisect_left(added_marks, common_chars, key=lambda mark: mark[1])
+    if position < len(added_marks) and added_marks[position][1] == common_chars:
+        return added_marks[position][2] + 1
     common_ids = tokenizer.encode(rendered[:common_chars], add_special_tokens=False)
     # The text's last token may merge differently once cut: count only tokens both agree on.
     return common_length(prompt_ids, common_ids)
-
-
-def _boundary_after_added_token(
-    tokenizer: Any,
-    prompt_ids: Sequence[int],
-    token_spans: Sequence[tuple[int, int]],
-    rendered: str,
-    common_chars: int,
-) -> int | None:
-    """The probe's count without a second encode, when the common text ends
-    exactly at the end of an added token of the prompt (the usual case: the
-    renderings part at the role after a turn marker); None otherwise.
-
-    Why it equals encoding `rendered[:common_chars]` (the general path): a
-    fast tokenizer first splits its input at added tokens (leftmost-longest
-    match, on the raw text for an added token that is not `normalized`), then
-    normalizes, pre-tokenizes and encodes each piece between them on its own.
-    Cutting the text right after such a token leaves every match before the
-    cut, hence every piece and its tokens, unchanged, and leaves nothing after
-    it: the cut text encodes to exactly the prompt's first tokens up to that
-    token. A `single_word` added token could match differently at the new end
-    of the text, so a tokenizer that has one always takes the general path."""
-    added = plain_added_tokens(tokenizer)
-    if added is None or len(token_spans) != len(prompt_ids):
-        return None
-    index = bisect.bisect_left(token_spans, common_chars, key=lambda span: span[1])
-    while index < len(token_spans) and token_spans[index][1] == common_chars:
-        content = added.texts.get(prompt_ids[index])
-        start = token_spans[index][0]
-        if content is not None and rendered[start:common_chars] == content:
-            return index + 1
-        index += 1
-    return None

@@ -1,9 +1,9 @@
 """The template probe's cheap path (http/tools.py `stable_prefix_tokens`).
 
 The probe used to encode the common text of the two renderings a second
-time; with a fast tokenizer it now maps the character boundary to a token
-count through the prompt's own offsets whenever the renderings part right
-after an added token, and encodes again only otherwise. These tests hold it
+time; with a fast tokenizer it now takes the token count from the prompt's
+own added-token marks (`EncodedPrompt.marks`) whenever the renderings part
+right after an added token, and encodes again only otherwise. These tests hold it
 to the old function (kept here as the oracle, verbatim in behaviour) on
 generated conversations through the demo models' real chat templates and
 tokenizers: the boundary must equal the old one (so never exceed it).
@@ -20,7 +20,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from test_tools import TOOLS
 
 from kvcellar.http import tools
-from kvcellar.http.prompt_tokens import common_length
+from kvcellar.http.prompt_tokens import PromptEncoder, common_length
 from kvcellar.http.tools import NO_TOOLS, ToolPlan, render_prompt, stable_prefix_tokens
 
 
@@ -112,14 +112,9 @@ def test_a_turn_marker_boundary_needs_no_second_encode(plain_tokenizer):
             encoded.append(text)
             return plain_tokenizer.encode(text, **kwargs)
 
-    encoding = plain_tokenizer._tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+    marks = PromptEncoder(plain_tokenizer).encode(rendered.text).marks
     stable = stable_prefix_tokens(
-        CountingTokenizer(),
-        messages,
-        rendered.prompt_ids,
-        tools=None,
-        rendered=rendered.text,
-        token_spans=encoding["offset_mapping"],
+        CountingTokenizer(), messages, rendered.prompt_ids, tools=None, rendered=rendered.text, added_marks=marks
     )
     assert encoded == []
     assert stable == rendered.stable_prefix_tokens == old_stable_prefix_tokens(plain_tokenizer, messages, None)
