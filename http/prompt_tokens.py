@@ -4,8 +4,9 @@ A conversation's next request renders a text whose beginning is the previous
 request's text (the same turns, the same template), and a RAM hit's own work
 is dominated by tokenizing all of it again: at 16k tokens the tokenizer takes
 most of a hit's time on a small model, on every server. `PromptEncoder.encode`
-keeps the last few prompts it encoded (text, ids and the fast tokenizer's
-character offsets) and encodes only what follows the last added token (a turn
+keeps the last few prompts it encoded (text, ids, and where their added
+tokens sit, read from the fast tokenizer's character offsets) and encodes
+only what follows the last added token (a turn
 marker such as `<|im_start|>`) that the new text shares with the most similar
 of them; the result is the tokenizer's own encoding of the whole text.
 
@@ -22,7 +23,10 @@ hence so is every piece before it and its tokens. Encoding the new text from
 `start` on gives that added token first and then the pieces after it, none at
 offset 0, as in the whole text. A `single_word` added token could match
 differently at a changed neighbour, so a tokenizer with one is never spliced,
-and neither is a slow tokenizer (no offsets). The same argument gives the
+and neither is a slow tokenizer (no offsets). An added token whose match took
+in whitespace around it (`lstrip`, `rstrip`) spans more than its text and is
+no splice point; a splice whose tail does not begin with the same token over
+the same span is dropped and the whole text encoded. The same argument gives the
 template probe's cheap path (http/tools.py `stable_prefix_tokens`).
 
 Thread use: prompts are rendered on the HTTP side's worker threads; each
