@@ -455,7 +455,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         memory["user_tokens"] + memory["reply_tokens"]
     )
     clearing = (
-        "called after every turn, as the engine does after each generation"
+        "called after every turn, as the engine thread does once idle after a generation"
         if memory["clear_cache_each_turn"]
         else "not called during the turns (--keep-cache-each-turn)"
     )
@@ -627,7 +627,7 @@ def _lengths(_: Any, __: Any, value: str) -> list[int]:
     "--clear-cache-each-turn/--keep-cache-each-turn",
     default=True,
     show_default=True,
-    help="Call mx.clear_cache() after every turn of the memory measurement, as the engine does after each generation.",
+    help="Call mx.clear_cache() after every turn of the memory measurement, as the engine thread does once idle.",
 )
 @model_option("An mlx-lm model directory; default: a fresh offline demo llama of --model-size.")
 @click.option(

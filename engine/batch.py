@@ -65,7 +65,6 @@ from kvcellar.engine.engine import (
     LoadedModel,
     SamplingParams,
     make_params_sampler,
-    release_cached_buffers,
     resume_sampler,
     sampler_key_words,
 )
@@ -253,9 +252,9 @@ class BatchLoop:
                 decode_rows = self._step(events) if self._rows else 0
                 yield BatchStep(events=tuple(events), decode_rows=decode_rows)
         finally:
+            # MLX's buffer cache is the engine thread's to release (EngineThread._run), once idle.
             self._generator.close()
             self._generator = None
-            release_cached_buffers()
 
     # -- admission ---------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import attrs
 import mlx.core as mx
@@ -190,10 +190,26 @@ def configure_host_allocator() -> bool:
         return False
 
 
-def release_cached_buffers() -> None:
-    """Hand MLX's buffer cache back to the allocator (after each generation:
-    what a finished request freed should not stay resident)."""
-    mx.clear_cache()
+# After a job, MLX's buffer cache is handed back to the allocator once the
+# engine has had no job for this long (so a request sent the moment a reply
+# ends never waits for the release), or at once when it holds more than this.
+RELEASE_IDLE_S = 0.25
+RELEASE_AT_ONCE_BYTES = 256 << 20
+
+
+class BufferCache(Protocol):
+    """MLX's buffer cache as the engine thread releases it (`MlxBufferCache`)."""
+
+    def cache_bytes(self) -> int: ...
+    def clear_cache(self) -> None: ...
+
+
+class MlxBufferCache:
+    def cache_bytes(self) -> int:
+        return int(mx.get_cache_memory())
+
+    def clear_cache(self) -> None:
+        mx.clear_cache()
 
 
 class EngineStopped(KvCellarError):
@@ -206,19 +222,48 @@ class EngineThread:
     runs `job(loaded_model)` there; `stream(job, cancelled)` runs a generator
     job there and yields its items to Trio as they come."""
 
-    def __init__(self, model_dir: Path, *, turn_log: list[tuple[str, float, float]] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        turn_log: list[tuple[str, float, float]] | None = None,
+        buffer_cache: BufferCache | None = None,
+        release_idle_s: float = RELEASE_IDLE_S,
+        release_at_once_bytes: int = RELEASE_AT_ONCE_BYTES,
+    ) -> None:
         self.model_dir = Path(model_dir)
         # (label, start, end) of every job, in perf_counter seconds, when given: lets
         # tests prove what ran between what.
         self.turn_log = turn_log
+        self.buffer_cache = buffer_cache if buffer_cache is not None else MlxBufferCache()
+        self.release_idle_s = release_idle_s
+        self.release_at_once_bytes = release_at_once_bytes
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvcellar-engine", daemon=True)
         self._loaded: LoadedModel | None = None
 
     def _run(self) -> None:
+        """Run jobs in order. What a finished job freed stays in MLX's buffer
+        cache until the engine idles for `release_idle_s` (then nobody waits
+        on the release, which can take tens of milliseconds) or until the
+        cache holds more than `release_at_once_bytes`: between jobs it never
+        holds more than that bound longer than an idle period."""
         configure_host_allocator()
-        while (job := self._jobs.get()) is not None:
+        release_due = False
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.release_idle_s) if release_due else self._jobs.get()
+            except queue.Empty:
+                self.buffer_cache.clear_cache()
+                release_due = False
+                continue
+            if job is None:
+                return
             job()
+            cached_bytes = self.buffer_cache.cache_bytes()
+            release_due = 0 < cached_bytes <= self.release_at_once_bytes
+            if cached_bytes > self.release_at_once_bytes:
+                self.buffer_cache.clear_cache()
 
     async def start(self) -> LoadedModel:
         self._thread.start()

@@ -44,7 +44,6 @@ from kvcellar.engine.engine import (
     LoadedModel,
     SamplingParams,
     prefill,
-    release_cached_buffers,
 )
 from kvcellar.engine.memory import GuardedRequest, MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv
@@ -407,7 +406,7 @@ def run_generation(
         if tiers is not None:
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
             tiers.put(prompt + fed, tier_form(cache, paged_kv), request.namespace)
-        release_cached_buffers()
+        # MLX's buffer cache is the engine thread's to release (EngineThread._run), once idle.
     yield GenerationDone(
         finish_reason=assembler.finish_reason,
         prompt_tokens=len(prompt),

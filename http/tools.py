@@ -42,6 +42,7 @@ the Trio thread); none of it is MLX work.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import uuid
@@ -52,6 +53,7 @@ import attrs
 from mlx_lm.generate import TextStateMachine
 
 from kvcellar.errors import UsageError
+from kvcellar.http.prompt_tokens import common_length, prompt_encoder
 
 log = logging.getLogger("kvcellar.http.tools")
 
@@ -183,8 +185,9 @@ def render_prompt(
     tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan = NO_TOOLS, *, probe: bool = False
 ) -> RenderedPrompt:
     """Render and tokenize a chat for the model; raises `PromptRefused`. With
-    `probe`, also run the template probe (one more render and an encode of
-    the common text)."""
+    `probe`, also run the template probe (one more render; with a fast
+    tokenizer the prompt's token offsets spare it a second encode whenever
+    the renderings part right after an added token such as a turn marker)."""
     if plan.parses_calls and not supports_tools(tokenizer):
         raise PromptRefused(
             "this model does not support tool calling (its tokenizer names no tool parser); "
@@ -198,13 +201,16 @@ def render_prompt(
         raise PromptRefused(f"the model's chat template cannot render these messages: {e}", param="messages") from e
     if not isinstance(text, str):
         raise PromptRefused("the model's chat template did not render text", param="messages")
-    prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    encoded = prompt_encoder(tokenizer).encode(text)
+    prompt_ids = encoded.ids
     forced = forced_prefix_text(tokenizer, plan)
     forced_ids = tuple(tokenizer.encode(forced, add_special_tokens=False)) if forced else ()
     stable = 0
     if probe:
         try:
-            stable = stable_prefix_tokens(tokenizer, messages, prompt_ids, tools=tools, rendered=text)
+            stable = stable_prefix_tokens(
+                tokenizer, messages, prompt_ids, tools=tools, rendered=text, added_marks=encoded.marks
+            )
         except Exception as e:  # a template that refuses the probe turn: no stable boundary known
             log.info("template probe refused (%s: %s); no stable boundary", type(e).__name__, e)
     return RenderedPrompt(
@@ -394,27 +400,29 @@ def stable_prefix_tokens(
     *,
     tools: list[dict[str, Any]] | None,
     rendered: str,
+    added_marks: Sequence[tuple[int, int, int]] = (),
 ) -> int:
     """The template probe: render the same messages followed by one more user
     turn and count the leading tokens of `prompt_ids` (the rendering of
     `messages` with the generation prompt, `rendered` as text) that this
     continuation keeps. A template that renders every turn the same way keeps
     all of them but the generation prompt; one that re-renders earlier turns
-    once a new user turn follows keeps fewer. Raises whatever the template
-    raises (the caller decides what a refusal means)."""
+    once a new user turn follows keeps fewer. `added_marks` are the prompt's
+    plain added tokens (`EncodedPrompt.marks`): when the common text ends
+    right after one of them (the usual case: the renderings part at the role
+    after a turn marker), the count is its position, equal to what encoding
+    the common text again would give (http/prompt_tokens.py: cutting the text
+    right after such a token leaves every piece and token before it as it
+    was, and nothing after it); otherwise the common text is encoded again.
+    Raises whatever the template raises (the caller decides what a refusal
+    means)."""
     continued = tokenizer.apply_chat_template(
         messages + [_PROBE_MESSAGE], tools=tools, add_generation_prompt=False, tokenize=False
     )
-    common_ids = tokenizer.encode(rendered[: _common_length(rendered, continued)], add_special_tokens=False)
+    common_chars = common_length(rendered, continued)
+    position = bisect.bisect_left(added_marks, common_chars, key=lambda mark: mark[1])
+    if position < len(added_marks) and added_marks[position][1] == common_chars:
+        return added_marks[position][2] + 1
+    common_ids = tokenizer.encode(rendered[:common_chars], add_special_tokens=False)
     # The text's last token may merge differently once cut: count only tokens both agree on.
-    return _common_length(prompt_ids, common_ids)
-
-
-def _common_length(left: Sequence[Any], right: Sequence[Any]) -> int:
-    """How many leading items two sequences share."""
-    shared = 0
-    for ours, theirs in zip(left, right, strict=False):
-        if ours != theirs:
-            break
-        shared += 1
-    return shared
+    return common_length(prompt_ids, common_ids)
