@@ -447,7 +447,9 @@ def tool_conversation(
     messages = [*opening.messages, *_tool_round(rng, spec, arguments)]
     offered = [tool for tool in TOOL_SPECS if tool.name in {schema["function"]["name"] for schema in opening.tools}]
     for _ in range(rounds - 1):
-        spec = rng.choice(offered)
+        # Another tool than the last one whenever there is one: copying the previous call's
+        # name must not be a way to choose.
+        spec = rng.choice([tool for tool in offered if tool is not spec] or offered)
         arguments = _arguments(rng, spec, held_out=held_out, varied_value_share=varied_value_share)
         messages.append({"role": "user", "content": rng.choice(spec.requests).format(**arguments)})
         messages.extend(_tool_round(rng, spec, arguments))

@@ -179,12 +179,12 @@ def list_command() -> None:
     help="Share of phase three's tool chats whose arguments are made-up values (teaches copying them).",
 )
 @click.option(
-    "--tool-call-weight",
-    "tool_call_loss_weight",
+    "--tool-choice-weight",
+    "tool_choice_loss_weight",
     type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
-    help="Weight of a tool call's tokens in phase three's loss (the assistant's other tokens weigh 1).",
+    help="Weight in phase three's loss of a turn's first token and a called tool's name (others weigh 1).",
 )
 @click.option(
     "--tool-rounds",
@@ -209,7 +209,7 @@ def train_command(
     tool_steps: int,
     tool_restart_steps: int,
     tool_varied_value_share: float,
-    tool_call_loss_weight: float,
+    tool_choice_loss_weight: float,
     tool_rounds_max: int,
     from_model: Path | None,
     force: bool,
@@ -230,7 +230,7 @@ def train_command(
         tool_steps=tool_steps,
         tool_restart_steps=tool_restart_steps,
         tool_varied_value_share=tool_varied_value_share,
-        tool_call_loss_weight=tool_call_loss_weight,
+        tool_choice_loss_weight=tool_choice_loss_weight,
         tool_rounds_max=tool_rounds_max,
     )
 

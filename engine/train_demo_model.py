@@ -104,9 +104,10 @@ class TrainingConfig:
     # Share of phase three's tool chats whose arguments are made-up values (`demo_corpus.varied_value`),
     # so the model learns to copy them from the request rather than recall the training pools.
     tool_varied_value_share: float = 0.0
-    # Weight of the tokens of a `<tool_call>` block in phase three's loss, against 1 for the
-    # assistant's other tokens: the call's ~25 tokens decide a tool prompt's outcome.
-    tool_call_loss_weight: float = 1.0
+    # Weight in phase three's loss of the tokens that decide what the assistant does (`choice_spans`:
+    # a turn's first token, a called tool's name), against 1 for its other tokens: they are a few of
+    # a chat's ~60 assistant tokens, and the made-up argument values' high loss would drown them.
+    tool_choice_loss_weight: float = 1.0
     # Phase three's tool chats hold 1 to this many request/call/result/answer rounds (uniformly): the
     # tool list is most of a chat's tokens, and each round after the first adds a choice for ~70 more.
     tool_rounds_max: int = 1
@@ -329,7 +330,7 @@ def train_chat_phase(
 
 ASSISTANT_TURN_START = "<|im_start|>assistant\n"
 ASSISTANT_TURN_END = EOS_TOKEN
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_CALL_START, TOOL_NAME_KEY = "<tool_call>", '"name": "'
 # Conversation rows are padded to a multiple of this, so the compiled step sees few distinct shapes.
 ROW_TOKENS_QUANTUM = 128
 
@@ -364,17 +365,22 @@ def assistant_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def tool_call_spans(text: str, assistant: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Character spans of the `<tool_call>` blocks inside the assistant's turns (markers included)."""
-    calls = []
+def choice_spans(text: str, assistant: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character spans of the tokens that decide what the assistant does: the first token of
+    each of its turns (a `<tool_call>` or text) and the name of each tool it calls."""
+    spans = []
     for begin, end in assistant:
+        spans.append((begin, begin + 1))
         start = text.find(TOOL_CALL_START, begin, end)
         while start != -1:
-            close = text.find(TOOL_CALL_END, start, end)
-            stop = end if close == -1 else close + len(TOOL_CALL_END)
-            calls.append((start, stop))
-            start = text.find(TOOL_CALL_START, stop, end)
-    return calls
+            name = text.find(TOOL_NAME_KEY, start, end)
+            if name == -1:
+                break
+            name += len(TOOL_NAME_KEY)
+            close = text.find('"', name, end)
+            spans.append((name, end if close == -1 else close))
+            start = text.find(TOOL_CALL_START, name, end)
+    return spans
 
 
 def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> ConversationRows:
@@ -384,14 +390,14 @@ def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> Conversa
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     functions = demo_corpus.function_docs(demo_corpus.read_modules(demo_corpus.TRAINING_MODULES))
 
-    def encode(conversation: demo_corpus.Conversation, call_weight: float = 1.0) -> ConversationRow:
+    def encode(conversation: demo_corpus.Conversation, choice_weight: float = 1.0) -> ConversationRow:
         tools: Any = conversation.tools or None
         text = str(tokenizer.apply_chat_template(conversation.messages, tools=tools, tokenize=False))
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         spans = assistant_spans(text)
-        calls = tool_call_spans(text, spans)
+        choices = choice_spans(text, spans)
         weights = [
-            (call_weight if any(begin <= first < end for begin, end in calls) else 1.0)
+            (choice_weight if any(begin <= first < end for begin, end in choices) else 1.0)
             if any(begin <= first < end for begin, end in spans)
             else 0.0
             for first, _ in encoding["offset_mapping"]
@@ -409,7 +415,7 @@ def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> Conversa
                 varied_value_share=config.tool_varied_value_share,
                 rounds=rng.randint(1, config.tool_rounds_max),
             ),
-            config.tool_call_loss_weight,
+            config.tool_choice_loss_weight,
         )
         for _ in range(tool_count)
     ]
@@ -513,7 +519,7 @@ def train_tool_phase(
 # Phase-three settings added after models were made without them, and the value that means "as before".
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
     "tool_varied_value_share": 0.0,
-    "tool_call_loss_weight": 1.0,
+    "tool_choice_loss_weight": 1.0,
     "tool_rounds_max": 1,
 }
 
@@ -540,7 +546,7 @@ def train_from_model(
     if phases_done == 2:
         later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
         later_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}
-        later_keys |= {"tool_varied_value_share", "tool_call_loss_weight", "tool_rounds_max"}
+        later_keys |= {"tool_varied_value_share", "tool_choice_loss_weight", "tool_rounds_max"}
     wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
     # A log written before a setting existed ran with its neutral value.
     found = {key: source_log["config"].get(key, SETTINGS_BEFORE_THEY_EXISTED.get(key)) for key in wanted}

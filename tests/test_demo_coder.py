@@ -144,7 +144,7 @@ TINY_TRAINING = TrainingConfig(
     tool_steps=1,
     tool_restart_steps=1,
     tool_varied_value_share=0.5,
-    tool_call_loss_weight=3.0,
+    tool_choice_loss_weight=3.0,
     batch_rows=2,
     window_tokens=32,
     warmup_steps=1,
@@ -192,14 +192,17 @@ def test_phase_three_scores_only_what_the_assistant_writes():
         written = tokenizer.decode(row.ids[row.assistant > 0].tolist())
         assert written.startswith("<tool_call>") and written.count("<|im_end|>") == 2, written
         assert "<tools>" not in written and "<tool_response>" not in written
-        call = tokenizer.decode(row.ids[row.assistant > 1].tolist())
-        assert call.startswith("<tool_call>") and call.endswith("</tool_call>") and "<|im_end|>" not in call
-        assert set(row.assistant.tolist()) == {0.0, 1.0, TINY_TRAINING.tool_call_loss_weight}
+        chosen = [tokenizer.decode([token]) for token in row.ids[row.assistant > 1].tolist()]
+        assert chosen[0] == "<tool_call>" and "".join(chosen[1:]).startswith(tuple(TOOL_NAMES)), chosen
+        assert set(row.assistant.tolist()) == {0.0, 1.0, TINY_TRAINING.tool_choice_loss_weight}
     for row in rows.held_out_tool:
         assert set(row.assistant.tolist()) == {0.0, 1.0}
     windows, mask = conversation_batch(rows.plain, 64)
     assert windows.shape == (2, 65) and mask.shape == (2, 64)
     assert mask.sum() == sum(min(row.assistant[1:65].sum(), 64) for row in rows.plain)
+
+
+TOOL_NAMES = [spec.name for spec in demo_corpus.TOOL_SPECS]
 
 
 def test_varied_tool_arguments_are_made_up_and_come_from_the_request():
@@ -224,5 +227,5 @@ def test_model_train_options_default_to_the_training_config_that_made_the_commit
     defaults = {param.name: param.default for param in train_command.params}
     config_defaults = attrs.asdict(TrainingConfig())
     shared = set(defaults) & set(config_defaults)
-    assert {"steps", "tool_steps", "tool_varied_value_share", "tool_call_loss_weight"} <= shared
+    assert {"steps", "tool_steps", "tool_varied_value_share", "tool_choice_loss_weight"} <= shared
     assert {name: defaults[name] for name in shared} == {name: config_defaults[name] for name in shared}
