@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 import httpx
 import jsonschema
@@ -23,10 +24,12 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mlx_lm.utils import load
 from test_http_errors import InProcessServer
 
 from kvcellar.actors.system import SystemConfig
 from kvcellar.engine.demo_models import EOS_TOKEN_ID
+from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.structured import token_table
 from kvcellar.engine.tool_grammar import (
     Phase,
@@ -34,8 +37,12 @@ from kvcellar.engine.tool_grammar import (
     ToolCallGrammarMask,
     compile_tool_call_grammar,
 )
+from kvcellar.http.anthropic import parse_messages_body
 from kvcellar.http.app import HttpSettings
+from kvcellar.http.parsing import parse_body
+from kvcellar.http.responses import parse_responses_body
 from kvcellar.http.serve_cli import serve_command
+from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 WEATHER = {
     "type": "function",
@@ -334,3 +341,33 @@ def test_the_flag_is_in_serve_help():
     assert result.exit_code == 0
     text = " ".join(result.output.split())
     assert "--tool-call-grammar [on|off]" in text and "off leaves the model's own output as-is" in text
+
+
+@pytest.fixture(scope="module")
+def loaded_tools(tools_model_dir):
+    model, tokenizer = load(str(tools_model_dir))
+    return LoadedModel(model=model, tokenizer=tokenizer, model_dir=tools_model_dir, context_tokens_max=4096)
+
+
+def _has_grammar(request) -> bool:
+    return any(isinstance(make, partial) and make.func is ToolCallGrammarMask for make in request.logits_processors)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_tools_force_the_grammar_in_every_api(loaded_tools, strict):
+    """The server's switch off: only a `strict: true` tool attaches the grammar, in each API's own spelling."""
+    off = ToolGrammarPolicy(enabled=False)
+    function = {**WEATHER["function"], "strict": strict}
+    chat = {"messages": MESSAGES, "tools": [{"type": "function", "function": function}], "max_tokens": 8}
+    chat_job = parse_body(json.dumps(chat).encode(), loaded_tools, chat=True, tool_grammar=off)
+    responses = {"input": "Rome?", "tools": [{"type": "function", **function}], "max_output_tokens": 8}
+    responses_job = parse_responses_body(
+        json.dumps(responses).encode(), loaded_tools, max_tokens_default=8, tool_grammar=off
+    )
+    tool = {"name": "get_weather", "input_schema": SCHEMAS["get_weather"], "strict": strict}
+    messages = {"model": "any", "max_tokens": 8, "messages": MESSAGES, "tools": [tool]}
+    messages_job = parse_messages_body(json.dumps(messages).encode(), loaded_tools, tool_grammar=off)
+    requests = [chat_job.request, responses_job.job.request, messages_job.request]
+    assert [_has_grammar(request) for request in requests] == [strict] * 3
+    on = ToolGrammarPolicy(enabled=True)
+    assert _has_grammar(parse_body(json.dumps(chat).encode(), loaded_tools, chat=True, tool_grammar=on).request)
