@@ -76,7 +76,8 @@ class ToolCallGrammar:
 def uses_json_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's tool parser is mlx-lm's JSON format (the one this grammar writes)."""
     parser = getattr(tokenizer, "tool_parser", None)
-    return getattr(parser, "__module__", "") == JSON_TOOLS_MODULE and bool(getattr(tokenizer, "tool_call_end", ""))
+    markers = (getattr(tokenizer, "tool_call_start", ""), getattr(tokenizer, "tool_call_end", ""))
+    return getattr(parser, "__module__", "") == JSON_TOOLS_MODULE and all(markers)
 
 
 def call_schema(tools: Sequence[dict[str, Any]], function_name: str | None = None) -> dict[str, Any]:

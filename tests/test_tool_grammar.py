@@ -301,8 +301,8 @@ def test_the_processor_masks_logits_only_inside_a_call(tools_tokenizer):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_path_the_mask_allows_is_a_valid_call(tools_tokenizer, data):
-    """Free tokens never trigger; after the marker, every path of allowed tokens
-    stays a prefix of a valid call and, once closed, parses as one."""
+    """Free tokens trigger only once their text ends in the marker; after it,
+    every path of allowed tokens closes a call that parses and validates."""
     mask = _mask(tools_tokenizer, parallel=False)
     free = data.draw(st.lists(st.integers(0, TOOL_CALL_START_ID - 1), max_size=8))
     text = b""
@@ -322,12 +322,10 @@ def test_any_path_the_mask_allows_is_a_valid_call(tools_tokenizer, data):
         token = int(allowed[data.draw(st.integers(0, len(allowed) - 1))])
         body.append(token)
         mask.observe(token)
-    if mask.phase is Phase.TURN_OVER:
-        assert body[-1] == TOOL_CALL_END_ID
-        call = json.loads(tools_tokenizer.decode(body[:-1]))
-        _assert_valid(call["name"], call["arguments"], set(SCHEMAS))
-    else:
-        assert mask.phase is Phase.IN_CALL
+    # Every schema here is bounded (short strings, an enum, a small integer): a call closes well within 120 tokens.
+    assert mask.phase is Phase.TURN_OVER and body[-1] == TOOL_CALL_END_ID
+    call = json.loads(tools_tokenizer.decode(body[:-1]))
+    _assert_valid(call["name"], call["arguments"], set(SCHEMAS))
 
 
 def test_compiles_are_cached_per_tools(tools_tokenizer):
