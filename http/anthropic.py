@@ -70,9 +70,10 @@ from kvcellar.http.parsing import (
     BadRequest,
     TokenizerLane,
     _number,
-    forced_reply_start,
+    reply_processors,
     sampling_fields,
 )
+from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
     Piece,
@@ -154,7 +155,8 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
         if not _key_ok(request, api_key()):
             return anthropic_error(401, "authentication_error", "missing or wrong x-api-key")
         try:
-            job = await lane.run(partial(parse_messages_body, await request.body(), loaded))
+            work = partial(parse_messages_body, await request.body(), loaded, tool_grammar=lane.tool_grammar)
+            job = await lane.run(work)
         except Exception as e:
             return _failure_response(e)
         if not system.admitting:
@@ -208,8 +210,11 @@ def parse_count_body(raw: bytes, loaded: LoadedModel) -> RenderedPrompt:
     return rendered
 
 
-def parse_messages_body(raw: bytes, loaded: LoadedModel) -> MessagesJob:
-    """Validate a Messages body into a job; raises `BadRequest` naming the field."""
+def parse_messages_body(
+    raw: bytes, loaded: LoadedModel, *, tool_grammar: ToolGrammarPolicy | None = None
+) -> MessagesJob:
+    """Validate a Messages body into a job; raises `BadRequest` naming the
+    field. `tool_grammar`: the server's tool-call grammar policy (None: none)."""
     body = _decode_body(raw)
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
@@ -237,7 +242,7 @@ def parse_messages_body(raw: bytes, loaded: LoadedModel) -> MessagesJob:
         prompt_ids=prompt_ids,
         params=params,
         stop_strings=_stop_sequences(body),
-        logits_processors=forced_reply_start(rendered),
+        logits_processors=reply_processors(tool_grammar, loaded.tokenizer, plan, rendered),
         snapshot_at_tokens=rendered.snapshot_at_tokens,
     )
     return MessagesJob(request=request, stream=stream, tools=plan, reply_in_reasoning=rendered.in_reasoning)
@@ -344,7 +349,9 @@ def _tool_plan(body: dict[str, Any]) -> ToolPlan:
         )
     if not tools or kind == "none":
         return ToolPlan(choice="none")
-    return ToolPlan(tools=tools, choice=kind, function_name=name, parallel=not disable_parallel)
+    # Anthropic's strict tool use (`strict: true` on a tool) forces the tool-call grammar on.
+    strict = any(isinstance(tool, dict) and tool.get("strict") is True for tool in body.get("tools") or ())
+    return ToolPlan(tools=tools, choice=kind, function_name=name, parallel=not disable_parallel, strict=strict)
 
 
 def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:

@@ -32,6 +32,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -51,6 +52,7 @@ from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
 from kvcellar.http.responses import ResponsesRoute
+from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 log = logging.getLogger("kvcellar.http")
 
@@ -60,6 +62,8 @@ class HttpSettings:
     api_key: str | None = None
     admin_token: str | None = None
     max_tokens_default: int = MAX_TOKENS_DEFAULT
+    # `--tool-call-grammar`: constrain tool calls to the offered tools (http/tool_grammar.py).
+    tool_call_grammar: bool = True
 
 
 def error_body(
@@ -160,6 +164,8 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     settings = settings or HttpSettings()
     loaded = system.loaded
     model_id = loaded.model_dir.name
+    tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
+    stats_snapshot = partial(http_stats, system, tool_grammar)
 
     async def health(_: Request) -> Response:
         admitting = system.admitting
@@ -171,9 +177,9 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "kvcellar"}]})
 
     async def stats(_: Request) -> Response:
-        return JSONResponse(system.stats())
+        return JSONResponse(stats_snapshot())
 
-    registry = metrics_registry(system.stats)
+    registry = metrics_registry(stats_snapshot)
 
     async def metrics(_: Request) -> Response:
         return Response(render_metrics(registry), media_type=CONTENT_TYPE_LATEST)
@@ -191,7 +197,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
         return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
 
-    tokenizer_lane = TokenizerLane()
+    tokenizer_lane = TokenizerLane(tool_grammar)
 
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
@@ -417,3 +423,8 @@ async def _shared_flush(system: System, timeout_s: float) -> Response:
     local, shared = await system.flush_shared(timeout_s=timeout_s)
     verdict = {**attrs.asdict(local), "shared_durable": shared["durable"], "shared": shared}
     return JSONResponse(verdict, status_code=200 if local.durable and shared["durable"] else 503)
+
+
+def http_stats(system: System, tool_grammar: ToolGrammarPolicy) -> dict[str, Any]:
+    """`/stats`: the system's figures and the HTTP side's tool-call grammar counts."""
+    return {**system.stats(), "tool_call_grammar": tool_grammar.counts.snapshot()}

@@ -246,6 +246,28 @@ SPECS += (
 )
 
 
+_TOOL_GRAMMAR = "tool_call_grammar"
+
+# The tool-call grammar's counts (http/tool_grammar.py), appended after the others.
+SPECS += (
+    _counter(
+        _TOOL_GRAMMAR,
+        "calls",
+        "Tool calls the tool-call grammar constrained (each start marker it saw in a reply).",
+        name="kvcellar_tool_call_grammar",
+    ),
+    _counter(_TOOL_GRAMMAR, "requests", "Requests generated with the tool-call grammar attached."),
+    _counter(_TOOL_GRAMMAR, "fallbacks", "Requests whose tools' schemas llguidance could not compile: unconstrained."),
+    _gauge(
+        _TOOL_GRAMMAR,
+        "compile_ms_last",
+        "Seconds the last request's tool-call grammar took to compile (or to come from its cache).",
+        name="kvcellar_tool_call_grammar_compile_last_seconds",
+        scale=0.001,
+    ),
+)
+
+
 class StatsCollector(Collector):
     """Typed families over `stats()`, read afresh on every scrape."""
 

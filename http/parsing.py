@@ -29,6 +29,7 @@ from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.structured import GrammarError, compile_response_grammar
 from kvcellar.errors import KvCellarError
+from kvcellar.http.tool_grammar import StrictToolsRefused, ToolGrammarPolicy
 from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, PromptRefused, RenderedPrompt, ToolPlan, render_prompt
 
 T = TypeVar("T")
@@ -120,8 +121,10 @@ def parse_job(
     chat: bool,
     max_tokens_default: int = MAX_TOKENS_DEFAULT,
     model_names: frozenset[str] = frozenset(),
+    tool_grammar: ToolGrammarPolicy | None = None,
 ) -> CompletionJob:
-    """Validate a request body into a job; raises `BadRequest` naming the field."""
+    """Validate a request body into a job; raises `BadRequest` naming the field.
+    `tool_grammar`: the server's tool-call grammar policy (None: none)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model_name = body.get("model")
@@ -167,7 +170,7 @@ def parse_job(
         prompt_ids=prompt_ids,
         params=params,
         stop_strings=_stop_strings(body),
-        logits_processors=forced_reply_start(rendered),
+        logits_processors=reply_processors(tool_grammar, tokenizer, tool_plan, rendered),
         snapshot_at_tokens=rendered.snapshot_at_tokens if rendered else None,
     )
     return CompletionJob(
@@ -343,6 +346,7 @@ def parse_body(
     chat: bool,
     max_tokens_default: int = MAX_TOKENS_DEFAULT,
     model_names: frozenset[str] = frozenset(),
+    tool_grammar: ToolGrammarPolicy | None = None,
 ) -> CompletionJob:
     """Decode a raw request body and validate it into a job; raises `BadRequest`."""
     try:
@@ -351,21 +355,39 @@ def parse_body(
         raise BadRequest("the request body is not valid UTF-8") from e
     except json.JSONDecodeError as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from e
-    return parse_job(body, loaded, chat=chat, max_tokens_default=max_tokens_default, model_names=model_names)
+    return parse_job(
+        body,
+        loaded,
+        chat=chat,
+        max_tokens_default=max_tokens_default,
+        model_names=model_names,
+        tool_grammar=tool_grammar,
+    )
 
 
 class TokenizerLane:
     """The worker-thread lane for `parse_body`. One at a time: the Hugging Face
-    tokenizer is not documented as safe for concurrent encodes."""
+    tokenizer is not documented as safe for concurrent encodes. `tool_grammar`
+    is the server's tool-call grammar policy, which every API's parser asks."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_grammar: ToolGrammarPolicy | None = None) -> None:
         self._limiter = trio.CapacityLimiter(1)
+        self.tool_grammar = tool_grammar
 
     async def parse_body(
         self, raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT
     ) -> CompletionJob:
         """`parse_body` on a worker thread; `BadRequest` comes back as raised."""
-        return await self.run(partial(parse_body, raw, loaded, chat=chat, max_tokens_default=max_tokens_default))
+        return await self.run(
+            partial(
+                parse_body,
+                raw,
+                loaded,
+                chat=chat,
+                max_tokens_default=max_tokens_default,
+                tool_grammar=self.tool_grammar,
+            )
+        )
 
     async def run(self, work: Callable[[], T]) -> T:
         """Any parsing, rendering or tokenizer work (another API's body parser,
@@ -396,6 +418,34 @@ def forced_reply_start(rendered: RenderedPrompt | None) -> tuple[Any, ...]:
     if rendered is None or not rendered.forced_ids:
         return ()
     return (partial(ForcedTokens, rendered.forced_ids),)
+
+
+def tool_grammar_processors(policy: ToolGrammarPolicy | None, tokenizer: Any, plan: ToolPlan) -> tuple[Any, ...]:
+    """The tool-call grammar's processor for a request (() when it gets none);
+    a strict tool whose schema cannot be enforced is a 400 naming `tools`."""
+    if policy is None:
+        return ()
+    try:
+        return policy.processors(tokenizer, plan)
+    except StrictToolsRefused as e:
+        raise BadRequest(str(e), param="tools") from e
+
+
+def reply_processors(
+    policy: ToolGrammarPolicy | None, tokenizer: Any, plan: ToolPlan, rendered: RenderedPrompt | None
+) -> tuple[Any, ...]:
+    """The reply's own processors: the forced start of a `required` or named
+    tool choice, and the tool-call grammar. With the grammar only the start
+    marker is forced and the grammar writes the rest (a named choice allows one
+    name): llguidance allows a forced stretch only in its own tokenization,
+    which need not be the tokenizer's encoding of the forced text."""
+    grammar = tool_grammar_processors(policy, tokenizer, plan)
+    if not grammar:
+        return forced_reply_start(rendered)
+    if rendered is not None and rendered.forced_ids:
+        marker_ids = tuple(tokenizer.encode(tokenizer.tool_call_start, add_special_tokens=False))
+        return (partial(ForcedTokens, marker_ids), *grammar)
+    return grammar
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -484,7 +534,10 @@ def tool_plan(body: dict[str, Any]) -> ToolPlan:
         raise BadRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     if not tools or choice == "none":
         return ToolPlan(choice="none")
-    return ToolPlan(tools=tools, choice=choice, function_name=function_name, parallel=parallel is not False)
+    strict = any(tool["function"].get("strict") is True for tool in tools)
+    return ToolPlan(
+        tools=tools, choice=choice, function_name=function_name, parallel=parallel is not False, strict=strict
+    )
 
 
 def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
@@ -506,6 +559,8 @@ def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
             raise BadRequest(
                 f"{param}.function.parameters must be a JSON schema object", param=f"{param}.function.parameters"
             )
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise BadRequest(f"{param}.function.strict must be a boolean", param=f"{param}.function.strict")
         parsed.append({"type": "function", "function": function})
     return tuple(parsed)
 

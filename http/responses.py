@@ -57,6 +57,7 @@ from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.http.parsing import MAX_TOKENS_LIMIT, BadRequest, CompletionJob, TokenizerLane, parse_job
+from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import TOOL_CHOICES, ContentText, Piece, ReasoningText, ReplySplitter, ToolCall
 
 FailureBody = Callable[[Exception], tuple[int, dict[str, Any]]]
@@ -101,9 +102,12 @@ class ResponsesJob:
 # -- the request ---------------------------------------------------------------
 
 
-def parse_responses_body(raw: bytes, loaded: LoadedModel, *, max_tokens_default: int) -> ResponsesJob:
+def parse_responses_body(
+    raw: bytes, loaded: LoadedModel, *, max_tokens_default: int, tool_grammar: ToolGrammarPolicy | None = None
+) -> ResponsesJob:
     """Decode and validate a Responses request, render and tokenize its
-    input; raises `BadRequest` naming the field."""
+    input; raises `BadRequest` naming the field. `tool_grammar`: the
+    server's tool-call grammar policy (None: none)."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -129,7 +133,7 @@ def parse_responses_body(raw: bytes, loaded: LoadedModel, *, max_tokens_default:
             "'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)", param="top_logprobs"
         )
     try:
-        job = parse_job(chat_body, loaded, chat=True, max_tokens_default=max_tokens_default)
+        job = parse_job(chat_body, loaded, chat=True, max_tokens_default=max_tokens_default, tool_grammar=tool_grammar)
     except BadRequest as e:
         raise BadRequest(str(e), param=_responses_param(e.param)) from e
     metadata = body.get("metadata")
@@ -240,6 +244,9 @@ def _function_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, An
             function["description"] = description
         if parameters is not None:
             function["parameters"] = parameters
+        if tool.get("strict") is True:
+            # Chat's `function.strict`: the tool-call grammar is on for this request.
+            function["strict"] = True
         chat_tools.append({"type": "function", "function": function})
         echoed.append({"type": "function", **function, "parameters": parameters, "strict": tool.get("strict")})
     return chat_tools, echoed
@@ -610,7 +617,11 @@ class ResponsesRoute:
 
     async def create(self, request: Request) -> Response:
         work = partial(
-            parse_responses_body, await request.body(), self._system.loaded, max_tokens_default=self._max_tokens_default
+            parse_responses_body,
+            await request.body(),
+            self._system.loaded,
+            max_tokens_default=self._max_tokens_default,
+            tool_grammar=self._lane.tool_grammar,
         )
         try:
             job = await self._lane.run(work)

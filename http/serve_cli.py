@@ -276,6 +276,17 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     type=click.IntRange(min=1),
     help="Tokens per paged-KV block. Needs --paged-kv.",
 )
+@click.option(
+    "--tool-call-grammar",
+    "tool_call_grammar",
+    default="on",
+    show_default=True,
+    type=click.Choice(["on", "off"]),
+    help="Constrain tool calls (models with mlx-lm's JSON tool format): once the model writes the tool-call "
+    "start marker, its tokens must form a call naming an offered tool with arguments valid against that "
+    "tool's JSON schema, then the end marker; the rest of the reply stays free. off leaves the model's "
+    "own output as-is (a tool with strict: true still turns it on for its request).",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -306,6 +317,7 @@ def serve_command(
     ssd_cache_verify: str,
     paged_kv: bool,
     paged_kv_block_size: int,
+    tool_call_grammar: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -354,7 +366,12 @@ def serve_command(
         ssd_verify=ssd_cache_verify == "on",
         paged_kv_block_size=paged_kv_block_size if paged_kv else None,
     )
-    settings = HttpSettings(api_key=api_key, admin_token=admin_token, max_tokens_default=max_tokens)
+    settings = HttpSettings(
+        api_key=api_key,
+        admin_token=admin_token,
+        max_tokens_default=max_tokens,
+        tool_call_grammar=tool_call_grammar == "on",
+    )
     try:
         trio.run(serve_forever, config, host, port, settings)
     except UsageError as e:

@@ -73,6 +73,8 @@ class ToolPlan:
     choice: str = "auto"
     function_name: str | None = None
     parallel: bool = True
+    # A tool said `strict: true`: the tool-call grammar is on for this request (http/tool_grammar.py).
+    strict: bool = False
 
     @property
     def parses_calls(self) -> bool:

@@ -25,6 +25,9 @@ from test_tools import ANSWER_PARIS, CALL_BOTH, CALL_PARIS, SYSTEM, ScriptedRepl
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.http.app import HttpSettings, build_app
 
+# Scripted replies stand in for the model's own output; the tool-call grammar would mask them.
+SCRIPTED_SETTINGS = HttpSettings(tool_call_grammar=False)
+
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city now.",
@@ -65,7 +68,7 @@ class KeyedServer(InProcessServer):
 def served(request, tools_model_dir, tools_tokenizer):
     script = ScriptedReplies(tools_tokenizer)
     config = SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)
-    with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
+    with InProcessServer(config, SystemSeams(logits_processors=script), SCRIPTED_SETTINGS) as server:
         client = anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0, timeout=120)
         yield server, client, script
     assert not script.scripts, "a scripted reply was never asked for"

@@ -27,7 +27,7 @@ from kvcellar.actors.gateway import LANE_BATCH
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
-from kvcellar.http.app import build_app
+from kvcellar.http.app import HttpSettings, build_app
 
 REFUSE_SYSTEM_ROLE = (
     "{%- for message in messages %}{%- if message['role'] == 'system' %}"
@@ -40,9 +40,12 @@ class InProcessServer:
     127.0.0.1, in one `trio.run` on a background thread, so a test can hand the
     system a seam (`SystemSeams.engine`) and look at its state on its own thread."""
 
-    def __init__(self, config: SystemConfig, seams: SystemSeams | None = None) -> None:
+    def __init__(
+        self, config: SystemConfig, seams: SystemSeams | None = None, settings: HttpSettings | None = None
+    ) -> None:
         self.config = config
         self.seams = seams
+        self.settings = settings
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.system = None
@@ -88,7 +91,9 @@ class InProcessServer:
             config.bind = [f"127.0.0.1:{self.port}"]
             config.accesslog = None
             async with trio.open_nursery() as nursery:
-                await nursery.start(partial(serve, build_app(system), config, shutdown_trigger=self._stop.wait))
+                await nursery.start(
+                    partial(serve, build_app(system, self.settings), config, shutdown_trigger=self._stop.wait)
+                )
                 self._token = trio.lowlevel.current_trio_token()
                 self._ready.set()
                 await self._stop.wait()

@@ -20,7 +20,11 @@ from test_http_errors import FailingBatchEngine, InProcessServer
 from test_tools import ANSWER_PARIS, CALL_BOTH, CALL_PARIS, SYSTEM, ScriptedReplies
 
 from kvcellar.actors.system import SystemConfig, SystemSeams
+from kvcellar.http.app import HttpSettings
 from kvcellar.http.tools import ToolPlan, render_prompt
+
+# Scripted replies stand in for the model's own output; the tool-call grammar would mask them.
+SCRIPTED_SETTINGS = HttpSettings(tool_call_grammar=False)
 
 WEATHER_TOOL = {
     "type": "function",
@@ -44,7 +48,7 @@ REASONING = "The user wants the weather; I should call the tool."
 def served(request, tools_model_dir, tools_tokenizer):
     script = ScriptedReplies(tools_tokenizer)
     config = SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)
-    with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
+    with InProcessServer(config, SystemSeams(logits_processors=script), SCRIPTED_SETTINGS) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
         yield server, client, script
     assert not script.scripts, "a scripted reply was never asked for"

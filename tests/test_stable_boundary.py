@@ -34,11 +34,15 @@ from kvcellar.engine.engine import LoadedModel, SamplingParams, prefill
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, run_generation
 from kvcellar.errors import UsageError
 from kvcellar.http.anthropic import parse_messages_body
+from kvcellar.http.app import HttpSettings
 from kvcellar.http.parsing import parse_job
 from kvcellar.http.responses import parse_responses_body
 from kvcellar.http.tools import NO_TOOLS, render_prompt
 from kvcellar.store.lending import cache_arrays, lend_caches
 from kvcellar.store.prompt_cache import PromptCache
+
+# Scripted replies stand in for the model's own output; the tool-call grammar would mask them.
+SCRIPTED_SETTINGS = HttpSettings(tool_call_grammar=False)
 
 PROMPT = tuple((29 * i + 7) % 1000 + 3 for i in range(72))
 BOUNDARY = 50
@@ -193,7 +197,7 @@ def test_the_next_chat_turn_reads_the_first_turns_stable_boundary_from_the_cache
     tokenizer = load(str(mamba2_tools))[1]
     script = ScriptedReplies(tokenizer)
     config = SystemConfig(model_dir=mamba2_tools, batch_rows_max=rows)
-    with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
+    with InProcessServer(config, SystemSeams(logits_processors=script), SCRIPTED_SETTINGS) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
         results = {}
         for probed in (False, True):

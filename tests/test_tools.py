@@ -25,6 +25,7 @@ from test_http_errors import InProcessServer
 from kvcellar.actors.system import SystemConfig, SystemSeams
 from kvcellar.engine.demo_models import EOS_TOKEN_ID
 from kvcellar.engine.forcing import ForcedTokens
+from kvcellar.http.app import HttpSettings
 from kvcellar.http.tools import (
     ContentText,
     ReasoningText,
@@ -35,6 +36,9 @@ from kvcellar.http.tools import (
     render_prompt,
     stable_prefix_tokens,
 )
+
+# Scripted replies stand in for the model's own output; the tool-call grammar would mask them.
+SCRIPTED_SETTINGS = HttpSettings(tool_call_grammar=False)
 
 WEATHER_TOOL = {
     "type": "function",
@@ -92,7 +96,7 @@ class ScriptedReplies:
 def served(request, tools_model_dir, tools_tokenizer):
     script = ScriptedReplies(tools_tokenizer)
     config = SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)
-    with InProcessServer(config, SystemSeams(logits_processors=script)) as server:
+    with InProcessServer(config, SystemSeams(logits_processors=script), SCRIPTED_SETTINGS) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
         yield server, client, script
     assert not script.scripts, "a scripted reply was never asked for"
