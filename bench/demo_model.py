@@ -6,8 +6,12 @@
 * `printable_share`: of 20 fixed held-out chat prompts, the share whose greedy
   reply is >= 90 % printable-ASCII words (target >= 0.9);
 * `tool_call_share`: of 20 held-out synthetic tool prompts, the share whose
-  greedy reply, through `kvcellar serve` and mlx-lm's tool parser, holds a
-  tool call naming only tools that were offered (target >= 0.8);
+  greedy reply, through `kvcellar serve --tool-call-grammar off` (the model's
+  own output) and mlx-lm's tool parser, holds a tool call naming only tools
+  that were offered (target >= 0.8); `right_tool_share`, the share that call
+  exactly the tool the request asks for; both again through serve's defaults,
+  whose tool-call grammar holds a started call to the offered tools' schemas
+  (`..._with_grammar`);
 * decode tokens/s of demo-coder against the random-weight `small` llama (same
   shape, float32) in the same run, in-process with mlx-lm.
 
@@ -16,6 +20,7 @@ Usage: python -m kvcellar.bench.demo_model [--json] [--write-docs]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,7 @@ import httpx
 from rich.console import Console
 
 from kvcellar.bench.common import describe_machine, print_figures, publish, publish_options
-from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_prompts
+from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
 from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME
 
@@ -85,12 +91,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
-    """Start `kvcellar serve` (no --model: demo-coder), send both prompt sets, stop it."""
+@contextlib.contextmanager
+def served_demo_model(*serve_args: str) -> Iterator[httpx.Client]:
+    """`kvcellar serve` (no --model: demo-coder) with `serve_args`, and a client for it."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvcellar.cli", "serve", "--port", str(port), "--batch", "1"],
+        [sys.executable, "-m", "kvcellar.cli", "serve", "--port", str(port), "--batch", "1", *serve_args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -98,33 +105,56 @@ def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
     try:
         _wait_healthy(process, base)
         with httpx.Client(base_url=base, timeout=120) as client:
-            chats = []
-            for conversation in held_out_chat_prompts()[:prompts]:
-                reply = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
-                chats.append(reply["choices"][0]["message"].get("content") or "")
-            progress.print(f"{len(chats)} chat replies")
-            tool_hits = []
-            tool_replies = []
-            for conversation in held_out_tool_prompts()[:prompts]:
-                message = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
-                message = message["choices"][0]["message"]
-                tool_replies.append(message)
-                tool_hits.append(names_only_offered_tools(message, conversation))
-            progress.print(f"{len(tool_hits)} tool replies")
+            yield client
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def tool_prompt_figures(client: httpx.Client, prompts: int) -> dict[str, Any]:
+    """The held-out tool prompts' replies: which call only offered tools, which the asked-for one."""
+    hits, right, replies = [], [], []
+    for conversation, wanted in held_out_tool_cases(prompts):
+        message = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
+        message = message["choices"][0]["message"]
+        replies.append(message)
+        hits.append(names_only_offered_tools(message, conversation))
+        right.append([call["function"]["name"] for call in message.get("tool_calls") or []] == [wanted])
     return {
-        "printable_share": sum(map(is_mostly_printable, chats)) / len(chats),
-        "tool_call_share": sum(tool_hits) / len(tool_hits),
-        "chat_prompts": len(chats),
-        "tool_prompts": len(tool_hits),
-        "sample_chat_reply": chats[0],
-        "sample_tool_reply": tool_replies[0],
+        "tool_call_share": sum(hits) / len(hits),
+        "right_tool_share": sum(right) / len(right),
+        "tool_prompts": len(hits),
+        "sample_tool_reply": replies[0],
         # Which held-out tool prompts got a call to an offered tool (tests/test_demo_coder.py uses one).
-        "tool_prompt_hits": [index for index, hit in enumerate(tool_hits) if hit],
-        "plain_replies_with_tool_calls": sum("<tool_call>" in chat for chat in chats),
+        "tool_prompt_hits": [index for index, hit in enumerate(hits) if hit],
     }
+
+
+def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
+    """Both prompt sets through `kvcellar serve --tool-call-grammar off` (the model's own output, what
+    the targets measure), then the tool prompts again through the server's defaults, whose
+    tool-call grammar holds a started call to the offered tools' schemas."""
+    with served_demo_model("--tool-call-grammar", "off") as client:
+        chats = []
+        for conversation in held_out_chat_prompts()[:prompts]:
+            reply = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
+            chats.append(reply["choices"][0]["message"].get("content") or "")
+        progress.print(f"{len(chats)} chat replies")
+        result = tool_prompt_figures(client, prompts)
+        progress.print(f"{result['tool_prompts']} tool replies, the grammar off")
+    with served_demo_model() as client:
+        with_grammar = tool_prompt_figures(client, prompts)
+        progress.print(f"{with_grammar['tool_prompts']} tool replies, the grammar on (the default)")
+    result.update(
+        printable_share=sum(map(is_mostly_printable, chats)) / len(chats),
+        chat_prompts=len(chats),
+        sample_chat_reply=chats[0],
+        plain_replies_with_tool_calls=sum("<tool_call>" in chat for chat in chats),
+        tool_call_share_with_grammar=with_grammar["tool_call_share"],
+        right_tool_share_with_grammar=with_grammar["right_tool_share"],
+        sample_tool_reply_with_grammar=with_grammar["sample_tool_reply"],
+    )
+    return result
 
 
 def _wait_healthy(process: subprocess.Popen[bytes], base: str) -> None:
@@ -167,6 +197,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "",
         f"- first held-out chat reply, unedited: `{json.dumps(result['sample_chat_reply'])[:300]}`",
         f"- first held-out tool reply's calls: `{json.dumps(result['sample_tool_reply'].get('tool_calls'))[:300]}`",
+        "- the same with the grammar on: "
+        f"`{json.dumps(result['sample_tool_reply_with_grammar'].get('tool_calls'))[:300]}`",
     ]
     return "\n".join(lines)
 
@@ -188,9 +220,22 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         (
             "tool_call_share",
             f"{result['tool_call_share']:.2f}",
-            f"{result['tool_prompts']} held-out tool prompts via serve and mlx-lm's parser; "
+            f"{result['tool_prompts']} held-out tool prompts via serve (--tool-call-grammar off: the model's "
+            "own output) and mlx-lm's parser, a call naming only offered tools; "
             + _target(result["tool_call_share"], TOOL_CALL_SHARE_TARGET),
         ),
+        ("right_tool_share", f"{result['right_tool_share']:.2f}", "the same replies: one call, of the tool asked for"),
+        (
+            "tool_call_share_with_grammar",
+            f"{result['tool_call_share_with_grammar']:.2f}",
+            "the same prompts through serve's defaults (the tool-call grammar on)",
+        ),
+        (
+            "right_tool_share_with_grammar",
+            f"{result['right_tool_share_with_grammar']:.2f}",
+            "the same, one call of the tool asked for",
+        ),
+        ("plain prompts answered with a tool call", str(result["plain_replies_with_tool_calls"]), "grammar off"),
         ("decode tokens/s, demo-coder (bfloat16)", f"{result['demo_tokens_per_s']:.0f}", ""),
         (
             "decode tokens/s, random small llama (float32)",

@@ -495,5 +495,14 @@ def held_out_chat_prompts(count: int = 20) -> list[Conversation]:
 
 def held_out_tool_prompts(count: int = 20) -> list[Conversation]:
     """The fixed held-out tool prompts, with arguments no training chat uses."""
+    return [conversation for conversation, _ in held_out_tool_cases(count)]
+
+
+def held_out_tool_cases(count: int = 20) -> list[tuple[Conversation, str]]:
+    """The fixed held-out tool prompts and, for each, the name of the tool its request asks for."""
     rng = random.Random(2_000_003)
-    return [tool_prompt(rng, held_out=True)[0] for _ in range(count)]
+    cases = []
+    for _ in range(count):
+        conversation, spec, _ = tool_prompt(rng, held_out=True)
+        cases.append((conversation, spec.name))
+    return cases
