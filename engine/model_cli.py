@@ -159,14 +159,14 @@ def list_command() -> None:
 @click.option(
     "--tool-steps",
     type=click.IntRange(min=0),
-    default=150,
+    default=350,
     show_default=True,
     help="Then steps on whole conversations, the loss on the assistant's tokens.",
 )
 @click.option(
     "--tool-restart-steps",
     type=click.IntRange(min=0),
-    default=100,
+    default=0,
     show_default=True,
     help="Then this many more, from a fresh optimizer and learning rate (a warm restart).",
 )
@@ -174,7 +174,7 @@ def list_command() -> None:
     "--tool-varied-values",
     "tool_varied_value_share",
     type=click.FloatRange(0, 1),
-    default=0.0,
+    default=0.5,
     show_default=True,
     help="Share of phase three's tool chats whose arguments are made-up values (teaches copying them).",
 )
@@ -182,7 +182,7 @@ def list_command() -> None:
     "--tool-choice-weight",
     "tool_choice_loss_weight",
     type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
+    default=8.0,
     show_default=True,
     help="Weight in phase three's loss of a turn's first token and a called tool's name (others weigh 1).",
 )
@@ -190,7 +190,7 @@ def list_command() -> None:
     "--tool-rounds",
     "tool_rounds_max",
     type=click.IntRange(min=1),
-    default=1,
+    default=4,
     show_default=True,
     help="Phase three's tool chats hold 1 to this many request/call/answer rounds.",
 )

@@ -90,27 +90,27 @@ class TrainingConfig:
     chat_learning_rate: float = 1e-3
     # Phase three (`train_tool_phase`): whole conversations, one per row from its first token, with the
     # loss on the assistant's tokens only; `tool_row_share` of the rows are tool chats, the rest plain chats.
-    tool_steps: int = 150
+    tool_steps: int = 350
     tool_learning_rate: float = 1e-3
     tool_conversations: int = 3000
     tool_row_share: float = 0.75
     conversation_tokens_max: int = 768
     # Its evaluations cost ~2 training steps each (whole conversations), so they come less often.
-    tool_eval_every_steps: int = 25
+    tool_eval_every_steps: int = 50
     # Then a warm restart of phase three: this many more steps from its stored weights, a fresh AdamW,
     # the same schedule shape, new batch draws (the assistant loss was still falling when the first
     # round's learning rate had decayed).
-    tool_restart_steps: int = 100
+    tool_restart_steps: int = 0
     # Share of phase three's tool chats whose arguments are made-up values (`demo_corpus.varied_value`),
     # so the model learns to copy them from the request rather than recall the training pools.
-    tool_varied_value_share: float = 0.0
+    tool_varied_value_share: float = 0.5
     # Weight in phase three's loss of the tokens that decide what the assistant does (`choice_spans`:
     # a turn's first token, a called tool's name), against 1 for its other tokens: they are a few of
     # a chat's ~60 assistant tokens, and the made-up argument values' high loss would drown them.
-    tool_choice_loss_weight: float = 1.0
+    tool_choice_loss_weight: float = 8.0
     # Phase three's tool chats hold 1 to this many request/call/result/answer rounds (uniformly): the
     # tool list is most of a chat's tokens, and each round after the first adds a choice for ~70 more.
-    tool_rounds_max: int = 1
+    tool_rounds_max: int = 4
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
