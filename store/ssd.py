@@ -29,17 +29,13 @@ the journal's own thread commits).
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
-import hashlib
 import logging
 import os
-import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
@@ -50,12 +46,20 @@ import numpy as np
 from kvcellar.errors import CorruptEntry, DiskError, StoreError, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
-from kvcellar.store.disk import DirEntry, Disk, RealDisk
+from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalThread
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 from kvcellar.store.ssd_adopt import EntryAdopter
+from kvcellar.store.ssd_scan import (
+    IndexedEntry,
+    JournalRows,
+    StartupScanner,
+    cyclic_gc_paused,
+    namespace_dir_name,
+    reconciliation,
+)
 
 log = logging.getLogger("kvcellar.ssd")
 
@@ -64,28 +68,6 @@ QUARANTINE_DIR_NAME = "quarantine"
 CHECKPOINT_DIR_NAME = "checkpoints"
 LOCK_FILE_NAME = "lock"
 QUARANTINE_BYTES_MAX_DEFAULT = 1 << 30
-_NS_HASH_HEX_CHARS = 16
-# A startup scan checks every file's namespace against its directory: a pure
-# function of a few distinct strings, so it is memoised.
-_NS_DIR_NAMES_CACHED = 1024
-
-
-@functools.lru_cache(maxsize=_NS_DIR_NAMES_CACHED)
-def namespace_dir_name(namespace: str) -> str:
-    """The directory of a namespace: a hash, so any adapter spec is a safe name."""
-    return hashlib.sha256(namespace.encode()).hexdigest()[:_NS_HASH_HEX_CHARS]
-
-
-@attrs.define(kw_only=True)
-class IndexedEntry:
-    entry_id: str
-    namespace: str
-    path: Path
-    tokens: np.ndarray
-    bytes: int
-    mtime_ns: int
-    trimmable: bool
-    minimum_reusable_offset: int
 
 
 @attrs.frozen(kw_only=True)
@@ -252,7 +234,7 @@ class SsdStore:
                     if journal_opener is not None
                     else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=safeguards)
                 )
-            with _cyclic_gc_paused():
+            with cyclic_gc_paused():
                 journaled, trusted = store._scan(store.journal.entries_later() if store.journal else list)
                 store._reconcile_journal(journaled, trusted)
                 if store.safeguards.redo_startup_supersession:
@@ -298,104 +280,28 @@ class SsdStore:
 
     # -- startup -----------------------------------------------------------
 
-    def _scan(self, rows_later: Callable[[], list[dict[str, Any]]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
-        """Index every entry file; returns the journal's projection by entry
-        id and the ids indexed from it. A file whose path, size and mtime
-        match the projection is indexed from the projection (its header was
-        read and checked when it was journaled, and `restore` checks it
-        again); any other file gets a full header read. `rows_later()` waits
-        for the projection, which the journal thread reads while this one
-        lists the first directories (the disk operations keep their order)."""
-        journaled: dict[str, dict[str, Any]] | None = None
-        known: dict[str, dict[str, Any]] = {}
-        trusted: set[str] = set()
-        for entry in self.disk.scandir(self.directory):
-            if not entry.is_dir or entry.name in (QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME):
-                continue
-            ns_dir = self.directory / entry.name
-            items = self.disk.scandir(ns_dir)
-            if journaled is None:
-                journaled = {row["entry_id"]: row for row in rows_later()}
-                known = {row["path"]: row for row in journaled.values()}
-            for item in items:
-                path = ns_dir / item.name
-                if item.name.endswith(kvfile.TEMP_SUFFIX):
-                    self._reap(path)
-                elif item.name.endswith(kvfile.FILE_SUFFIX) and not item.is_dir:
-                    row = known.get(f"{entry.name}/{item.name}")
-                    if row is not None and row["bytes"] == item.size_bytes and row["mtime_ns"] == item.mtime_ns:
-                        self._index(_entry_from_row(row, path))
-                        trusted.add(row["entry_id"])
-                    else:
-                        self._scan_file(path, entry.name, item)
-        if journaled is None:
-            journaled = {row["entry_id"]: row for row in rows_later()}
-        return journaled, trusted
-
-    def _reap(self, path: Path) -> None:
-        try:
-            self.disk.unlink(path)
-        except DiskError as e:
-            log.warning("cannot reap %s: %s", path, e)
-            return
-        self._event(ev.TempReaped(path=self._relative(path)))
-
-    def _scan_file(self, path: Path, ns_dir_name: str, item: DirEntry) -> None:
-        try:
-            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards)
-        except (UnsupportedFormat, CorruptEntry) as e:
-            self._quarantine(path, "", str(e))
-            return
-        except DiskError as e:
-            log.warning("skipping unreadable %s: %s", path, e)
-            return
-        problem = self._mismatch(header, ns_dir_name, path)
-        if problem:
-            self._quarantine(path, "", problem)
-            return
-        self._index(
-            IndexedEntry(
-                entry_id=path.stem,
-                namespace=header.namespace,
-                path=path,
-                tokens=header.token_array,
-                bytes=item.size_bytes,
-                mtime_ns=item.mtime_ns,
-                trimmable=header.trimmable,
-                minimum_reusable_offset=header.minimum_reusable_offset,
-            )
+    def _scan(self, rows_later: Callable[[], list[dict[str, Any]]]) -> tuple[JournalRows, set[str]]:
+        """Index every entry file (`StartupScanner.scan`, `store/ssd_scan.py`);
+        returns the journal's projection by entry id and the ids indexed from it."""
+        scanner = StartupScanner(
+            directory=self.directory,
+            fingerprint=self.fingerprint,
+            disk=self.disk,
+            safeguards=self.safeguards,
+            skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
+            index=self._index,
+            quarantine=self._quarantine,
+            record_event=self._event,
+            relative=self._relative,
         )
+        return scanner.scan(rows_later)
 
-    def _mismatch(self, header: kvfile.Header, ns_dir_name: str, path: Path) -> str:
-        if header.fingerprint.get("digest") != self.fingerprint:
-            return f"fingerprint {header.fingerprint.get('digest')!r} is not this directory's {self.fingerprint!r}"
-        if namespace_dir_name(header.namespace) != ns_dir_name:
-            return f"namespace {header.namespace!r} does not belong in directory {ns_dir_name}"
-        if not _is_entry_id(path.stem):
-            return "file name is not an entry id"
-        if header.generation_checkpoint is not None:
-            return "a generation checkpoint outside the checkpoints directory"
-        return ""
-
-    def _reconcile_journal(self, journaled: dict[str, dict[str, Any]], trusted: set[str]) -> None:
+    def _reconcile_journal(self, journaled: JournalRows, trusted: set[str]) -> None:
         """The files are the truth: bring the journal's projection in line with
-        the scan, one event per correction, all in one transaction. Entries
-        indexed from the projection agree with it by construction."""
+        the scan (`reconciliation`), all corrections in one transaction."""
         if self.journal is None:
             return
-        corrections: list[ev.Event] = []
-        for entry_id, entry in sorted(self._entries.items()):
-            row = journaled.get(entry_id)
-            if entry_id in trusted:
-                continue
-            fields = self._fields(entry)
-            if row is None:
-                corrections.append(ev.ReconcileAdded(entry=fields))
-            elif _row_fields(row) != fields:
-                corrections.append(ev.ReconcileUpdated(entry=fields))
-        gone = sorted(set(journaled) - set(self._entries))
-        corrections.extend(ev.ReconcileRemoved(entry_id=entry_id) for entry_id in gone)
-        self.journal.append_many(corrections)
+        self.journal.append_many(reconciliation(self._entries, journaled, trusted, self._fields))
 
     # -- index -------------------------------------------------------------
 
@@ -875,46 +781,4 @@ def _trimmed(caches: list[Any], entry_tokens: int, usable_tokens: int) -> list[A
     return caches
 
 
-_ENTRY_ID = re.compile(r"[0-9a-f]{32}")
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector over the startup scan, then
-    restore its previous state. The scan allocates tens of thousands of
-    long-lived containers (trie nodes, entries, frontier tuples), and every
-    automatic collection traverses all those built so far: measured at 60-110
-    us per entry at 3,000 entries, a third of the scan. The scan makes no
-    cyclic garbage of note; reference counting frees the rest as before, and
-    the first collection after the scan finds whatever cycles there are."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _is_entry_id(name: str) -> bool:
-    return _ENTRY_ID.fullmatch(name) is not None
-
-
-def _entry_from_row(row: dict[str, Any], path: Path) -> IndexedEntry:
-    return IndexedEntry(
-        entry_id=row["entry_id"],
-        namespace=row["namespace"],
-        path=path,
-        tokens=np.frombuffer(row["token_ids"], dtype="<u4"),
-        bytes=row["bytes"],
-        mtime_ns=row["mtime_ns"],
-        trimmable=bool(row["trimmable"]),
-        minimum_reusable_offset=row["minimum_reusable_offset"],
-    )
-
-
-def _row_fields(row: dict[str, Any]) -> ev.EntryFields:
-    return ev.EntryFields(**{field.name: row[field.name] for field in attrs.fields(ev.EntryFields)})
-
-
-__all__ = ["SsdMatch", "SsdStore", "StoreError", "namespace_dir_name"]
+__all__ = ["IndexedEntry", "SsdMatch", "SsdStore", "StoreError", "namespace_dir_name"]
