@@ -114,11 +114,21 @@ class GrammarMask:
             allowed = np.zeros(self._vocab_tokens, dtype=np.uint8)
             allowed[self._end_token_ids] = 1
         else:
-            fill_next_token_bitmask(self._matcher, self._bitmask)
-            allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self._vocab_tokens]
-        width = logits.shape[-1]
-        # Logits past the tokenizer's vocabulary (padded embeddings) are never allowed.
-        if width > allowed.size:
-            allowed = np.concatenate([allowed, np.zeros(width - allowed.size, dtype=allowed.dtype)])
-        mask = mx.array(allowed[:width].astype(np.bool_))
-        return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
+            allowed = matcher_allowed_tokens(self._matcher, self._bitmask, self._vocab_tokens)
+        return masked_logits(logits, allowed)
+
+
+def matcher_allowed_tokens(matcher: llguidance.LLMatcher, bitmask: np.ndarray, vocab_tokens: int) -> np.ndarray:
+    """A 0/1 vector over the vocabulary of the tokens `matcher` allows next (`bitmask`: its scratch space)."""
+    fill_next_token_bitmask(matcher, bitmask)
+    return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_tokens]
+
+
+def masked_logits(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """`logits` with every token `allowed` (a 0/1 vector over the vocabulary) does not allow set to -inf."""
+    width = logits.shape[-1]
+    # Logits past the tokenizer's vocabulary (padded embeddings) are never allowed.
+    if width > allowed.size:
+        allowed = np.concatenate([allowed, np.zeros(width - allowed.size, dtype=allowed.dtype)])
+    mask = mx.array(allowed[:width].astype(np.bool_))
+    return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -46,10 +46,10 @@ import attrs
 import llguidance
 import mlx.core as mx
 import numpy as np
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance.numpy import allocate_token_bitmask
 
 from kvcellar.engine.scalars import item_int
-from kvcellar.engine.structured import GrammarError, token_table
+from kvcellar.engine.structured import GrammarError, masked_logits, matcher_allowed_tokens, token_table
 
 log = logging.getLogger("kvcellar.engine.tool_grammar")
 
@@ -185,13 +185,7 @@ class ToolCallGrammarMask:
         self._calls += 1
         if self.phase is Phase.FREE:
             return logits
-        allowed = self.allowed_tokens()
-        width = logits.shape[-1]
-        # Logits past the tokenizer's vocabulary (padded embeddings) are never allowed.
-        if width > allowed.size:
-            allowed = np.concatenate([allowed, np.zeros(width - allowed.size, dtype=allowed.dtype)])
-        mask = mx.array(allowed[:width].astype(np.bool_))
-        return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
+        return masked_logits(logits, self.allowed_tokens())
 
     def observe(self, token_id: int) -> None:
         """Advance the phase by one generated token."""
@@ -213,8 +207,7 @@ class ToolCallGrammarMask:
     def allowed_tokens(self) -> np.ndarray:
         """A 0/1 vector over the vocabulary of the tokens the phase allows next."""
         if self.phase is Phase.IN_CALL:
-            fill_next_token_bitmask(self._matcher, self._bitmask)
-            return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self._vocab_tokens]
+            return matcher_allowed_tokens(self._matcher, self._bitmask, self._vocab_tokens)
         allowed = np.zeros(self._vocab_tokens, dtype=np.uint8)
         if self.phase is Phase.TURN_OVER:
             allowed[self._end_token_ids] = 1
