@@ -205,6 +205,8 @@ class BufferCache(Protocol):
 
 
 class MlxBufferCache:
+    """MLX's buffer cache (engine/memory.py's `MlxMemoryMeter` adds the live-memory counters)."""
+
     def cache_bytes(self) -> int:
         return int(mx.get_cache_memory())
 

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import attrs
 import mlx.core as mx
 
-from kvcellar.engine.engine import BeforeChunk
+from kvcellar.engine.engine import BeforeChunk, BufferCache, MlxBufferCache
 from kvcellar.errors import KvCellarError
 from kvcellar.store.actor_events import MemoryRelieved
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
@@ -80,16 +80,15 @@ class InsufficientMemory(KvCellarError):
         }
 
 
-class MemoryMeter(Protocol):
-    """What the guard measures; `MlxMemoryMeter` reads MLX's allocator."""
+class MemoryMeter(BufferCache, Protocol):
+    """What the guard measures (the buffer cache as the engine thread releases
+    it, and the live memory); `MlxMemoryMeter` reads MLX's allocator."""
 
     def active_bytes(self) -> int: ...
     def peak_bytes(self) -> int: ...
-    def cache_bytes(self) -> int: ...
-    def clear_cache(self) -> None: ...
 
 
-class MlxMemoryMeter:
+class MlxMemoryMeter(MlxBufferCache):
     """MLX's allocator counters (they work on the CPU backend too)."""
 
     def active_bytes(self) -> int:
@@ -97,12 +96,6 @@ class MlxMemoryMeter:
 
     def peak_bytes(self) -> int:
         return int(mx.get_peak_memory())
-
-    def cache_bytes(self) -> int:
-        return int(mx.get_cache_memory())
-
-    def clear_cache(self) -> None:
-        mx.clear_cache()
 
 
 def physical_memory_bytes() -> int:
