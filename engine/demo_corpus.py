@@ -343,34 +343,13 @@ def code_conversation(rng: random.Random, function: FunctionDoc) -> Conversation
     return Conversation(messages=messages, tools=[])
 
 
-_SYLLABLE_STARTS = tuple(
-    [
-        "b",
-        "c",
-        "d",
-        "f",
-        "g",
-        "h",
-        "k",
-        "l",
-        "m",
-        "n",
-        "p",
-        "r",
-        "s",
-        "t",
-        "v",
-        "z",
-        "br",
-        "ch",
-        "dr",
-        "kr",
-        "pl",
-        "st",
-        "tr",
-    ]
+# fmt: off
+_SYLLABLE_STARTS = (
+    "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
+    "br", "ch", "dr", "kr", "pl", "st", "tr",
 )
-_SYLLABLE_VOWELS = tuple(["a", "e", "i", "o", "u", "a", "e", "i", "o", "ai", "ou"])
+# fmt: on
+_SYLLABLE_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "i", "o", "ai", "ou")
 _DIRECTORIES = ("", "src/", "docs/", "tests/", "app/")
 _FILE_SUFFIXES = (".py", ".md", ".txt", ".toml", ".json", ".csv", ".cfg")
 _OPERATORS = ("+", "-", "*", "/")
@@ -457,6 +436,9 @@ def tool_conversation(
 
 
 def _arguments(rng: random.Random, spec: ToolSpec, *, held_out: bool, varied_value_share: float) -> dict[str, str]:
+    """A later round's arguments. `tool_prompt` draws the pool values before deciding whether to
+    replace them, this draws only what it uses: the two orders stay apart because the committed
+    model's training chats were drawn so (`kvcellar model train` must reproduce them)."""
     if varied_value_share > 0 and not held_out and rng.random() < varied_value_share:
         return {name: varied_value(rng, slot) for name, slot in spec.parameters.items()}
     return {name: rng.choice(VALUE_POOLS[slot][1 if held_out else 0]) for name, slot in spec.parameters.items()}

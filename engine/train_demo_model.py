@@ -337,11 +337,12 @@ ROW_TOKENS_QUANTUM = 128
 
 @attrs.frozen(kw_only=True)
 class ConversationRow:
-    """One tokenized conversation and, per id, whether the assistant wrote it."""
+    """One tokenized conversation and, per id, its weight in the loss: 0 for context (what the
+    assistant did not write), 1 for the assistant's text, `tool_choice_loss_weight` for the
+    tokens that choose (`choice_spans`)."""
 
     ids: np.ndarray
-    # Per id: its weight in the loss (0 for context, 1 for the assistant's text, more in a tool call).
-    assistant: np.ndarray
+    weights: np.ndarray
 
 
 @attrs.frozen(kw_only=True)
@@ -384,7 +385,7 @@ def choice_spans(text: str, assistant: list[tuple[int, int]]) -> list[tuple[int,
 
 
 def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> ConversationRows:
-    """Phase three's whole conversations (own seed), tokenized with their assistant masks."""
+    """Phase three's whole conversations (own seed), tokenized with their loss weights."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -396,15 +397,14 @@ def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> Conversa
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         spans = assistant_spans(text)
         choices = choice_spans(text, spans)
-        weights = [
-            (choice_weight if any(begin <= first < end for begin, end in choices) else 1.0)
-            if any(begin <= first < end for begin, end in spans)
-            else 0.0
-            for first, _ in encoding["offset_mapping"]
-        ]
-        return ConversationRow(
-            ids=np.asarray(encoding["input_ids"], np.int32), assistant=np.asarray(weights, np.float32)
-        )
+
+        def weight(first: int) -> float:
+            if not any(begin <= first < end for begin, end in spans):
+                return 0.0
+            return choice_weight if any(begin <= first < end for begin, end in choices) else 1.0
+
+        weights = [weight(first) for first, _ in encoding["offset_mapping"]]
+        return ConversationRow(ids=np.asarray(encoding["input_ids"], np.int32), weights=np.asarray(weights, np.float32))
 
     rng = random.Random(config.seed + 2)
     tool_count = round(config.tool_conversations * config.tool_row_share)
@@ -439,7 +439,7 @@ def conversation_batch(rows: list[ConversationRow], tokens_max: int) -> tuple[np
     for index, row in enumerate(rows):
         ids = row.ids[: tokens + 1]
         windows[index, : len(ids)] = ids
-        mask[index, : len(ids) - 1] = row.assistant[1 : len(ids)]
+        mask[index, : len(ids) - 1] = row.weights[1 : len(ids)]
     return windows, mask
 
 

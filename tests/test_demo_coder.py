@@ -190,21 +190,21 @@ def test_phase_three_scores_only_what_the_assistant_writes():
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_CODER_DIR))
     for row in rows.tool:
-        written = tokenizer.decode(row.ids[row.assistant > 0].tolist())
+        written = tokenizer.decode(row.ids[row.weights > 0].tolist())
         # Each round: the call's turn and the answer's, each closed by `<|im_end|>`.
         rounds = written.count("<tool_call>")
         assert written.startswith("<tool_call>") and written.count("<|im_end|>") == 2 * rounds, written
         assert 1 <= rounds <= TINY_TRAINING.tool_rounds_max
         assert "<tools>" not in written and "<tool_response>" not in written
-        chosen = [tokenizer.decode([token]) for token in row.ids[row.assistant > 1].tolist()]
+        chosen = [tokenizer.decode([token]) for token in row.ids[row.weights > 1].tolist()]
         assert chosen[0] == "<tool_call>" and "".join(chosen).count("<tool_call>") == rounds, chosen
         assert "".join(chosen[1:]).startswith(tuple(TOOL_NAMES)), chosen
-        assert set(row.assistant.tolist()) == {0.0, 1.0, TINY_TRAINING.tool_choice_loss_weight}
+        assert set(row.weights.tolist()) == {0.0, 1.0, TINY_TRAINING.tool_choice_loss_weight}
     for row in rows.held_out_tool:
-        assert set(row.assistant.tolist()) == {0.0, 1.0}
+        assert set(row.weights.tolist()) == {0.0, 1.0}
     windows, mask = conversation_batch(rows.plain, 64)
     assert windows.shape == (2, 65) and mask.shape == (2, 64)
-    assert mask.sum() == sum(min(row.assistant[1:65].sum(), 64) for row in rows.plain)
+    assert mask.sum() == sum(min(row.weights[1:65].sum(), 64) for row in rows.plain)
 
 
 TOOL_NAMES = [spec.name for spec in demo_corpus.TOOL_SPECS]
