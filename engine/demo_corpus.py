@@ -455,43 +455,6 @@ def _tool_round(rng: random.Random, spec: ToolSpec, arguments: dict[str, str]) -
     ]
 
 
-_TOOL_NAME_VERBS = ("get", "find", "read", "run", "check", "list", "make", "fetch", "look_up", "show")
-
-
-def made_up_tool_name(rng: random.Random, taken: set[str]) -> str:
-    """A tool name no `TOOL_SPECS` entry has and none of `taken`: a verb or a made-up word, `_`, a made-up word."""
-    real = {spec.name for spec in TOOL_SPECS}
-    while True:
-        head = rng.choice(_TOOL_NAME_VERBS) if rng.random() < 0.7 else _pseudo_word(rng)
-        name = f"{head}_{_pseudo_word(rng)}"
-        if name not in real and name not in taken:
-            return name
-
-
-def with_made_up_tool_names(rng: random.Random, conversation: Conversation) -> Conversation:
-    """`conversation` with each offered tool renamed to a `made_up_tool_name`, in its schema and
-    in every call of it. A model trained on the 8 fixed names alone can write the name a request
-    usually wants without reading the offered tools (and then names tools that were not offered);
-    a name it cannot have seen can only be copied from the tool list."""
-    names: dict[str, str] = {}
-    for schema in conversation.tools:
-        names[schema["function"]["name"]] = made_up_tool_name(rng, set(names.values()))
-    tools = [
-        {**schema, "function": {**schema["function"], "name": names[schema["function"]["name"]]}}
-        for schema in conversation.tools
-    ]
-    messages = []
-    for message in conversation.messages:
-        if message.get("tool_calls"):
-            calls = [
-                {**call, "function": {**call["function"], "name": names[call["function"]["name"]]}}
-                for call in message["tool_calls"]
-            ]
-            message = {**message, "tool_calls": calls}
-        messages.append(message)
-    return Conversation(messages=messages, tools=tools)
-
-
 def conversations(rng: random.Random, functions: list[FunctionDoc], count: int) -> Iterator[Conversation]:
     """`count` chats, about half of them tool-use chats."""
     for _ in range(count):

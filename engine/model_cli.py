@@ -195,14 +195,6 @@ def list_command() -> None:
     help="Phase three's tool chats hold 1 to this many request/call/answer rounds.",
 )
 @click.option(
-    "--tool-restart-made-up-names",
-    "tool_restart_made_up_name_share",
-    type=click.FloatRange(0, 1),
-    default=0.0,
-    show_default=True,
-    help="Share of the warm restart's tool chats whose offered tools get made-up names (teaches reading the list).",
-)
-@click.option(
     "--from-model",
     "from_model",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -219,7 +211,6 @@ def train_command(
     tool_varied_value_share: float,
     tool_choice_loss_weight: float,
     tool_rounds_max: int,
-    tool_restart_made_up_name_share: float,
     from_model: Path | None,
     force: bool,
 ) -> None:
@@ -241,7 +232,6 @@ def train_command(
         tool_varied_value_share=tool_varied_value_share,
         tool_choice_loss_weight=tool_choice_loss_weight,
         tool_rounds_max=tool_rounds_max,
-        tool_restart_made_up_name_share=tool_restart_made_up_name_share,
     )
 
     def report(line: str) -> None:

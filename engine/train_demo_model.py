@@ -111,11 +111,6 @@ class TrainingConfig:
     # Phase three's tool chats hold 1 to this many request/call/result/answer rounds (uniformly): the
     # tool list is most of a chat's tokens, and each round after the first adds a choice for ~70 more.
     tool_rounds_max: int = 4
-    # Share of the warm restart's tool chats (the same chats as the first round's) whose offered
-    # tools carry made-up names (`demo_corpus.with_made_up_tool_names`): with the 8 fixed names
-    # alone the model wrote the name a request usually wants, offered or not, and did not learn to
-    # read the tool list; a name it has never seen can only be copied from there.
-    tool_restart_made_up_name_share: float = 0.0
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -389,11 +384,8 @@ def choice_spans(text: str, assistant: list[tuple[int, int]]) -> list[tuple[int,
     return spans
 
 
-def build_conversation_rows(
-    model_dir: Path, config: TrainingConfig, *, made_up_name_share: float = 0.0
-) -> ConversationRows:
-    """Phase three's whole conversations (own seed), tokenized with their loss weights; that share
-    of the tool chats with made-up tool names (their own seed, so the chats stay the same)."""
+def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> ConversationRows:
+    """Phase three's whole conversations (own seed), tokenized with their loss weights."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -414,17 +406,19 @@ def build_conversation_rows(
         weights = [weight(first) for first, _ in encoding["offset_mapping"]]
         return ConversationRow(ids=np.asarray(encoding["input_ids"], np.int32), weights=np.asarray(weights, np.float32))
 
-    rng, names_rng = random.Random(config.seed + 2), random.Random(config.seed + 4)
-
-    def tool_chat() -> demo_corpus.Conversation:
-        rounds = rng.randint(1, config.tool_rounds_max)
-        chat = demo_corpus.tool_conversation(rng, varied_value_share=config.tool_varied_value_share, rounds=rounds)
-        if made_up_name_share > 0 and names_rng.random() < made_up_name_share:
-            chat = demo_corpus.with_made_up_tool_names(names_rng, chat)
-        return chat
-
+    rng = random.Random(config.seed + 2)
     tool_count = round(config.tool_conversations * config.tool_row_share)
-    tool = [encode(tool_chat(), config.tool_choice_loss_weight) for _ in range(tool_count)]
+    tool = [
+        encode(
+            demo_corpus.tool_conversation(
+                rng,
+                varied_value_share=config.tool_varied_value_share,
+                rounds=rng.randint(1, config.tool_rounds_max),
+            ),
+            config.tool_choice_loss_weight,
+        )
+        for _ in range(tool_count)
+    ]
     plain = [
         encode(demo_corpus.code_conversation(rng, rng.choice(functions)))
         for _ in range(config.tool_conversations - tool_count)
@@ -477,8 +471,7 @@ def train_tool_phase(
     report = progress or (lambda line: None)
     out_dir = Path(out_dir)
     streams = streams if streams is not None else build_streams(out_dir, config)
-    made_up_name_share = config.tool_restart_made_up_name_share if restart else 0.0
-    rows = build_conversation_rows(out_dir, config, made_up_name_share=made_up_name_share)
+    rows = build_conversation_rows(out_dir, config)
     if log is None:
         log = json.loads((out_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
         log["config"] = attrs.asdict(config)
@@ -528,7 +521,6 @@ SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
     "tool_varied_value_share": 0.0,
     "tool_choice_loss_weight": 1.0,
     "tool_rounds_max": 1,
-    "tool_restart_made_up_name_share": 0.0,
 }
 
 
@@ -550,7 +542,7 @@ def train_from_model(
     except (OSError, ValueError) as e:
         raise ModelError(f"{source_dir} has no readable {TRAINING_LOG_FILE_NAME}: {e}") from e
     phases_done = len(source_log.get("phase_wall_s", [None]))
-    later_keys = {"tool_restart_steps", "tool_restart_made_up_name_share"}
+    later_keys = {"tool_restart_steps"}
     if phases_done == 2:
         later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
         later_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}

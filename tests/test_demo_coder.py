@@ -146,7 +146,6 @@ TINY_TRAINING = TrainingConfig(
     tool_restart_steps=1,
     tool_varied_value_share=0.5,
     tool_choice_loss_weight=3.0,
-    tool_restart_made_up_name_share=0.5,
     batch_rows=2,
     window_tokens=32,
     warmup_steps=1,
@@ -227,47 +226,6 @@ def test_varied_tool_arguments_are_made_up_and_come_from_the_request():
     )
 
 
-def test_made_up_tool_names_replace_each_offered_tool_in_its_schema_and_its_calls():
-    for seed in range(30):
-        chat = demo_corpus.tool_conversation(random.Random(seed), rounds=3)
-        renamed = demo_corpus.with_made_up_tool_names(random.Random(seed), chat)
-        names = [schema["function"]["name"] for schema in renamed.tools]
-        assert len(set(names)) == len(names) and not set(names) & set(TOOL_NAMES)
-        assert all(name.isidentifier() for name in names)
-        renames = {
-            old["function"]["name"]: new["function"]["name"] for old, new in zip(chat.tools, renamed.tools, strict=True)
-        }
-        for old, new in zip(chat.tools, renamed.tools, strict=True):
-            assert {**old["function"], "name": None} == {**new["function"], "name": None}
-        for old_message, new_message in zip(chat.messages, renamed.messages, strict=True):
-            calls = [
-                (call["function"]["name"], call["function"]["arguments"]) for call in old_message.get("tool_calls", [])
-            ]
-            new_calls = [
-                (call["function"]["name"], call["function"]["arguments"]) for call in new_message.get("tool_calls", [])
-            ]
-            assert new_calls == [(renames[name], arguments) for name, arguments in calls]
-            assert old_message.get("content") == new_message.get("content")
-
-
-def test_the_warm_restarts_rows_are_the_same_chats_with_made_up_tool_names():
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_CODER_DIR))
-    first_round = build_conversation_rows(DEMO_CODER_DIR, TINY_TRAINING)
-    restart = build_conversation_rows(DEMO_CODER_DIR, TINY_TRAINING, made_up_name_share=1.0)
-    for before, after in zip(
-        first_round.plain + first_round.held_out_tool, restart.plain + restart.held_out_tool, strict=True
-    ):
-        assert before.ids.tolist() == after.ids.tolist()
-    assert len(restart.tool) == len(first_round.tool)
-    for before, after in zip(first_round.tool, restart.tool, strict=True):
-        chosen = tokenizer.decode(after.ids[after.weights > 1].tolist())
-        assert chosen.startswith("<tool_call>") and not any(name in chosen for name in TOOL_NAMES), chosen
-        # The same requests and results: only the names differ.
-        assert tokenizer.decode(before.ids.tolist()).count("<tool_response>") == chosen.count("<tool_call>")
-
-
 def test_model_train_options_default_to_the_training_config_that_made_the_committed_model():
     from kvcellar.engine.model_cli import train_command
 
@@ -275,5 +233,4 @@ def test_model_train_options_default_to_the_training_config_that_made_the_commit
     config_defaults = attrs.asdict(TrainingConfig())
     shared = set(defaults) & set(config_defaults)
     assert {"steps", "tool_steps", "tool_varied_value_share", "tool_choice_loss_weight"} <= shared
-    assert {"tool_rounds_max", "tool_restart_steps", "tool_restart_made_up_name_share"} <= shared
     assert {name: defaults[name] for name in shared} == {name: config_defaults[name] for name in shared}
