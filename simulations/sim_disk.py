@@ -426,6 +426,10 @@ class SimDisk:
         """Page-cache advice: a simulated disk has no page cache, and advice
         is no operation (no fault roll, no clock step), so it changes nothing."""
 
+    def start_writeback(self, handle: SimHandle, offset: int, length: int) -> None:
+        """Writeback advice: a simulated disk makes bytes durable only at an
+        fsync, and advice is no operation (no fault roll, no clock step)."""
+
     @_operation
     def size(self, handle: SimHandle) -> int:
         return len(self._file_of(handle, "stat").volatile)

@@ -1,18 +1,23 @@
 """Moving a `.kvc` entry's tensor bytes between the file and MLX, overlapped.
 
 Restore (`TensorReadPipeline`): each tensor is allocated as its final MLX
-array (step-rounded capacity, uninitialised: `mx.empty`), and a reader thread
-`preadv`s the tensor's rows from the file straight into that array's memory
-while the calling thread checksums the tensors already read. There is no host
-staging buffer and no host-to-MLX copy, so the peak transient beyond the
-restored entry itself is nothing but the page cache, whose pages the reader
-drops (`Disk.drop_cached`) as soon as a tensor is in memory. Only the slack
-rows past each slot's persisted rows are zero-filled: the persisted rows are
-overwritten at once, so zeroing them would be wasted work.
+array (step-rounded capacity, `mx.zeros`: MLX has no uninitialised
+allocation, its `mx.empty` is `mx.zeros`), and a reader thread `preadv`s the
+tensor's rows from the file straight into that array's memory while the
+calling thread checksums the tensors already read. There is no host staging
+buffer and no host-to-MLX copy, so the peak transient beyond the restored
+entry itself is nothing but the page cache, whose pages the reader drops
+(`Disk.drop_cached`) once read, in batches of `DROP_BATCH_BYTES`: each drop
+call has a fixed cost (the kernel drains every CPU's page lists when a
+just-read page is still on one), about 1-2 ms, which per 8 MiB tensor was a
+third of a warm load. The zero-fill runs on the calling thread, so its page
+faults overlap the reader's copies; the slack rows are zero from it.
 
 Save (`write_and_hash`): one tensor's segments are written by a helper thread
-while the calling thread checksums them; the commit protocol around it is the
-caller's (`kvfile.KvFileWriter`).
+while the calling thread checksums them, and the written range's writeback
+is started at once (`Disk.start_writeback`), so the device writes while the
+next tensor is copied in instead of all at the commit's fsync; the commit
+protocol around it is the caller's (`kvfile.KvFileWriter`).
 
 Threads: the caller (the engine thread) does every MLX call, allocation
 included; the reader and writer threads only move bytes through `Disk` into or
@@ -67,6 +72,9 @@ class _ReadJob:
 
 _FINISHED = object()
 OVERLAP_BYTES_MIN = 1 << 20
+# Read bytes whose pages may wait in the page cache before one drop call: bounds
+# the cache's copy of an entry being loaded to this plus one tensor.
+DROP_BATCH_BYTES = 64 << 20
 
 
 def _mlx_dtype(record: TensorRecord) -> Any:
@@ -75,9 +83,9 @@ def _mlx_dtype(record: TensorRecord) -> Any:
 
 
 def _allocate(record: TensorRecord, capacity_rows: int | None, path: Path) -> tuple[mx.array, _ReadJob]:
-    """The final MLX array of one tensor (uninitialised except for zeroed
-    slack rows) and the runs the reader fills: with a capacity, each leading
-    slot's rows are contiguous in the file and land at the start of its slot."""
+    """The final MLX array of one tensor (zero-filled, so its slack rows are
+    zero) and the runs the reader fills: with a capacity, each leading slot's
+    rows are contiguous in the file and land at the start of its slot."""
     part = f"tensor {record.name}"
     shape = tuple(record.shape)
     dtype = _mlx_dtype(record)
@@ -85,7 +93,7 @@ def _allocate(record: TensorRecord, capacity_rows: int | None, path: Path) -> tu
         raise CorruptEntry(f"{path}: {part} shape {shape} does not match its {record.length} bytes", part="header")
     padded = capacity_rows is not None and len(shape) >= 2 and capacity_rows > shape[-2]
     full_shape = (*shape[:-2], capacity_rows, shape[-1]) if padded and capacity_rows else shape
-    array = mx.empty(full_shape, dtype=dtype)
+    array = mx.zeros(full_shape, dtype=dtype)
     mx.eval(array)
     flat = memoryview(array).cast("B")  # type: ignore[arg-type]  # stubs omit mx.array's buffer protocol
     if not padded:
@@ -93,11 +101,9 @@ def _allocate(record: TensorRecord, capacity_rows: int | None, path: Path) -> tu
     row_bytes = shape[-1] * dtype.size
     slot_bytes = full_shape[-2] * row_bytes
     kept_bytes = shape[-2] * row_bytes
-    slots = np.frombuffer(flat, dtype=np.uint8).reshape(-1, slot_bytes)
-    slots[:, kept_bytes:] = 0
     runs = tuple(
         (record.file_offset + slot * kept_bytes, flat[slot * slot_bytes : slot * slot_bytes + kept_bytes])
-        for slot in range(slots.shape[0])
+        for slot in range(len(flat) // slot_bytes)
     )
     return array, _ReadJob(record=record, runs=runs)
 
@@ -112,11 +118,16 @@ class TensorReadPipeline:
     hold their bytes only once `finish()` returned.
     """
 
-    def __init__(self, disk: Disk, handle: Any, path: Path, *, verify: bool) -> None:
+    def __init__(
+        self, disk: Disk, handle: Any, path: Path, *, verify: bool, drop_batch_bytes: int = DROP_BATCH_BYTES
+    ) -> None:
         self._disk = disk
         self._handle = handle
         self._path = path
         self._verify = verify
+        self._drop_batch_bytes = drop_batch_bytes
+        # The file range read but not yet dropped from the page cache: [start, end). Reader's only.
+        self._undropped: tuple[int, int] | None = None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
@@ -137,6 +148,7 @@ class TensorReadPipeline:
     def _read_all(self) -> None:
         while (job := self._jobs.get()) is not _FINISHED:
             self._read_one(job)
+        self._drop_undropped()
         self._done.put(_FINISHED)
 
     def _read_one(self, job: _ReadJob) -> None:
@@ -153,6 +165,7 @@ class TensorReadPipeline:
     def _stop_reader(self) -> None:
         """Tell the reader (or, inline, the result queue) that no job follows."""
         if self._thread is None:
+            self._drop_undropped()
             self._done.put(_FINISHED)
         else:
             self._jobs.put(_FINISHED)
@@ -164,7 +177,16 @@ class TensorReadPipeline:
             if got != len(destination):
                 raise CorruptEntry(f"{self._path}: truncated tensor {record.name}", part=f"tensor {record.name}")
         # The bytes now live in the MLX array: the page cache's copy would only double the entry.
-        self._disk.drop_cached(self._handle, record.file_offset, record.length)
+        start = record.file_offset if self._undropped is None else self._undropped[0]
+        self._undropped = (start, record.file_offset + record.length)
+        if self._undropped[1] - start >= self._drop_batch_bytes:
+            self._drop_undropped()
+
+    def _drop_undropped(self) -> None:
+        if self._undropped is not None:
+            start, end = self._undropped
+            self._disk.drop_cached(self._handle, start, end - start)
+            self._undropped = None
 
     def finish(self) -> None:
         """Verify every tensor as it arrives; raise the first failure once the reader stopped."""
@@ -201,18 +223,21 @@ class TensorReadPipeline:
 
 def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memoryview]) -> bytes:
     """Write `segments` back to back from `offset` on a helper thread while
-    this thread checksums them; returns the xxh3-64 digest of their bytes.
+    this thread checksums them, then start the range's writeback; returns the
+    xxh3-64 digest of their bytes.
     Raises the write's error (after the helper stopped) when it fails.
     A tensor under `OVERLAP_BYTES_MIN` is written and hashed inline: a thread
     start would cost more than the overlap saves; so is every tensor on a disk
     without `concurrent_io`."""
-    if not disk.concurrent_io or sum(segment.nbytes for segment in segments) < OVERLAP_BYTES_MIN:
+    total_bytes = sum(segment.nbytes for segment in segments)
+    if not disk.concurrent_io or total_bytes < OVERLAP_BYTES_MIN:
         hasher = xxhash.xxh3_64()
         cursor = offset
         for segment in segments:
             hasher.update(segment)
             disk.write_at(handle, cursor, segment)
             cursor += segment.nbytes
+        disk.start_writeback(handle, offset, total_bytes)
         return hasher.digest()
     failure: list[BaseException] = []
 
@@ -222,6 +247,7 @@ def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memo
             for segment in segments:
                 disk.write_at(handle, cursor, segment)
                 cursor += segment.nbytes
+            disk.start_writeback(handle, offset, total_bytes)
         except BaseException as e:  # re-raised on the calling thread below
             failure.append(e)
 

@@ -135,17 +135,98 @@ def test_verify_off_returns_the_bytes_on_disk_unchecked(big_entry, tmp_path):
         kvfile.load(damaged, verify=True)
 
 
-def test_every_tensor_range_is_dropped_from_the_page_cache_once_read(big_entry):
+class _DropRecordingDisk(RealDisk):
+    def __init__(self) -> None:
+        self.dropped: list[tuple[int, int]] = []
+
+    def drop_cached(self, handle, offset, length):
+        self.dropped.append((offset, length))
+        super().drop_cached(handle, offset, length)
+
+
+def _covered_tensors(header, dropped: list[tuple[int, int]]) -> list[list[str]]:
+    """The names of the tensors inside each dropped range, per drop call."""
+    return [
+        [r.name for r in header.tensor_records() if start <= r.file_offset <= start + length - r.length]
+        for start, length in dropped
+    ]
+
+
+def test_a_load_drops_the_page_cache_of_every_tensor_in_one_batch_per_64_mib(big_entry):
     path, header, _ = big_entry
-    dropped: list[tuple[int, int]] = []
+    records = list(header.tensor_records())
+    assert header.payload_bytes < tensor_io.DROP_BATCH_BYTES
+    disk = _DropRecordingDisk()
+    kvfile.load(path, disk=disk)
+    # One call for the whole payload, not one per tensor: each call has a fixed cost.
+    end = records[-1].file_offset + records[-1].length
+    assert disk.dropped == [(records[0].file_offset, end - records[0].file_offset)]
 
-    class _RecordingDisk(RealDisk):
-        def drop_cached(self, handle, offset, length):
-            dropped.append((offset, length))
-            super().drop_cached(handle, offset, length)
 
-    kvfile.load(path, disk=_RecordingDisk())
-    assert dropped == [(record.file_offset, record.length) for record in header.tensor_records()]
+def test_a_smaller_drop_batch_drops_consecutive_tensors_once_each(big_entry):
+    path, header, caches = big_entry
+    records = list(header.tensor_records())
+    disk = _DropRecordingDisk()
+    handle = disk.open_read(path)
+    try:
+        pipeline = tensor_io.TensorReadPipeline(disk, handle, path, verify=True, drop_batch_bytes=2 * records[0].length)
+        restored = codecs.rebuild_caches(header.caches, pipeline.allocate)
+        pipeline.finish()
+    finally:
+        disk.close(handle)
+    names = [record.name for record in records]
+    assert _covered_tensors(header, disk.dropped) == [names[i : i + 2] for i in range(0, len(names), 2)]
+    assert mx.array_equal(restored[-1].values[..., :ROWS, :], caches[-1].values[..., :ROWS, :]).item()
+
+
+class _WritebackRecordingDisk(RealDisk):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def write_at(self, handle, offset, data):
+        self.calls.append(("write_at", offset, memoryview(data).nbytes))
+        super().write_at(handle, offset, data)
+
+    def start_writeback(self, handle, offset, length):
+        self.calls.append(("start_writeback", offset, length))
+        super().start_writeback(handle, offset, length)
+
+    def fsync(self, handle):
+        self.calls.append(("fsync", 0, 0))
+        super().fsync(handle)
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["overlapped", "inline"])
+def test_save_starts_each_tensors_writeback_after_its_writes_and_before_the_fsync(threaded, tmp_path):
+    caches, tokens = _entry()
+    disk = _WritebackRecordingDisk()
+    disk.concurrent_io = threaded
+    header = kvfile.save(tmp_path / "wb.kvc", caches, tokens, disk=disk)
+    writebacks = [(offset, length) for op, offset, length in disk.calls if op == "start_writeback"]
+    assert writebacks == [(record.file_offset, record.length) for record in header.tensor_records()]
+    for record in header.tensor_records():
+        started = disk.calls.index(("start_writeback", record.file_offset, record.length))
+        tensor_writes = [
+            i
+            for i, (op, offset, _) in enumerate(disk.calls)
+            if op == "write_at" and record.file_offset <= offset < record.file_offset + record.length
+        ]
+        assert tensor_writes and max(tensor_writes) < started
+    assert max(i for i, call in enumerate(disk.calls) if call[0] == "start_writeback") < disk.calls.index(
+        ("fsync", 0, 0)
+    )
+    assert kvfile.verify_file(tmp_path / "wb.kvc") == header
+
+
+def test_start_writeback_is_advice_that_never_raises(tmp_path):
+    disk = RealDisk()
+    handle = disk.create_exclusive(tmp_path / "advice.bin")
+    disk.write_at(handle, 0, b"kv" * 50_000)
+    disk.start_writeback(handle, 0, 100_000)
+    disk.fsync(handle)
+    disk.close(handle)
+    assert (tmp_path / "advice.bin").read_bytes() == b"kv" * 50_000
+    disk.start_writeback(handle, 0, 100_000)  # a closed descriptor: advice fails silently
 
 
 class _FailingPayloadWriteDisk(RealDisk):
