@@ -172,7 +172,7 @@ def _generated_and_first_step_buffers(loaded, caches, cached: int):
     key buffers right after its first token."""
     generator = LeanBatchGenerator(loaded.model, completion_batch_size=2, prefill_batch_size=2, prefill_step_size=16)
     try:
-        (uid,) = generator.insert_segments(
+        generator.insert_segments(
             [[list(PROMPT[cached:])]], max_tokens=[NEW_TOKENS], caches=[caches], all_tokens=[list(PROMPT[:cached])]
         )
         del caches
