@@ -27,6 +27,12 @@ What a RAM hit copies, then: the merge, once (the lent views are read, never
 written: the RAM entry stays byte-identical). mlx-lm's stock path copies the
 reused rows four times; mlx_lm.server deep-copies its cache entry first, five.
 
+An SSD restore's caches are not lent: the restore made them for this one row
+(step-rounded capacity with at least a step of slack). engine/batch.py
+inserts them through `owned_row_caches`, and a prompt batch of that row alone
+adopts their buffers (`adopt_row`): a restore copies nothing on this lane.
+The wrappers of both kinds live from the row's insertion to the merge.
+
 This relies on mlx-lm 0.32's `BatchGenerator` keeping its prompt batch as
 `_prompt_batch` (pyproject pins `mlx-lm<0.33`; tests/test_batch_generator.py
 fails when that changes). Engine thread only, as all MLX work.
