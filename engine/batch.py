@@ -57,7 +57,7 @@ from typing import Any, cast
 import attrs
 from mlx_lm.models import cache as mlx_cache
 
-from kvcellar.engine.batch_generator import LeanBatchGenerator
+from kvcellar.engine.batch_generator import LeanBatchGenerator, capacity_merging_caches, owned_row_caches
 from kvcellar.engine.checkpointing import Checkpointing, RequestCheckpoints
 from kvcellar.engine.detokenize import TextAssembler
 from kvcellar.engine.engine import (
@@ -72,6 +72,7 @@ from kvcellar.engine.generation import (
     SNAPSHOT_PREFILL_TOKENS_MIN,
     GenerationDone,
     GenerationRequest,
+    Reuse,
     TokenDelta,
     delta_logprob,
     take_reuse,
@@ -313,7 +314,7 @@ class BatchLoop:
             # A cold row has no caches: mlx-lm takes None for it, which its annotation does not say.
             [segments],
             max_tokens=[params.max_tokens],
-            caches=cast("list[list[Any]]", [self._row_caches(reuse.caches, row.request)]),
+            caches=cast("list[list[Any]]", [self._joining_caches(reuse, row.request)]),
             all_tokens=[prompt[:cached_tokens]],
             samplers=[sampler],
             logits_processors=[build_processors(params, self._loaded.tokenizer) + request.make_logits_processors()],
@@ -554,6 +555,19 @@ class BatchLoop:
         assert self._loaded is not None
         fresh = caches if caches is not None else mlx_cache.make_prompt_cache(self._loaded.model)
         return self.paged_kv.page(fresh, len(request.prompt_ids) + request.params.max_tokens)
+
+    def _joining_caches(self, reuse: Reuse, request: GenerationRequest) -> list[Any] | None:
+        """`_row_caches` of a fresh row, marked for the prompt batch's merge:
+        an SSD restore's caches, which no one else holds (the restore made
+        them for this row), as the row's own, so a one-row prompt batch adopts
+        them uncopied; lent ones (a RAM hit's views) to be merged with a step
+        of capacity, so the first step after the one copy writes in place."""
+        caches = self._row_caches(reuse.caches, request)
+        if caches is None or caches is not reuse.caches:
+            return caches
+        if reuse.tier == "ssd":
+            return owned_row_caches(caches)
+        return capacity_merging_caches(caches)
 
     def _live_kv_bytes(self, guard: MemoryGuard, rows: int, longest: int) -> int:
         """The batch's live KV: rows x the longest row (padded rows), or with

@@ -27,6 +27,12 @@ What a RAM hit copies, then: the merge, once (the lent views are read, never
 written: the RAM entry stays byte-identical). mlx-lm's stock path copies the
 reused rows four times; mlx_lm.server deep-copies its cache entry first, five.
 
+An SSD restore's caches are not lent: the restore made them for this one row
+(step-rounded capacity with at least a step of slack). engine/batch.py
+inserts them through `owned_row_caches`, and a prompt batch of that row alone
+adopts their buffers (`adopt_row`): a restore copies nothing on this lane.
+The wrappers of both kinds live from the row's insertion to the merge.
+
 This relies on mlx-lm 0.32's `BatchGenerator` keeping its prompt batch as
 `_prompt_batch` (pyproject pins `mlx-lm<0.33`; tests/test_batch_generator.py
 fails when that changes). Engine thread only, as all MLX work.
@@ -75,8 +81,9 @@ def merge_with_capacity(caches: list[Any]) -> BatchKVCache:
 
 class _MergingWithCapacity(KVCache):
     """A row's plain layer as the prompt batch is made: mlx-lm merges layer i
-    through row 0's `merge`, and this one leaves capacity. Lives only inside
-    `LeanBatchGenerator._make_batch` (the merge copies it away)."""
+    through row 0's `merge`, and this one leaves capacity. Lives only until
+    the prompt batch is made (`capacity_merging_caches`; the merge copies it
+    away)."""
 
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchKVCache:
@@ -89,6 +96,58 @@ def _with_capacity_merge(layer: Any) -> Any:
     wrapped = _MergingWithCapacity()
     wrapped.keys, wrapped.values, wrapped.offset = layer.keys, layer.values, layer.offset
     return wrapped
+
+
+def capacity_merging_caches(caches: list[Any]) -> list[Any]:
+    """A row's lent caches as the batch lane inserts them: plain layers
+    marked so that the merge leaves a step of capacity (`merge_with_capacity`);
+    other kinds as they are."""
+    return [_with_capacity_merge(layer) for layer in caches]
+
+
+def adopt_row(cache: Any) -> BatchKVCache:
+    """A one-row `BatchKVCache` over `cache`'s own buffers: no copy. Only for
+    a layer nothing else refers to (its step writes into those buffers). The
+    restore leaves its slack rows zeroed, as `merge_with_capacity` does."""
+    # Any: mlx-lm leaves the cache attributes unannotated, so mypy types `keys` as None.
+    adopted: Any = BatchKVCache([0])
+    if cache.keys is None:
+        return adopted
+    adopted.keys, adopted.values = cache.keys, cache.values
+    adopted.offset += cache.offset
+    adopted._idx = cache.offset
+    return adopted
+
+
+class _OwnedRow(KVCache):
+    """A row's plain layer that the row owns outright: restored from the SSD
+    tier into fresh arrays of step-rounded capacity, lent to no one. A prompt
+    batch made of that row alone adopts its buffers (`adopt_row`), so the
+    restored rows are not copied and the first step writes in place; a batch
+    with other rows merges with capacity (one copy). Lives only until the
+    prompt batch is made (`owned_row_caches`)."""
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchKVCache:
+        if len(caches) == 1:
+            return adopt_row(caches[0])
+        return merge_with_capacity(caches)
+
+
+def owned_row_caches(caches: list[Any]) -> list[Any]:
+    """The caches of a row that owns them (an SSD restore), as the batch
+    lane inserts them: plain layers marked so that a one-row merge adopts
+    their buffers; other kinds as they are. The caller must drop its own
+    references to `caches`' arrays: the batch writes into them."""
+    marked: list[Any] = []
+    for layer in caches:
+        if type(layer) is not KVCache:
+            marked.append(layer)
+            continue
+        owned = _OwnedRow()
+        owned.keys, owned.values, owned.offset = layer.keys, layer.values, layer.offset
+        marked.append(owned)
+    return marked
 
 
 class MovingPromptBatch(PromptProcessingBatch):

@@ -4,8 +4,9 @@ cache are persisted, and how a cache is rebuilt from them.
 Every codec persists only rows up to `offset` (never slack), except a wrapped
 rotating ring, which is persisted raw with its ring index because reordering
 it into time order is not bit-exact. Rebuilt plain, quantized and chunked KV
-land in a capacity rounded up past `offset` to the next 256-row step, so the
-first decode step after a restore updates in place instead of concatenating.
+land in a capacity of at least one 256-row step past `offset`, rounded to a
+step, so the first decode steps after a restore update in place instead of
+concatenating.
 Each record carries its cache's minimum reusable offset; a rebuilt cache that
 cannot derive that bound from its own state declares it again.
 """
@@ -218,7 +219,12 @@ def plan_caches(caches: Sequence[Any], token_count: int) -> tuple[list[CacheReco
 
 
 def _step_capacity(rows: int) -> int:
-    return (rows // STEP_ROWS + 1) * STEP_ROWS
+    """Rows rounded up past `rows + STEP_ROWS` to a step: at least a step of
+    slack, so neither the first step after a restore (the prompt's last
+    tokens) nor the one mlx-lm's generators run ahead before handing out the
+    first token grows the cache, which copies every row (a restore of
+    2^k - 1 rows would otherwise have one row of slack)."""
+    return (rows // STEP_ROWS + 2) * STEP_ROWS
 
 
 TensorReader = Callable[..., mx.array]

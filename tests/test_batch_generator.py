@@ -1,6 +1,7 @@
 """The batch lane's generator (engine/batch_generator.py): a RAM hit moves its
 prompt batch to generation without copying it, the tokens are mlx-lm's, and
-the RAM entry the hit was lent from stays byte-identical."""
+the RAM entry the hit was lent from stays byte-identical; an SSD restore's own
+caches are adopted by a one-row batch without a copy."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from kvcellar.engine.batch_generator import LeanBatchGenerator, MovingPromptBatch, merge_with_capacity
+from kvcellar.engine.batch_generator import (
+    LeanBatchGenerator,
+    MovingPromptBatch,
+    merge_with_capacity,
+    owned_row_caches,
+)
 from kvcellar.engine.engine import SamplingParams, _load, prefill
 from kvcellar.engine.generation import GenerationRequest, TokenDelta, run_generation
+from kvcellar.store import kvfile
 from kvcellar.store.lending import cache_arrays
 from kvcellar.store.prompt_cache import PromptCache
 
@@ -149,3 +156,60 @@ def test_a_merge_with_capacity_holds_what_mlx_lms_merge_holds_and_a_step_more():
         assert np.array_equal(np.array(mine[..., :300, :]), np.array(theirs))
         assert not np.array(mine[..., 300:, :]).any()
     assert merge_with_capacity([_filled(0)]).keys is None
+
+
+def _buffer_address(array: mx.array) -> int:
+    """Where the array's bytes live (a step that copies moves them)."""
+    view = memoryview(array)
+    try:
+        return np.frombuffer(view, dtype=np.uint8).ctypes.data
+    finally:
+        view.release()
+
+
+def _generated_and_first_step_buffers(loaded, caches, cached: int):
+    """The tokens a one-row hit on `caches` decodes, and its batch cache's
+    key buffers right after its first token."""
+    generator = LeanBatchGenerator(loaded.model, completion_batch_size=2, prefill_batch_size=2, prefill_step_size=16)
+    try:
+        generator.insert_segments(
+            [[list(PROMPT[cached:])]], max_tokens=[NEW_TOKENS], caches=[caches], all_tokens=[list(PROMPT[:cached])]
+        )
+        del caches
+        tokens: list[int] = []
+        buffers: list[int] = []
+        while True:
+            _, responses = generator.next()
+            for response in responses:
+                if not buffers:
+                    buffers = [_buffer_address(layer.keys) for layer in generator._generation_batch.prompt_cache]
+                tokens.append(response.token)
+                if response.finish_reason is not None:
+                    return tokens, buffers
+    finally:
+        generator.close()
+
+
+def test_an_ssd_restored_row_is_adopted_uncopied_and_decodes_what_a_copying_merge_decodes(loaded, tmp_path):
+    cached = len(PROMPT) - 1
+    path = tmp_path / "entry.kvc"
+    kvfile.save(path, _entry(loaded, PROMPT[:cached]), list(PROMPT[:cached]))
+
+    restored = kvfile.load(path).caches
+    restored_buffers = [_buffer_address(layer.keys) for layer in restored]
+    owned_tokens, first_step_buffers = _generated_and_first_step_buffers(loaded, owned_row_caches(restored), cached)
+    del restored
+    copied_tokens, copied_buffers = _generated_and_first_step_buffers(loaded, kvfile.load(path).caches, cached)
+    cold = _generate(LeanBatchGenerator, loaded, [(PROMPT, None, 0)])
+
+    assert first_step_buffers == restored_buffers, "the batch writes into the restored buffers"
+    assert not set(copied_buffers) & set(restored_buffers)
+    assert owned_tokens == copied_tokens == cold[0]
+
+
+def test_an_owned_row_beside_another_row_is_merged_with_capacity():
+    alone, other = _filled(300), _filled(5)
+    (owned,) = owned_row_caches([alone])
+    merged = type(owned).merge([owned, other])
+    assert merged.keys.shape[0] == 2 and merged.keys.shape[2] == 512 and merged._idx == 300
+    assert np.array_equal(np.array(merged.keys[0, :, :300]), np.array(alone.keys[0, :, :300]))
