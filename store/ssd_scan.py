@@ -123,7 +123,9 @@ class StartupScanner:
 
     def _scan_file(self, path: Path, ns_dir_name: str, item: DirEntry) -> None:
         try:
-            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards)
+            header = kvfile.read_header_summary(
+                path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards
+            )
         except (UnsupportedFormat, CorruptEntry) as e:
             self.quarantine(path, "", str(e))
             return
@@ -147,7 +149,7 @@ class StartupScanner:
             )
         )
 
-    def _mismatch(self, header: kvfile.Header, ns_dir_name: str, path: Path) -> str:
+    def _mismatch(self, header: kvfile.HeaderSummary, ns_dir_name: str, path: Path) -> str:
         if header.fingerprint.get("digest") != self.fingerprint:
             return f"fingerprint {header.fingerprint.get('digest')!r} is not this directory's {self.fingerprint!r}"
         if namespace_dir_name(header.namespace) != ns_dir_name:
