@@ -627,7 +627,8 @@ class SsdStore:
         entry = IndexedEntry(
             entry_id=entry_id,
             namespace=namespace,
-            path=path,
+            directory=path.parent,
+            file_name=path.name,
             tokens=tokens,
             bytes=header.file_bytes,
             mtime_ns=mtime_ns,
