@@ -182,11 +182,10 @@ def reconciliation(
     correction, in entry-id order. Entries indexed from the projection
     (`trusted`) agree with it by construction."""
     corrections: list[ev.Event] = []
-    for entry_id, entry in sorted(entries.items()):
+    # Only the entries indexed from their headers can disagree with the projection.
+    for entry_id in sorted(entries.keys() - trusted):
         row = journaled.get(entry_id)
-        if entry_id in trusted:
-            continue
-        entry_fields = fields(entry)
+        entry_fields = fields(entries[entry_id])
         if row is None:
             corrections.append(ev.ReconcileAdded(entry=entry_fields))
         elif _row_fields(row) != entry_fields:
