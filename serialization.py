@@ -40,7 +40,7 @@ def to_cbor(obj: Any) -> bytes:
     return cbor2.dumps(converter.unstructure(obj), canonical=True)
 
 
-def from_cbor(data: bytes, cls: type[T]) -> T:
+def from_cbor(data: bytes | bytearray | memoryview, cls: type[T]) -> T:
     """Decode CBOR bytes into `cls`; raises `DecodeError` on any malformation."""
     try:
         return converter.structure(cbor2.loads(data), cls)

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import mlx.core as mx
@@ -47,7 +47,7 @@ from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageErr
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store import codecs, tensor_io
 from kvcellar.store.disk import Disk, RealDisk
-from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, TensorRecord
+from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, HeaderSummary, TensorRecord
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
@@ -329,13 +329,30 @@ def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, pa
 _FIRST_READ_BYTES = 4 * 1024
 
 
+_HeaderRecord = TypeVar("_HeaderRecord", Header, HeaderSummary)
+
+
 def _read_header_from(
     disk: Disk, handle: Any, path: Path, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
 ) -> Header:
-    """Parse and check the preamble and header. One read covers both for
-    headers up to ~4 KiB, two for longer ones, never a payload byte (a
-    startup scan reads thousands of them); `size_bytes`, when the caller
-    already knows it, saves an fstat."""
+    """Parse and check the preamble and header, every record structured."""
+    return _read_checked_header(disk, handle, path, size_bytes, safeguards, Header)
+
+
+def _read_checked_header(
+    disk: Disk,
+    handle: Any,
+    path: Path,
+    size_bytes: int | None,
+    safeguards: Safeguards,
+    record: type[_HeaderRecord],
+) -> _HeaderRecord:
+    """Parse and check the preamble and header into `record` (`Header`, or
+    `HeaderSummary` for a scan). One read covers both for headers up to
+    ~4 KiB, two for longer ones, never a payload byte (a startup scan reads
+    thousands of them); `size_bytes`, when the caller already knows it,
+    saves an fstat. Every check but the structure of the cache records runs
+    for either record."""
     first = bytearray(_FIRST_READ_BYTES)
     got = disk.read_into(handle, 0, memoryview(first))
     if got == 0 or first[: min(got, len(MAGIC))] != MAGIC[: min(got, len(MAGIC))]:
@@ -358,7 +375,8 @@ def _read_header_from(
     if hasher.intdigest() != header_digest and safeguards.verify_checksums:
         raise CorruptEntry(f"{path}: header checksum mismatch", part="header")
     try:
-        header = from_cbor(bytes(header_bytes), Header)
+        # The decoder reads the buffer in place: no copy of a header of 16 KB of token ids.
+        header = from_cbor(header_bytes, record)
     except DecodeError as e:
         raise CorruptEntry(f"{path}: header checksum matches but it does not decode: {e}", part="header") from e
     if header.format_version != version or header.payload_offset != payload_offset:
@@ -387,6 +405,23 @@ def read_header(
     handle = disk.open_read(path)
     try:
         return _read_header_from(disk, handle, path, size_bytes, safeguards)
+    finally:
+        disk.close(handle)
+
+
+def read_header_summary(
+    path: Path, *, disk: Disk, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
+) -> HeaderSummary:
+    """`read_header` for a startup scan: the same reads and checks (magic,
+    format version, header checksum, the header's agreement with the
+    preamble, the file's length), decoded into `HeaderSummary`, which
+    leaves the cache and tensor records unstructured: `load` structures
+    and checks them when the entry is restored (measured: structuring them
+    cost more than the CBOR parse of the whole header). Raises like
+    `read_header`."""
+    handle = disk.open_read(path)
+    try:
+        return _read_checked_header(disk, handle, path, size_bytes, safeguards, HeaderSummary)
     finally:
         disk.close(handle)
 

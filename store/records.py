@@ -9,6 +9,7 @@ codecs: the records sit below both, so neither imports the other back.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -105,6 +106,30 @@ class Header:
     @property
     def payload_bytes(self) -> int:
         return sum(tensor.length for tensor in self.tensor_records())
+
+
+@attrs.frozen(kw_only=True)
+class HeaderSummary:
+    """The fields of a `Header` a startup scan needs, decoded from the same
+    CBOR map by the same converter (so each field is accepted or refused as
+    `Header` would), the other fields ignored: the cache and tensor records
+    stay undecoded until `kvfile.load` structures the whole `Header`. The
+    checkpoint part is kept raw, since a scan only asks whether it is there."""
+
+    format_version: int
+    fingerprint: dict[str, str]
+    namespace: str
+    token_ids: bytes
+    minimum_reusable_offset: int
+    trimmable: bool
+    payload_offset: int
+    file_bytes: int
+    generation_checkpoint: dict[str, Any] | None = None
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """The token ids as a read-only uint32 array (no copy)."""
+        return np.frombuffer(self.token_ids, dtype="<u4")
 
 
 def _walk_tensors(records: Sequence[CacheRecord]) -> Iterator[TensorRecord]:

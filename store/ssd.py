@@ -283,18 +283,21 @@ class SsdStore:
     def _scan(self, rows_later: Callable[[], list[dict[str, Any]]]) -> tuple[JournalRows, set[str]]:
         """Index every entry file (`StartupScanner.scan`, `store/ssd_scan.py`);
         returns the journal's projection by entry id and the ids indexed from it."""
+        scanned: list[IndexedEntry] = []
         scanner = StartupScanner(
             directory=self.directory,
             fingerprint=self.fingerprint,
             disk=self.disk,
             safeguards=self.safeguards,
             skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
-            index=self._index,
+            index=scanned.append,
             quarantine=self._quarantine,
             record_event=self._event,
             relative=self._relative,
         )
-        return scanner.scan(rows_later)
+        found = scanner.scan(rows_later)
+        self._index_scanned(scanned)
+        return found
 
     def _reconcile_journal(self, journaled: JournalRows, trusted: set[str]) -> None:
         """The files are the truth: bring the journal's projection in line with
@@ -319,6 +322,21 @@ class SsdStore:
         )
         self._bytes_total += entry.bytes
         self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
+
+    def _index_scanned(self, scanned: list[IndexedEntry]) -> None:
+        """Index what the startup scan found, into an empty index: one bulk
+        trie build per namespace (`PrefixIndex.from_entries`), the same index
+        `_index` per entry builds, in a fraction of the time. Of an id found
+        twice, the last wins, as repeated `_index` would replace it."""
+        for entry in scanned:
+            self._entries[entry.entry_id] = entry
+        by_namespace: dict[str, list[IndexedEntry]] = {}
+        for entry in self._entries.values():
+            by_namespace.setdefault(entry.namespace, []).append(entry)
+            self._bytes_total += entry.bytes
+            self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
+        for namespace, entries in by_namespace.items():
+            self._indexes[namespace] = PrefixIndex.from_entries(entries)
 
     def _unindex(self, entry_id: str) -> IndexedEntry | None:
         entry = self._entries.pop(entry_id, None)
@@ -609,7 +627,8 @@ class SsdStore:
         entry = IndexedEntry(
             entry_id=entry_id,
             namespace=namespace,
-            path=path,
+            directory=path.parent,
+            file_name=path.name,
             tokens=tokens,
             bytes=header.file_bytes,
             mtime_ns=mtime_ns,

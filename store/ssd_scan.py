@@ -57,12 +57,19 @@ def namespace_dir_name(namespace: str) -> str:
 class IndexedEntry:
     entry_id: str
     namespace: str
-    path: Path
+    # The file is `directory / file_name`, joined only when asked for: a scan
+    # indexes thousands of entries and reads few of their paths.
+    directory: Path
+    file_name: str
     tokens: np.ndarray
     bytes: int
     mtime_ns: int
     trimmable: bool
     minimum_reusable_offset: int
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.file_name
 
 
 @attrs.frozen(kw_only=True)
@@ -99,16 +106,15 @@ class StartupScanner:
                 journaled = {row["entry_id"]: row for row in rows_later()}
                 known = {row["path"]: row for row in journaled.values()}
             for item in items:
-                path = ns_dir / item.name
                 if item.name.endswith(kvfile.TEMP_SUFFIX):
-                    self._reap(path)
+                    self._reap(ns_dir / item.name)
                 elif item.name.endswith(kvfile.FILE_SUFFIX) and not item.is_dir:
                     row = known.get(f"{entry.name}/{item.name}")
                     if row is not None and row["bytes"] == item.size_bytes and row["mtime_ns"] == item.mtime_ns:
-                        self.index(_entry_from_row(row, path))
+                        self.index(_entry_from_row(row, ns_dir, item.name))
                         trusted.add(row["entry_id"])
                     else:
-                        self._scan_file(path, entry.name, item)
+                        self._scan_file(ns_dir, entry.name, item)
         if journaled is None:
             journaled = {row["entry_id"]: row for row in rows_later()}
         return journaled, trusted
@@ -121,24 +127,30 @@ class StartupScanner:
             return
         self.record_event(ev.TempReaped(path=self.relative(path)))
 
-    def _scan_file(self, path: Path, ns_dir_name: str, item: DirEntry) -> None:
+    def _scan_file(self, ns_dir: Path, ns_dir_name: str, item: DirEntry) -> None:
+        path = ns_dir / item.name
         try:
-            header = kvfile.read_header(path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards)
+            header = kvfile.read_header_summary(
+                path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards
+            )
         except (UnsupportedFormat, CorruptEntry) as e:
             self.quarantine(path, "", str(e))
             return
         except DiskError as e:
             log.warning("skipping unreadable %s: %s", path, e)
             return
-        problem = self._mismatch(header, ns_dir_name, path)
+        # The name ends with FILE_SUFFIX (the caller checked): the stem without a Path's parsing.
+        entry_id = item.name[: -len(kvfile.FILE_SUFFIX)]
+        problem = self._mismatch(header, ns_dir_name, entry_id)
         if problem:
             self.quarantine(path, "", problem)
             return
         self.index(
             IndexedEntry(
-                entry_id=path.stem,
+                entry_id=entry_id,
                 namespace=header.namespace,
-                path=path,
+                directory=ns_dir,
+                file_name=item.name,
                 tokens=header.token_array,
                 bytes=item.size_bytes,
                 mtime_ns=item.mtime_ns,
@@ -147,12 +159,12 @@ class StartupScanner:
             )
         )
 
-    def _mismatch(self, header: kvfile.Header, ns_dir_name: str, path: Path) -> str:
+    def _mismatch(self, header: kvfile.HeaderSummary, ns_dir_name: str, entry_id: str) -> str:
         if header.fingerprint.get("digest") != self.fingerprint:
             return f"fingerprint {header.fingerprint.get('digest')!r} is not this directory's {self.fingerprint!r}"
         if namespace_dir_name(header.namespace) != ns_dir_name:
             return f"namespace {header.namespace!r} does not belong in directory {ns_dir_name}"
-        if not _is_entry_id(path.stem):
+        if not _is_entry_id(entry_id):
             return "file name is not an entry id"
         if header.generation_checkpoint is not None:
             return "a generation checkpoint outside the checkpoints directory"
@@ -170,11 +182,10 @@ def reconciliation(
     correction, in entry-id order. Entries indexed from the projection
     (`trusted`) agree with it by construction."""
     corrections: list[ev.Event] = []
-    for entry_id, entry in sorted(entries.items()):
+    # Only the entries indexed from their headers can disagree with the projection.
+    for entry_id in sorted(entries.keys() - trusted):
         row = journaled.get(entry_id)
-        if entry_id in trusted:
-            continue
-        entry_fields = fields(entry)
+        entry_fields = fields(entries[entry_id])
         if row is None:
             corrections.append(ev.ReconcileAdded(entry=entry_fields))
         elif _row_fields(row) != entry_fields:
@@ -206,11 +217,12 @@ def _is_entry_id(name: str) -> bool:
     return _ENTRY_ID.fullmatch(name) is not None
 
 
-def _entry_from_row(row: dict[str, Any], path: Path) -> IndexedEntry:
+def _entry_from_row(row: dict[str, Any], ns_dir: Path, file_name: str) -> IndexedEntry:
     return IndexedEntry(
         entry_id=row["entry_id"],
         namespace=row["namespace"],
-        path=path,
+        directory=ns_dir,
+        file_name=file_name,
         tokens=np.frombuffer(row["token_ids"], dtype="<u4"),
         bytes=row["bytes"],
         mtime_ns=row["mtime_ns"],

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -266,3 +269,99 @@ def test_tokens_viewing_immutable_bytes_are_kept_without_a_copy():
     view = np.frombuffer(packed, dtype=np.uint32)
     index = _index(("kv", view, True, 0))
     assert index.tokens_of("kv") is view and not view.flags.writeable
+
+
+@attrs.frozen(kw_only=True)
+class _BulkEntry:
+    entry_id: str
+    tokens: Any
+    trimmable: bool
+    minimum_reusable_offset: int
+
+
+def _trie_shape(index: PrefixIndex) -> tuple[Any, ...]:
+    """The trie as plain data (each node's path, entries, frontier and
+    children), asserting the module's invariants on the way down."""
+
+    def shape(node: Any, path: list[int]) -> tuple[Any, ...]:
+        if node.parent is not None:
+            assert node.entries or len(node.children) >= 2, "a node with no entry and one child"
+        live_arrays = [entry.tokens for entry in node.entries.values()]
+        assert node.source[: node.depth].tolist() == path
+        assert all(array[: node.depth].tolist() == path for array in live_arrays)
+        children = []
+        for first, child in sorted(node.children.items()):
+            assert child.parent is node and int(child.source[node.depth]) == first
+            children.append(shape(child, child.source[: child.depth].tolist()))
+        return (tuple(path), tuple(sorted(node.entries)), node.frontier, tuple(children))
+
+    return shape(index._root, [])
+
+
+bulk_entry_lists = st.lists(
+    st.tuples(
+        entry_ids, token_lists, st.booleans(), st.integers(min_value=0, max_value=3), st.booleans(), st.booleans()
+    ),
+    max_size=14,
+)
+
+
+def _bytes_view(tokens: list[int]) -> np.ndarray:
+    """Tokens as a read-only view of `bytes`, as a header or a journal row gives them."""
+    return np.frombuffer(np.array(tokens, dtype="<u4").tobytes(), dtype=np.uint32)
+
+
+@settings(max_examples=400, deadline=None)
+@given(entries=bulk_entry_lists, queries=st.lists(token_lists, min_size=1, max_size=8), removals=st.sets(entry_ids))
+def test_bulk_build_equals_repeated_add(entries, queries, removals):
+    """`from_entries` builds the very trie repeated `add` builds (last of an
+    id wins), answers every query as the brute-force reference does, and
+    stays a valid index under later removals and adds."""
+    bulk_input, added, reference = [], PrefixIndex(), {}
+    for entry_id, tokens, trimmable, extra_offset, natural_style, as_view in entries:
+        natural = 0 if trimmable else len(tokens)
+        offset = natural if natural_style else natural + extra_offset
+        # Views of bytes and lists sort on keys made two ways: a mix must sort as one.
+        given_tokens = _bytes_view(tokens) if as_view else tokens
+        bulk_input.append(
+            _BulkEntry(entry_id=entry_id, tokens=given_tokens, trimmable=trimmable, minimum_reusable_offset=offset)
+        )
+        added.add(entry_id, tokens, trimmable=trimmable, minimum_reusable_offset=offset)
+        reference[entry_id] = (tokens, trimmable, offset)
+    built = PrefixIndex.from_entries(bulk_input)
+    for step in range(2):
+        assert _trie_shape(built) == _trie_shape(added)
+        assert len(built) == len(added) == len(reference)
+        for query in queries + [tokens for tokens, _, _ in reference.values()]:
+            assert built.best(query) == added.best(query) == _reference_best(reference, query)
+            assert built.exact(query) == added.exact(query)
+            assert built.strict_prefix_ancestors(query) == added.strict_prefix_ancestors(query)
+        for entry_id in reference:
+            assert built.same_tokens(entry_id) == added.same_tokens(entry_id)
+            assert built.strict_prefix_ancestors_of(entry_id) == added.strict_prefix_ancestors_of(entry_id)
+            assert built.tokens_of(entry_id).tolist() == reference[entry_id][0]
+        if step == 0:
+            for entry_id in sorted(removals & set(reference)):
+                built.remove(entry_id)
+                added.remove(entry_id)
+                del reference[entry_id]
+            for query in queries[:2]:
+                built.add("late", query, trimmable=True, minimum_reusable_offset=0)
+                added.add("late", query, trimmable=True, minimum_reusable_offset=0)
+                reference["late"] = (query, True, 0)
+
+
+def test_bulk_build_refuses_what_add_refuses():
+    with pytest.raises(ValueError):
+        PrefixIndex.from_entries([_BulkEntry(entry_id="a", tokens=[1], trimmable=True, minimum_reusable_offset=-1)])
+    with pytest.raises(ValueError):
+        PrefixIndex.from_entries([_BulkEntry(entry_id="a", tokens=[1, -1], trimmable=True, minimum_reusable_offset=0)])
+    assert len(PrefixIndex.from_entries([])) == 0 and PrefixIndex.from_entries([]).node_count() == 1
+
+
+def test_bulk_build_keeps_token_arrays_viewing_immutable_bytes():
+    view = _bytes_view([4, 5, 6])
+    built = PrefixIndex.from_entries(
+        [_BulkEntry(entry_id="kv", tokens=view, trimmable=True, minimum_reusable_offset=0)]
+    )
+    assert built.tokens_of("kv") is view
