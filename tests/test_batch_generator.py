@@ -10,6 +10,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_buffers import buffer_address
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
@@ -158,15 +159,6 @@ def test_a_merge_with_capacity_holds_what_mlx_lms_merge_holds_and_a_step_more():
     assert merge_with_capacity([_filled(0)]).keys is None
 
 
-def _buffer_address(array: mx.array) -> int:
-    """Where the array's bytes live (a step that copies moves them)."""
-    view = memoryview(array)
-    try:
-        return np.frombuffer(view, dtype=np.uint8).ctypes.data
-    finally:
-        view.release()
-
-
 def _generated_and_first_step_buffers(loaded, caches, cached: int):
     """The tokens a one-row hit on `caches` decodes, and its batch cache's
     key buffers right after its first token."""
@@ -182,7 +174,7 @@ def _generated_and_first_step_buffers(loaded, caches, cached: int):
             _, responses = generator.next()
             for response in responses:
                 if not buffers:
-                    buffers = [_buffer_address(layer.keys) for layer in generator._generation_batch.prompt_cache]
+                    buffers = [buffer_address(layer.keys) for layer in generator._generation_batch.prompt_cache]
                 tokens.append(response.token)
                 if response.finish_reason is not None:
                     return tokens, buffers
@@ -196,7 +188,7 @@ def test_an_ssd_restored_row_is_adopted_uncopied_and_decodes_what_a_copying_merg
     kvfile.save(path, _entry(loaded, PROMPT[:cached]), list(PROMPT[:cached]))
 
     restored = kvfile.load(path).caches
-    restored_buffers = [_buffer_address(layer.keys) for layer in restored]
+    restored_buffers = [buffer_address(layer.keys) for layer in restored]
     owned_tokens, first_step_buffers = _generated_and_first_step_buffers(loaded, owned_row_caches(restored), cached)
     del restored
     copied_tokens, copied_buffers = _generated_and_first_step_buffers(loaded, kvfile.load(path).caches, cached)

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_buffers import buffer_address
 from mlx_lm.models.cache import KVCache
 
 from kvcellar.errors import CorruptEntry, DiskError
@@ -256,14 +257,6 @@ def test_overlapped_save_checksums_match_a_one_shot_digest(big_entry):
     kvfile.verify_file(path)
 
 
-def _buffer_address(array: mx.array) -> int:
-    view = memoryview(array)
-    try:
-        return np.frombuffer(view, dtype=np.uint8).ctypes.data
-    finally:
-        view.release()
-
-
 def test_a_restore_of_one_row_short_of_a_step_leaves_a_step_of_slack_and_its_first_steps_write_in_place(tmp_path):
     # 2 steps less one row: a capacity rounded only to the next step would hold one spare row, and the
     # second step (the one a generator runs before it hands out the first token) would copy every row.
@@ -275,11 +268,11 @@ def test_a_restore_of_one_row_short_of_a_step_leaves_a_step_of_slack_and_its_fir
     kvfile.save(path, [cache], list(range(rows)))
     (back,) = kvfile.load(path).caches
     assert back.keys.shape[-2] - rows > codecs.STEP_ROWS
-    buffers = (_buffer_address(back.keys), _buffer_address(back.values))
+    buffers = (buffer_address(back.keys), buffer_address(back.values))
     for step in range(2):
         row = mx.full((1, 2, 1, 16), float(step))
         back.update_and_fetch(row, row)
         mx.eval(back.keys, back.values)
-        assert (_buffer_address(back.keys), _buffer_address(back.values)) == buffers, f"step {step + 1} copied"
+        assert (buffer_address(back.keys), buffer_address(back.values)) == buffers, f"step {step + 1} copied"
     assert back.offset == rows + 2
     assert mx.array_equal(back.keys[..., :rows, :], cache.keys[..., :rows, :]).item()
