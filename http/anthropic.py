@@ -73,6 +73,7 @@ from kvcellar.http.parsing import (
     reply_processors,
     sampling_fields,
 )
+from kvcellar.http.refusals import refused_unread
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
@@ -153,7 +154,7 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
 
     async def messages(request: Request) -> Response:
         if not _key_ok(request, api_key()):
-            return anthropic_error(401, "authentication_error", "missing or wrong x-api-key")
+            return refused_unread(anthropic_error(401, "authentication_error", "missing or wrong x-api-key"))
         try:
             work = partial(parse_messages_body, await request.body(), loaded, tool_grammar=lane.tool_grammar)
             job = await lane.run(work)
@@ -175,7 +176,7 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
 
     async def count_tokens(request: Request) -> Response:
         if not _key_ok(request, api_key()):
-            return anthropic_error(401, "authentication_error", "missing or wrong x-api-key")
+            return refused_unread(anthropic_error(401, "authentication_error", "missing or wrong x-api-key"))
         try:
             rendered = await lane.run(partial(parse_count_body, await request.body(), loaded))
         except Exception as e:

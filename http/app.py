@@ -51,6 +51,7 @@ from kvcellar.http.dashboard import dashboard_routes
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
+from kvcellar.http.refusals import refused_unread
 from kvcellar.http.responses import ResponsesRoute
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
@@ -153,7 +154,9 @@ def _bearer_ok(request: Request, secret: str | None) -> bool:
 def _guarded(secret: Callable[[], str | None], handler: Callable[[Request], Awaitable[Response]]):
     async def guarded(request: Request) -> Response:
         if not _bearer_ok(request, secret()):
-            return error_response(401, "missing or wrong bearer token", error_type="authentication_error")
+            return refused_unread(
+                error_response(401, "missing or wrong bearer token", error_type="authentication_error")
+            )
         return await handler(request)
 
     return guarded

@@ -389,6 +389,9 @@ def test_api_key_as_x_api_key_or_bearer(model_dir_factory):
         assert bearer.messages.count_tokens(model=MODEL, messages=messages).input_tokens > 0
         with pytest.raises(anthropic.AuthenticationError) as refused:
             wrong.messages.create(model=MODEL, max_tokens=2, messages=messages)
+        # Refused with the body unread, so the connection closes and the reply says so: the
+        # client's next request then goes on a new connection instead of the closing one.
+        assert refused.value.response.headers["connection"] == "close"
         with pytest.raises(anthropic.AuthenticationError):
             wrong.messages.count_tokens(model=MODEL, messages=messages)
         plain = httpx.post(

@@ -319,13 +319,14 @@ def test_sigterm_during_a_generation_finishes_cleanly_and_flushes(model_dir_fact
 def test_admin_token_and_api_key_are_enforced(model_dir_factory, tmp_path):
     running = Server(model_dir_factory("llama"), "--api-key", "k1", "--batch", "1", env={"KVCELLAR_ADMIN_TOKEN": "a1"})
     try:
-        assert _chat(running, "no key").status_code == 401
-        keyed = httpx.post(
-            f"{running.base}/v1/chat/completions",
-            headers={"Authorization": "Bearer k1"},
-            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
-            timeout=60,
-        )
+        refused = _chat(running, "no key")
+        # Refused with its body unread: the reply says the connection closes, so a keep-alive
+        # client sends its next request on a new one rather than on the closing one.
+        assert refused.status_code == 401 and refused.headers["connection"] == "close"
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        with httpx.Client(base_url=running.base, timeout=60) as client:
+            assert client.post("/v1/chat/completions", json=body).status_code == 401
+            keyed = client.post("/v1/chat/completions", headers={"Authorization": "Bearer k1"}, json=body)
         assert keyed.status_code == 200
         assert httpx.get(f"{running.base}/stats", timeout=5).status_code == 401
         assert httpx.get(f"{running.base}/stats", headers={"Authorization": "Bearer k1"}, timeout=5).status_code == 401
