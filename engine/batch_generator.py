@@ -90,10 +90,12 @@ class _MergingWithCapacity(KVCache):
         return merge_with_capacity(caches)
 
 
-def _with_capacity_merge(layer: Any) -> Any:
+def _marked(layer: Any, kind: type[KVCache]) -> Any:
+    """A plain layer as `kind` (whose `merge` decides how the prompt batch is
+    made), over the same arrays; other kinds of layer as they are."""
     if type(layer) is not KVCache:
         return layer
-    wrapped = _MergingWithCapacity()
+    wrapped = kind()
     wrapped.keys, wrapped.values, wrapped.offset = layer.keys, layer.values, layer.offset
     return wrapped
 
@@ -102,7 +104,7 @@ def capacity_merging_caches(caches: list[Any]) -> list[Any]:
     """A row's lent caches as the batch lane inserts them: plain layers
     marked so that the merge leaves a step of capacity (`merge_with_capacity`);
     other kinds as they are."""
-    return [_with_capacity_merge(layer) for layer in caches]
+    return [_marked(layer, _MergingWithCapacity) for layer in caches]
 
 
 def adopt_row(cache: Any) -> BatchKVCache:
@@ -139,15 +141,7 @@ def owned_row_caches(caches: list[Any]) -> list[Any]:
     lane inserts them: plain layers marked so that a one-row merge adopts
     their buffers; other kinds as they are. The caller must drop its own
     references to `caches`' arrays: the batch writes into them."""
-    marked: list[Any] = []
-    for layer in caches:
-        if type(layer) is not KVCache:
-            marked.append(layer)
-            continue
-        owned = _OwnedRow()
-        owned.keys, owned.values, owned.offset = layer.keys, layer.values, layer.offset
-        marked.append(owned)
-    return marked
+    return [_marked(layer, _OwnedRow) for layer in caches]
 
 
 class MovingPromptBatch(PromptProcessingBatch):

@@ -210,8 +210,8 @@ class PrefixIndex:
     def from_entries(cls, entries: Iterable[IndexableEntry]) -> PrefixIndex:
         """The index `add` would build from `entries` in turn (of an id given
         twice, the last wins), built in one pass instead: the token arrays
-        sorted (a big-endian byte key orders them as token sequences, a
-        prefix before its extensions), each one's common prefix with its
+        sorted (by their little-endian bytes, below: a prefix before its
+        extensions, each subtree contiguous), each one's common prefix with its
         predecessor, then one stack walk down the rightmost path that creates
         nodes only at branch points and entry ends. A node's frontier is
         computed once, when the walk leaves its subtree for good.

@@ -324,9 +324,9 @@ class SsdStore:
         self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
 
     def _index_scanned(self, scanned: list[IndexedEntry]) -> None:
-        """Index what the startup scan found: one bulk trie build per namespace
-        (`PrefixIndex.from_entries`, the trie `_index` per entry builds, at a
-        cost that does not grow with its depth); of an id found twice, the last wins."""
+        """Index what the startup scan found, into the still empty index: one bulk
+        trie build per namespace (`PrefixIndex.from_entries`, the trie `_index` per
+        entry builds, at a cost that does not grow with its depth); of an id found twice, the last wins."""
         for entry in scanned:
             self._entries[entry.entry_id] = entry
         by_namespace: dict[str, list[IndexedEntry]] = {}
