@@ -482,17 +482,21 @@ def _set_vocab_size(config: dict[str, Any], vocab_size: int) -> None:
             section["vocab_size"] = vocab_size
 
 
-def _tools_tokenizer_json() -> dict[str, Any]:
-    """The committed tokenizer plus the tool-format tokens as added tokens
-    (not special, as in Qwen's tokenizer: decoding keeps them as text)."""
-    try:
-        tokenizer = json.loads(TOKENIZER_ASSET_PATH.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read {TOKENIZER_ASSET_PATH}: {e}") from e
+def _tools_tokenizer_json(base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`base` (a tokenizer.json's content; default: the committed tokenizer) plus the tool-format
+    tokens as added tokens after its vocabulary (not special, as in Qwen's tokenizer: decoding
+    keeps them as text)."""
+    if base is None:
+        try:
+            base = json.loads(TOKENIZER_ASSET_PATH.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ModelError(f"cannot read {TOKENIZER_ASSET_PATH}: {e}") from e
+    tokenizer = copy.deepcopy(base)
+    vocab_size = len(tokenizer["model"]["vocab"])
     for offset, content in enumerate(TOOL_FORMAT_TOKENS):
         tokenizer["added_tokens"].append(
             {
-                "id": VOCAB_SIZE + offset,
+                "id": vocab_size + offset,
                 "content": content,
                 "single_word": False,
                 "lstrip": False,

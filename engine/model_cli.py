@@ -23,6 +23,8 @@ from kvcellar.engine.demo_models import (
 )
 from kvcellar.errors import ModelError, UsageError
 
+# A byte-level BPE holds the 256 byte symbols and the 3 special tokens before any merge.
+TOKENIZER_IDS_MIN = 512
 _OPTIONS_EXCLUDED_BY_DEMO = ("arch", "size", "dtype", "seed", "force", "out_dir")
 
 
@@ -152,6 +154,13 @@ def list_command() -> None:
 @model_group.command(name="train")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and initial weights.")
+@click.option(
+    "--tokenizer-ids",
+    type=click.IntRange(min=0),
+    default=2048,
+    show_default=True,
+    help="Ids of the BPE trained on the training text first (0: the random-weight models' shared tokenizer).",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=250, show_default=True, help="Steps on chats and code.")
 @click.option(
     "--chat-steps", type=click.IntRange(min=0), default=240, show_default=True, help="Then steps on chats alone."
@@ -204,6 +213,7 @@ def list_command() -> None:
 def train_command(
     out_dir: Path,
     seed: int,
+    tokenizer_ids: int,
     steps: int,
     chat_steps: int,
     tool_steps: int,
@@ -221,10 +231,13 @@ def train_command(
     """
     from kvcellar.engine.train_demo_model import TrainingConfig, train, train_from_model
 
+    if 0 < tokenizer_ids < TOKENIZER_IDS_MIN:
+        raise UsageError(f"--tokenizer-ids must be 0 or at least {TOKENIZER_IDS_MIN} (got {tokenizer_ids})")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
     config = TrainingConfig(
         seed=seed,
+        tokenizer_ids=tokenizer_ids,
         steps=steps,
         chat_steps=chat_steps,
         tool_steps=tool_steps,

@@ -1,9 +1,10 @@
 """Train the `demo-coder` model: a ~5M-parameter llama on offline text, with MLX on the CPU.
 
 `kvcellar model train OUT_DIR` runs it. The data (`kvcellar.engine.demo_corpus`)
-is the standard library's sources plus synthetic chats, tokenized with the
-committed byte-level BPE tokenizer extended by the tool-format tokens, and
-rendered with the Qwen3-style tools template, so mlx-lm's `TokenizerWrapper`
+is the standard library's sources plus synthetic chats, rendered with the
+Qwen3-style tools template and tokenized with a byte-level BPE trained on that
+training text (`tokenizer_ids` ids, identifiers kept whole) extended by the
+tool-format tokens, so mlx-lm's `TokenizerWrapper`
 reports `has_tool_calling` and parses `<tool_call>` JSON blocks.
 
 Everything random comes from `seed` (numpy for the batches, MLX for the
@@ -54,6 +55,7 @@ from kvcellar.engine.demo_models import (
     write_safetensors,
 )
 from kvcellar.engine.scalars import item_float
+from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 from kvcellar.store.fingerprint import mlx_version
 
@@ -68,6 +70,11 @@ class TrainingConfig:
     """Everything that decides the trained weights besides the library versions."""
 
     seed: int = 0
+    # Ids of the byte-level BPE trained on the training text (phase one's chats and code) before
+    # anything else, so frequent words and identifiers (`weather`, `get_weather`, `self`) are one
+    # token each; 0: the shared tokenizer of the random-weight models (1024 ids, trained on 14
+    # stdlib files), which split each tool name into 3 to 9 tokens.
+    tokenizer_ids: int = 2048
     steps: int = 250
     batch_rows: int = 4
     window_tokens: int = 384
@@ -124,7 +131,7 @@ def llama_config(config: TrainingConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE + len(TOOL_FORMAT_TOKENS),
+        "vocab_size": (config.tokenizer_ids or VOCAB_SIZE) + len(TOOL_FORMAT_TOKENS),
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
         "tie_word_embeddings": True,
@@ -134,10 +141,15 @@ def llama_config(config: TrainingConfig) -> dict[str, Any]:
     }
 
 
-def write_tokenizer_files(model_dir: Path) -> None:
-    """The tool-capable tokenizer, its config (with the tools chat template) and special tokens."""
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_tokenizer_files(model_dir: Path, base_tokenizer: dict[str, Any] | None = None) -> None:
+    """The tool-capable tokenizer (`base_tokenizer`, by default the shared one, plus the tool-format
+    tokens), its config (with the tools chat template) and special tokens."""
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "tokenizer.json").write_text(json.dumps(_tools_tokenizer_json()), encoding="utf-8")
+    tokenizer_json = _tools_tokenizer_json(base_tokenizer)
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
     files = {
         "tokenizer_config.json": _tokenizer_config("tools"),
         "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
@@ -156,8 +168,24 @@ class TokenStreams:
     chat_held_out: np.ndarray
 
 
+@attrs.frozen(kw_only=True)
+class CorpusTexts:
+    """The text of each source before tokenizing: one string per module or rendered chat."""
+
+    code_train: list[str]
+    chat_train: list[str]
+    code_held_out: list[str]
+    chat_held_out: list[str]
+
+
 def build_streams(model_dir: Path, config: TrainingConfig) -> TokenStreams:
     """Tokenize the corpus with the tokenizer and template written into `model_dir`."""
+    return encode_streams(model_dir, corpus_texts(model_dir, config))
+
+
+def corpus_texts(model_dir: Path, config: TrainingConfig) -> CorpusTexts:
+    """The corpus, chats rendered with the template in `model_dir` (text only: the rendering
+    does not depend on the tokenizer's vocabulary)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -171,23 +199,37 @@ def build_streams(model_dir: Path, config: TrainingConfig) -> TokenStreams:
         tools: Any = conversation.tools or None
         return str(tokenizer.apply_chat_template(conversation.messages, tools=tools, tokenize=False))
 
-    def stream(texts: list[str]) -> np.ndarray:
-        ids: list[int] = []
-        for text in texts:
-            ids.extend(tokenizer.encode(text, add_special_tokens=False))
-            ids.append(PAD_TOKEN_ID)
-        return np.asarray(ids, dtype=np.int32)
-
     chats = [render(c) for c in demo_corpus.conversations(rng, functions, config.chat_conversations)]
     held_out_rng = random.Random(config.seed + 1)
     held_out_chats = [
         render(demo_corpus.code_conversation(held_out_rng, function)) for function in held_out_functions
     ] + [render(demo_corpus.tool_conversation(held_out_rng, held_out=True)) for _ in range(200)]
+    return CorpusTexts(
+        code_train=[text for _, text in training_modules],
+        chat_train=chats,
+        code_held_out=[text for _, text in held_out_modules],
+        chat_held_out=held_out_chats,
+    )
+
+
+def encode_streams(model_dir: Path, texts: CorpusTexts) -> TokenStreams:
+    """`texts` tokenized with the tokenizer in `model_dir`, each document closed by `<|endoftext|>`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def stream(documents: list[str]) -> np.ndarray:
+        ids: list[int] = []
+        for encoded in tokenizer(documents, add_special_tokens=False)["input_ids"]:
+            ids.extend(encoded)
+            ids.append(PAD_TOKEN_ID)
+        return np.asarray(ids, dtype=np.int32)
+
     return TokenStreams(
-        code_train=stream([text for _, text in training_modules]),
-        chat_train=stream(chats),
-        code_held_out=stream([text for _, text in held_out_modules]),
-        chat_held_out=stream(held_out_chats),
+        code_train=stream(texts.code_train),
+        chat_train=stream(texts.chat_train),
+        code_held_out=stream(texts.code_held_out),
+        chat_held_out=stream(texts.chat_held_out),
     )
 
 
@@ -234,7 +276,13 @@ def train(out_dir: Path, config: TrainingConfig, progress: ProgressCallback | No
     report = progress or (lambda line: None)
     out_dir = Path(out_dir)
     write_tokenizer_files(out_dir)
-    streams = build_streams(out_dir, config)
+    texts = corpus_texts(out_dir, config)
+    if config.tokenizer_ids:
+        # Trained on the training text only: the held-out text stays unseen by the vocabulary too.
+        base_tokenizer = train_corpus_tokenizer(texts.code_train + texts.chat_train, config.tokenizer_ids)
+        write_tokenizer_files(out_dir, base_tokenizer)
+        report(f"tokenizer: {config.tokenizer_ids:,} ids trained on the training text")
+    streams = encode_streams(out_dir, texts)
     report(
         f"tokens: code {len(streams.code_train):,}, chats {len(streams.chat_train):,}; held out: "
         f"code {len(streams.code_held_out):,}, chats {len(streams.chat_held_out):,}"
@@ -521,6 +569,7 @@ SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
     "tool_varied_value_share": 0.0,
     "tool_choice_loss_weight": 1.0,
     "tool_rounds_max": 1,
+    "tokenizer_ids": 0,
 }
 
 
@@ -561,8 +610,8 @@ def train_from_model(
             f"({phases_done} phases done; its log: {found})"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer_files(out_dir)
-    for name in ("config.json", WEIGHTS_FILE_NAME):
+    # The tokenizer comes with the weights: it was trained (or chosen) by the earlier phases.
+    for name in ("config.json", WEIGHTS_FILE_NAME, *TOKENIZER_FILE_NAMES):
         (out_dir / name).write_bytes((source_dir / name).read_bytes())
     source_log["config"] = attrs.asdict(config)
     log = source_log

@@ -1,4 +1,5 @@
-"""Train the byte-level BPE tokenizer that every kvcellar demo model shares.
+"""Train the byte-level BPE tokenizers: the one every random-weight demo model shares, and
+demo-coder's own (`train_corpus_tokenizer`, trained on its training corpus by `kvcellar model train`).
 
 This script was run ONCE and its output is committed as
 `kvcellar/engine/assets/tokenizer.json`; demo models copy that file, so every
@@ -18,12 +19,16 @@ Usage: python -m kvcellar.engine.train_tokenizer OUT_PATH
 
 from __future__ import annotations
 
+import json
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from kvcellar.errors import ModelError
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -78,6 +83,44 @@ def train_tokenizer() -> Tokenizer:
     )
     tokenizer.train_from_iterator(iter_corpus_texts(), trainer=trainer)
     return tokenizer
+
+
+# demo-coder's pre-tokenizer: GPT-2's split, except that an identifier (letters, digits and
+# underscores, not starting with a digit) is one piece, as in a code tokenizer. So BPE can learn
+# `get_weather` or `__init__` as one token; GPT-2's split would cut at every underscore.
+IDENTIFIER_SPLIT_PATTERN = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?[\p{L}_][\p{L}\p{N}_]*| ?\p{N}+| ?[^\s\p{L}\p{N}_]+|\s+(?!\S)|\s+"
+)
+
+
+def train_corpus_tokenizer(texts: Iterable[str], vocab_size: int) -> dict[str, Any]:
+    """A byte-level BPE of `vocab_size` ids (the three special tokens first, so their ids are
+    those of the shared tokenizer) trained on `texts`, split by `IDENTIFIER_SPLIT_PATTERN`;
+    returned as the content of a `tokenizer.json`. Deterministic for the same texts and
+    `tokenizers` version. Raises `ModelError` when the texts yield fewer merges than that."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(IDENTIFIER_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        # The model's embedding is sized from `vocab_size`: a short vocabulary would leave rows no id uses.
+        raise ModelError(
+            f"the texts hold too few distinct pieces for {vocab_size} ids (trained {tokenizer.get_vocab_size()})"
+        )
+    content: dict[str, Any] = json.loads(tokenizer.to_str())
+    return content
 
 
 def main(argv: list[str] | None = None) -> int:

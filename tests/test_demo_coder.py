@@ -32,6 +32,7 @@ from kvcellar.engine.train_demo_model import (
     train,
     train_from_model,
 )
+from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 
 DEMO_CODER_WEIGHTS_SHA256 = "9d8bf3e285be9887ef4af00ce1c96dbe91347983646d816e81080c20f0ab7852"
@@ -140,6 +141,7 @@ def test_held_out_tool_arguments_never_occur_in_training_pools():
 
 
 TINY_TRAINING = TrainingConfig(
+    tokenizer_ids=600,
     steps=2,
     chat_steps=1,
     tool_steps=1,
@@ -162,10 +164,38 @@ TINY_TRAINING = TrainingConfig(
 )
 
 
+def test_the_corpus_tokenizer_keeps_identifiers_whole_and_the_special_ids():
+    from tokenizers import Tokenizer
+
+    texts = ['def get_weather(city):\n    return self.__dict__["city"]\n'] * 50
+    texts += ['<tool_call>\n{"name": "get_stock_price", "arguments": {"symbol": "AAPL"}}\n</tool_call>'] * 50
+    content = train_corpus_tokenizer(texts, 330)
+    tokenizer = Tokenizer.from_str(json.dumps(content))
+    assert tokenizer.get_vocab_size() == 330 and len(content["model"]["vocab"]) == 330
+    assert [tokenizer.token_to_id(token) for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    # Pieces are what BPE may merge into one token: an identifier is one piece, underscores and all.
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str('x = get_stock_price(self.__dict__)"')]
+    assert pieces == ["x", "Ġ=", "Ġget_stock_price", "(", "self", ".", "__dict__", ')"']
+    unseen = "naïve ünïcode 12345 \t tabs\n"
+    assert tokenizer.decode(tokenizer.encode(unseen).ids) == unseen
+    with pytest.raises(ModelError, match="too few distinct pieces for 600 ids"):
+        train_corpus_tokenizer(texts, 600)
+
+
+def test_model_train_refuses_a_tokenizer_smaller_than_its_byte_alphabet(tmp_path, capsys):
+    from kvcellar.cli import main
+
+    assert main(["model", "train", str(tmp_path / "out"), "--tokenizer-ids", "300"]) == 2
+    assert "--tokenizer-ids must be 0 or at least 512 (got 300)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_writes_a_model_mlx_lm_loads_and_its_log_and_resuming_phase_three_gives_the_same_weights(tmp_path):
     from mlx_lm import load
 
     log = train(tmp_path / "model", TINY_TRAINING)
+    trained_vocab = json.loads((tmp_path / "model" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(trained_vocab) == TINY_TRAINING.tokenizer_ids
     assert len(log["train_loss"]) == 5 and [point["step"] for point in log["held_out"]] == [1, 2, 3, 4, 5]
     assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 4
     assert log["phase_two_held_out_loss_bf16"] > 0 and log["held_out"][-1]["assistant_loss"] > 0
