@@ -33,9 +33,17 @@ inserts them through `owned_row_caches`, and a prompt batch of that row alone
 adopts their buffers (`adopt_row`): a restore copies nothing on this lane.
 The wrappers of both kinds live from the row's insertion to the merge.
 
+On MLX's CPU backend the generation batch is an `EagerGenerationBatch`:
+mlx-lm's step schedules step n+1 (`mx.async_eval`) before it returns step n's
+tokens, which pipelines on a GPU, but on the CPU `mx.async_eval` of a forward
+step returns only once most of the step has run, so every token, the first
+included, came one whole step late (at 32k tokens, about 1.3 s of TTFT).
+
 This relies on mlx-lm 0.32's `BatchGenerator` keeping its prompt batch as
-`_prompt_batch` (pyproject pins `mlx-lm<0.33`; tests/test_batch_generator.py
-fails when that changes). Engine thread only, as all MLX work.
+`_prompt_batch` and its generation batch as `_generation_batch`, and on
+`GenerationBatch._step`'s body (pyproject pins `mlx-lm<0.33`;
+tests/test_batch_generator.py fails when that changes). Engine thread only,
+as all MLX work.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import copy
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # mlx-lm's KVCache growth step: the capacity the merge leaves past the rows.
@@ -144,8 +152,87 @@ def owned_row_caches(caches: list[Any]) -> list[Any]:
     return [_marked(layer, _OwnedRow) for layer in caches]
 
 
+class EagerGenerationBatch(GenerationBatch):
+    """`GenerationBatch` whose step returns step n's tokens before step n+1 runs.
+
+    mlx-lm's `_step` builds step n+1 from step n's sampled tokens, schedules
+    it with `mx.async_eval`, then evaluates and returns step n's tokens. On
+    MLX's CPU backend `mx.async_eval` of a forward step blocks until most of
+    it has run (measured on the medium llama at 16k tokens: 0.11-0.19 s of a
+    0.13-0.2 s step), so the return waited for step n+1 too. Here `_step`
+    evaluates step n (built lazily by the call before), builds step n+1
+    without scheduling it, and returns: the next call's evaluation runs it.
+    The same graphs in the same order, so the same tokens and logprobs; what
+    changes is when each token is handed over, one step sooner. On a GPU,
+    where `mx.async_eval` does return at once, mlx-lm's order is kept
+    (`LeanBatchGenerator` picks by device).
+
+    Invariant, as in mlx-lm: after `_step`, `self.tokens` holds exactly the
+    tokens the (lazy) caches hold."""
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        # Any: mlx-lm declares these attributes None-able in `__init__`; here they are set.
+        inputs: Any = self._next_tokens
+        self._current_tokens, self._current_logprobs = inputs, self._next_logprobs
+        mx.eval(inputs, self._current_logprobs)
+        next_tokens: Any
+        next_tokens, self._next_logprobs = self._sampled_after(inputs)
+        self._next_tokens = next_tokens
+        token_ids = inputs.tolist()
+        for row_tokens, token_id in zip(self.tokens, token_ids, strict=True):
+            row_tokens.append(token_id)
+        return token_ids, self._current_logprobs
+
+    def _sampled_after(self, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """mlx-lm's step body, unevaluated: the forward pass over `inputs`, each row's
+        logits processors, the normalisation and the sampling."""
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        processors_by_row: list[Any] = self.logits_processors or []
+        if any(processors_by_row):
+            processed = []
+            for row in range(len(self.uids)):
+                row_logits = logits[row : row + 1]
+                processors = processors_by_row[row] or ()
+                if processors:
+                    context = self._token_context[row].update_and_fetch(inputs[row : row + 1])
+                    for processor in processors:
+                        row_logits = processor(context, row_logits)
+                processed.append(row_logits)
+            logits = mx.concatenate(processed, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        given: list[Any] = self.samplers or [None] * len(self.uids)
+        samplers = [self.fallback_sampler if s is None else s for s in given]
+        if not samplers or all(s is samplers[0] for s in samplers):
+            sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[row : row + 1]) for row, s in enumerate(samplers)], axis=0)
+        return sampled, list(logprobs)
+
+
 class MovingPromptBatch(PromptProcessingBatch):
-    """A prompt batch whose `split` of every row moves it instead of copying it."""
+    """A prompt batch whose `split` of every row moves it instead of copying it, and whose
+    `generate` makes a `generation_batch_class` (mlx-lm's own unless told otherwise)."""
+
+    generation_batch_class: type[GenerationBatch] = GenerationBatch
+
+    def generate(self, tokens: list[list[int]]) -> GenerationBatch:
+        """mlx-lm's `generate` with `generation_batch_class`."""
+        if any(len(row) > 1 for row in tokens):
+            self.prompt([row[:-1] for row in tokens])
+        generation = self.generation_batch_class(
+            self.model,
+            self.uids,
+            mx.array([row[-1] for row in tokens]),
+            self.prompt_cache,
+            self.tokens,
+            self.samplers,
+            self.fallback_sampler,
+            self.logits_processors,
+            self.stop_sequences,
+            self.max_tokens,
+        )
+        self._start_over()
+        return generation
 
     def split(self, indices: list[int]) -> PromptProcessingBatch:
         if sorted(indices) != list(range(len(self.uids))):
@@ -167,8 +254,12 @@ class MovingPromptBatch(PromptProcessingBatch):
 
 
 class LeanBatchGenerator(BatchGenerator):
-    """`BatchGenerator` with a `MovingPromptBatch` (see the module doc)."""
+    """`BatchGenerator` with a `MovingPromptBatch`, and on the CPU an `EagerGenerationBatch`
+    (see the module doc)."""
 
     def __init__(self, model: Any, **options: Any) -> None:
         super().__init__(model, **options)
         self._prompt_batch = MovingPromptBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
+        if self._stream.device.type == mx.cpu:
+            self._prompt_batch.generation_batch_class = EagerGenerationBatch
+            self._generation_batch = EagerGenerationBatch.empty(self.model, self.sampler)

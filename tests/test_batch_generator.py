@@ -15,6 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from kvcellar.engine.batch_generator import (
+    EagerGenerationBatch,
     LeanBatchGenerator,
     MovingPromptBatch,
     merge_with_capacity,
@@ -82,6 +83,62 @@ def test_the_generator_keeps_a_moving_prompt_batch(loaded):
     generator = LeanBatchGenerator(loaded.model, completion_batch_size=2, prefill_batch_size=2)
     assert type(generator._prompt_batch) is MovingPromptBatch
     generator.close()
+
+
+def test_on_the_cpu_the_generator_hands_each_token_over_before_it_schedules_the_next_step(loaded, monkeypatch):
+    assert mx.default_device().type == mx.cpu
+    generator = LeanBatchGenerator(loaded.model, completion_batch_size=2, prefill_batch_size=2)
+    assert type(generator._generation_batch) is EagerGenerationBatch
+    assert generator._prompt_batch.generation_batch_class is EagerGenerationBatch
+    # mlx-lm's step schedules the next one (mx.async_eval), which on the CPU runs most of it
+    # before returning: the eager batch never does, so a token comes back after its own step.
+    scheduled = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: scheduled.append(arrays) or real_async_eval(*arrays))
+    try:
+        generator.insert([list(PROMPT)], max_tokens=[3])
+        handed_over = []
+        while len(handed_over) < 3:
+            _, responses = generator.next()
+            handed_over += [response.token for response in responses]
+        assert scheduled == [] and len(handed_over) == 3
+    finally:
+        generator.close()
+
+
+def _sampled_rows(generator_class, loaded):
+    """Tokens and logprobs of three rows with a greedy, a seeded temperature and a penalised
+    sampler; the third joins once the first two are decoding, and one row leaves early."""
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    mx.random.seed(7)
+    generator = generator_class(loaded.model, completion_batch_size=4, prefill_batch_size=4, prefill_step_size=16)
+    penalty = make_logits_processors(repetition_penalty=1.3, repetition_context_size=8)
+    got: dict[int, list[tuple[int, list[float]]]] = {}
+    try:
+        first = generator.insert(
+            [list(PROMPT), list(OTHER_PROMPT)],
+            max_tokens=[NEW_TOKENS, 4],
+            samplers=[make_sampler(0.0), make_sampler(0.8)],
+        )
+        late, finished = None, set()
+        while late is None or len(finished) < 3:
+            _, responses = generator.next()
+            for response in responses:
+                got.setdefault(response.uid, []).append((response.token, response.logprobs.tolist()[:8]))
+                if response.finish_reason is not None:
+                    finished.add(response.uid)
+            if late is None and all(got.get(uid) for uid in first):
+                (late,) = generator.insert(
+                    [list(PROMPT[:40])], max_tokens=[6], samplers=[make_sampler(0.5)], logits_processors=[penalty]
+                )
+        return [got[uid] for uid in (*first, late)]
+    finally:
+        generator.close()
+
+
+def test_the_eager_generation_batch_samples_what_mlx_lm_samples(loaded):
+    assert _sampled_rows(LeanBatchGenerator, loaded) == _sampled_rows(BatchGenerator, loaded)
 
 
 def test_a_split_of_every_row_hands_over_the_same_caches_and_starts_over(loaded):
