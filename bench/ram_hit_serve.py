@@ -238,7 +238,9 @@ def interpretation(result: dict[str, Any]) -> str:
     return (
         f"kvcellar's RAM hit reached the first token in {ratios} prompt tokens of mlx_lm.server's time in this run "
         f"(target <= {TARGET_RATIO}x: {'met at every length' if met else 'MISSED at one length or more'}). "
-        f"Both servers hold all but the last prompt token and run two forward steps; on this model the KV is small "
+        f"Both servers hold all but the last prompt token; mlx_lm.server's generator then runs two forward steps "
+        f"before it hands the first token over (it schedules the next step first, which on MLX's CPU backend "
+        f"blocks for most of it), kvcellar's one (`EagerGenerationBatch`). On this model the KV is small "
         f"(512 bytes a token), so the rest of a hit is per-request work that grows with the prompt: the chat "
         f"template, the tokenization, the cache lookup. mlx_lm.server tokenizes the whole prompt every time; "
         f"kvcellar encodes only what follows the last turn marker it shares with a recent prompt "

@@ -18,8 +18,9 @@ from the page cache (cold), then one forward step of the prompt's last token
 (the restore serves all but one token) to the first token's logits. The
 batch-lane TTFT is the same cold restore handed to the server's default lane
 (`LeanBatchGenerator`, the restored caches as the row's own, as
-engine/batch.py hands them) until the generator returns the first token: mlx-lm's
-generator runs the step after it before it does, so that is two forward steps.
+engine/batch.py hands them) until the generator returns the first token: one
+forward step on the CPU, where its `EagerGenerationBatch` hands a token over
+before the next step runs (mlx-lm's own order ran that next step first).
 
     python -m kvcellar.bench.restart [--contexts 4096,16384,32768] [--repeats 3] [--json] [--write-docs]
 """
@@ -328,7 +329,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 # Where the first step's time went, profiled 2026-12-01 23:20-23:35 UTC on the machine of the run below
 # (scripts not kept; the figures are what the section's prose cites).
 FIRST_STEP_PROFILE = (
-    "Where the first step's time goes (profiled beside this run on the same machine): it is attention compute, "
+    "Where the first step's time goes (profiled 2026-12-01 beside an earlier run of this benchmark, same "
+    "machine): it is attention compute, "
     "not a copy the restore causes. At 32,768 tokens one forward step took the same over the restored cache "
     "(0.85-1.45 s), over mlx-lm's own cache after a prefill (256-row capacity: 0.92-1.60 s) and over exact-size "
     "arrays, four steps in a row over each with the cache trimmed back between them, so the first step costs "
@@ -337,7 +339,7 @@ FIRST_STEP_PROFILE = (
     "`mx.fast.scaled_dot_product_attention` over 128 MiB of bf16 K+V took 0.107 s (about 1.2 GB/s; eight layers "
     "are the step), and `perf` puts its time in MLX's generic CPU kernel `simd_gemm<bfloat16, float>`: a cost "
     "every server on MLX's CPU backend pays per token at this context, which the bytes / bandwidth limit leaves "
-    "out. The step alone took 0.7-1.5x the limit in these runs, so a restore at the limit followed by it cannot "
+    "out. The step alone took 0.7-1.5x the limit in those runs, so a restore at the limit followed by it cannot "
     "come near 1.2x; that needs the step's attention to overlap the read: a prototype outside the server (a "
     "reader thread filling layer i+1 while layer i's attention runs, each layer gated behind `mx.async_eval` of "
     "the layers below; logits bit-identical) took 1.86-2.15 s with cold reads of 1.06-1.22 s, 1.75-1.84x the "
@@ -371,13 +373,22 @@ def interpretation(result: dict[str, Any]) -> str:
         f"{longest['restore_vs_limit']:.2f}x the limit, and {longest['first_step_s']:.3f} s the first forward step "
         f"over the restored context. {fastest_read_note(longest)} On the batch lane (the server's default) the "
         f"first token came after {longest['batch_lane_ttft_s']:.3f} s ({longest['batch_lane_vs_limit']:.2f}x): the "
-        f"same restore, then mlx-lm's generator, which runs the step after the first token before it returns it, "
-        f"so two forward steps; the restored buffers are adopted by the one-row batch without a copy and hold at "
-        f"least a step of slack, so neither step grows the cache. {FIRST_STEP_PROFILE} "
+        f"same restore, then one forward step: the lane's generator hands the first token over before it runs "
+        f"the next step (`EagerGenerationBatch`; mlx-lm's order ran that step first on the CPU, which made it two "
+        f"steps), and the restored buffers are adopted by the one-row batch without a copy and hold at least a "
+        f"step of slack, so the step does not grow the cache. {FIRST_STEP_PROFILE} "
         f"Prefill times past {result['prefill_up_to']:,} tokens are extrapolated linearly from the measured one and "
-        f"understate the real cost. The machine was shared with other agents' builds and tests and a training run "
-        f"(load average {result['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run), and the cold "
-        f"reads went to a virtual disk, so the runs spread widely (see the runs above)."
+        f"understate the real cost. {machine_note(result['load_average'])}"
+    )
+
+
+def machine_note(load_average: float) -> str:
+    """How busy the machine was, from the load average at the end of the run."""
+    cpus = os.cpu_count() or 1
+    busy = "busy with other work" if load_average > cpus / 2 else "otherwise nearly idle"
+    return (
+        f"The machine was {busy} (load average {load_average:.1f} on {cpus} CPUs at the end of the run), and the "
+        f"cold reads went to a virtual disk, whose reads spread widely (see the runs above)."
     )
 
 
