@@ -39,7 +39,12 @@ from rich.console import Console
 from kvcellar.bench.common import describe_machine, print_figures, publish, publish_options
 from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
-from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME
+from kvcellar.engine.train_demo_model import (
+    TRAINING_LOG_FILE_NAME,
+    TrainingConfig,
+    build_streams,
+    fixed_windows,
+)
 
 DOCS_BEGIN, DOCS_END = "<!-- demo_model:begin -->", "<!-- demo_model:end -->"
 PRINTABLE_WORD_SHARE_MIN = 0.9
@@ -182,14 +187,37 @@ def decode_tokens_per_s(model_dir: Path) -> float:
     return max(speeds)
 
 
+def held_out_nats_per_byte(model_dir: Path, log: dict[str, Any]) -> float:
+    """The held-out loss per UTF-8 byte of the text it predicts, on the windows training's held-out
+    loss uses (the same streams and windows, rebuilt with the model's own tokenizer): comparable
+    across tokenizers, where nats per token is not. Each window's bytes are those of its decoded
+    target tokens (a character cut at a window's edge counts as its replacement character)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    # A log from before `tokenizer_ids` existed was made with the shared tokenizer (0).
+    config = TrainingConfig(**{"tokenizer_ids": 0, **log["config"]})
+    streams = build_streams(model_dir, config)
+    model, tokenizer = load(str(model_dir))[:2]
+    nats = byte_count = 0.0
+    for stream in (streams.code_held_out, streams.chat_held_out):
+        for window in fixed_windows(stream, config.eval_windows // 2, config.window_tokens):
+            inputs = mx.array(window[None, :-1])
+            logits = model(inputs).astype(mx.float32)
+            nats += float(nn.losses.cross_entropy(logits, mx.array(window[None, 1:])).sum().item())
+            byte_count += len(tokenizer.decode(window[1:].tolist()).encode("utf-8"))
+    return nats / byte_count
+
+
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
     rows = figure_rows(result)
     lines = [
         "## Demo model (demo-coder): quality and speed",
         "",
-        f"`{command}`, {run_date}; {machine['cpus']} CPUs ({machine['cpu_model']}), MLX {machine['mlx']}. "
-        "The CPUs were shared with other work while this ran.",
+        f"`{command}`, {run_date}; {machine['cpus']} CPUs ({machine['cpu_model']}), MLX {machine['mlx']}; "
+        f"load average {os.getloadavg()[0]:.1f} at the end of the run.",
         "",
         "| measurement | value | note |",
         "|---|---|---|",
@@ -211,6 +239,11 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [
         ("held-out loss (nats/token)", f"{result['held_out_loss']:.3f}", "bfloat16 weights, from training-log.json"),
         ("held-out perplexity", f"{result['held_out_perplexity']:.1f}", ""),
+        (
+            "held-out loss (nats/byte)",
+            f"{result['held_out_nats_per_byte']:.3f}",
+            "the same windows per UTF-8 byte of the text predicted: comparable across tokenizers",
+        ),
         (
             "printable_share",
             f"{result['printable_share']:.2f}",
@@ -263,6 +296,7 @@ def main(prompts: int, as_json: bool, write_docs: bool) -> None:
     result: dict[str, Any] = {
         "held_out_loss": log["final_held_out_loss_bf16"],
         "held_out_perplexity": log["final_held_out_perplexity_bf16"],
+        "held_out_nats_per_byte": held_out_nats_per_byte(DEMO_CODER_DIR, log),
     }
     result.update(run_server_prompts(prompts, progress))
     with tempfile.TemporaryDirectory(prefix="demo-model-bench-") as scratch:

@@ -19,6 +19,7 @@ def test_figures_script_prints_its_json_last_line(tmp_path):
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.output.strip().splitlines()[-1])
     assert {"printable_share", "tool_call_share", "held_out_loss", "held_out_perplexity"} <= set(figures)
+    assert 0 < figures["held_out_nats_per_byte"] < figures["held_out_loss"]
     assert {"right_tool_share", "tool_call_share_with_grammar", "right_tool_share_with_grammar"} <= set(figures)
     assert figures["chat_prompts"] == figures["tool_prompts"] == 1
     assert 0 <= figures["printable_share"] <= 1 and 0 <= figures["tool_call_share"] <= 1
