@@ -175,7 +175,7 @@ def list_command() -> None:
 @click.option(
     "--tool-restart-steps",
     type=click.IntRange(min=0),
-    default=0,
+    default=300,
     show_default=True,
     help="Then this many more, from a fresh optimizer and learning rate (a warm restart).",
 )

@@ -107,7 +107,7 @@ class TrainingConfig:
     # Then a warm restart of phase three: this many more steps from its stored weights, a fresh AdamW,
     # the same schedule shape, new batch draws (the assistant loss was still falling when the first
     # round's learning rate had decayed).
-    tool_restart_steps: int = 0
+    tool_restart_steps: int = 300
     # Share of phase three's tool chats whose arguments are made-up values (`demo_corpus.varied_value`),
     # so the model learns to copy them from the request rather than recall the training pools.
     tool_varied_value_share: float = 0.5
