@@ -69,20 +69,25 @@ def iter_corpus_texts() -> Iterator[str]:
     yield from CHAT_SAMPLE_LINES
 
 
-def train_tokenizer() -> Tokenizer:
-    """Train and return the byte-level BPE tokenizer described in the module docstring."""
+def _trained_byte_level_bpe(texts: Iterable[str], vocab_size: int, pre_tokenizer: Any) -> Tokenizer:
+    """A byte-level BPE (all 256 byte symbols in its alphabet, the special tokens first) trained on `texts`."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(iter_corpus_texts(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
+
+
+def train_tokenizer() -> Tokenizer:
+    """Train and return the byte-level BPE tokenizer described in the module docstring."""
+    return _trained_byte_level_bpe(iter_corpus_texts(), VOCAB_SIZE, pre_tokenizers.ByteLevel(add_prefix_space=False))
 
 
 # demo-coder's pre-tokenizer: GPT-2's split, except that an identifier (letters, digits and
@@ -98,22 +103,13 @@ def train_corpus_tokenizer(texts: Iterable[str], vocab_size: int) -> dict[str, A
     those of the shared tokenizer) trained on `texts`, split by `IDENTIFIER_SPLIT_PATTERN`;
     returned as the content of a `tokenizer.json`. Deterministic for the same texts and
     `tokenizers` version. Raises `ModelError` when the texts yield fewer merges than that."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    split = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(IDENTIFIER_SPLIT_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer = _trained_byte_level_bpe(texts, vocab_size, split)
     if tokenizer.get_vocab_size() != vocab_size:
         # The model's embedding is sized from `vocab_size`: a short vocabulary would leave rows no id uses.
         raise ModelError(
