@@ -261,3 +261,12 @@ def publish_figures(
     """The end of a benchmark with one table: show `figures`, then `publish`."""
     figures.show(console)
     publish(name, result, section, write_docs=write_docs, as_json=as_json, console=console, progress=progress)
+
+
+def load_note(load_average: float) -> str:
+    """The machine's load at the end of a run, as a sentence for a benchmark's prose (the run's own
+    work included: a single-threaded benchmark alone shows about 1)."""
+    return (
+        f"Load average at the end of the run: {load_average:.1f} on {os.cpu_count() or 1} CPUs (the benchmark's "
+        f"own work included)."
+    )

@@ -39,6 +39,7 @@ from rich.console import Console
 from kvcellar.bench.common import describe_machine, print_figures, publish, publish_options
 from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
+from kvcellar.engine.scalars import item_float
 from kvcellar.engine.train_demo_model import (
     TRAINING_LOG_FILE_NAME,
     TrainingConfig,
@@ -205,7 +206,7 @@ def held_out_nats_per_byte(model_dir: Path, log: dict[str, Any]) -> float:
         for window in fixed_windows(stream, config.eval_windows // 2, config.window_tokens):
             inputs = mx.array(window[None, :-1])
             logits = model(inputs).astype(mx.float32)
-            nats += float(nn.losses.cross_entropy(logits, mx.array(window[None, 1:])).sum().item())
+            nats += item_float(nn.losses.cross_entropy(logits, mx.array(window[None, 1:])).sum())
             byte_count += len(tokenizer.decode(window[1:].tolist()).encode("utf-8"))
     return nats / byte_count
 

@@ -42,6 +42,7 @@ from rich.console import Console
 from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
+    load_note,
     print_figures,
     publish,
     publish_options,
@@ -603,7 +604,10 @@ def _load_prose(result: dict[str, Any]) -> str:
         f"raw baseline reads into a buffer faulted in before its clock starts): MLX's `mx.empty` is "
         f"`mx.zeros`, so the arrays were always zero-filled on the engine thread, where those faults overlap "
         f"the reader's copies, and the separate memset of the slack rows was redundant and is gone; "
-        f"allocating the arrays alone takes {medians['allocate']:.3f} s. And the hash, "
+        f"allocating the arrays alone takes {medians['allocate']:.3f} s, "
+        f"{medians['allocate'] / medians['raw_read_warm']:.2f}x the whole raw warm read, so while a load faults "
+        f"in fresh memory the warm ratio cannot exceed {medians['raw_read_warm'] / medians['allocate']:.2f}x "
+        f"(a server's MLX buffer cache hands back pages already faulted in; this benchmark does not). And the hash, "
         f"{result['verify_cost_seconds']:.3f} s in memory ({result['verify_cost_pct']:.1f}% of the median cold "
         f"load), on the engine thread while the reader reads the next tensor; cold verify on minus off was "
         f"{result['verify_delta_seconds']:+.3f} s end to end (median of paired per-repeat differences)."
@@ -615,9 +619,9 @@ def interpretation(result: dict[str, Any]) -> str:
     return (
         f"{_save_prose(result)} {_load_prose(result)}{_spread_sentence(result)} "
         f'"Cold" means this machine\'s page cache for the file was dropped with posix_fadvise(DONTNEED); caching '
-        f"beneath a virtual disk, if any, is outside the benchmark's reach. The machine was shared with other "
-        f"agents' builds and tests and a model training run during the run (2 cores), so absolute rates are low "
-        f"and noisy; the ratios compare measurements interleaved in the same repeats."
+        f"beneath a virtual disk, if any, is outside the benchmark's reach. {load_note(os.getloadavg()[0])} "
+        f"Absolute rates vary between machines and runs; the ratios compare measurements interleaved in the "
+        f"same repeats."
     )
 
 

@@ -47,6 +47,7 @@ from rich.console import Console
 from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
+    load_note,
     print_figures,
     publish,
     publish_options,
@@ -378,17 +379,8 @@ def interpretation(result: dict[str, Any]) -> str:
         f"steps), and the restored buffers are adopted by the one-row batch without a copy and hold at least a "
         f"step of slack, so the step does not grow the cache. {FIRST_STEP_PROFILE} "
         f"Prefill times past {result['prefill_up_to']:,} tokens are extrapolated linearly from the measured one and "
-        f"understate the real cost. {machine_note(result['load_average'])}"
-    )
-
-
-def machine_note(load_average: float) -> str:
-    """How busy the machine was, from the load average at the end of the run."""
-    cpus = os.cpu_count() or 1
-    busy = "busy with other work" if load_average > cpus / 2 else "otherwise nearly idle"
-    return (
-        f"The machine was {busy} (load average {load_average:.1f} on {cpus} CPUs at the end of the run), and the "
-        f"cold reads went to a virtual disk, whose reads spread widely (see the runs above)."
+        f"understate the real cost. {load_note(result['load_average'])} The cold reads went to a virtual disk, "
+        f"whose reads spread widely (see the runs above)."
     )
 
 
