@@ -91,17 +91,30 @@ def test_on_the_cpu_the_generator_hands_each_token_over_before_it_schedules_the_
     assert type(generator._generation_batch) is EagerGenerationBatch
     assert generator._prompt_batch.generation_batch_class is EagerGenerationBatch
     # mlx-lm's step schedules the next one (mx.async_eval), which on the CPU runs most of it
-    # before returning: the eager batch never does, so a token comes back after its own step.
+    # before returning: up to a row's first token nothing is scheduled ahead, so that token comes
+    # back after its own step; later steps are mlx-lm's, scheduled ahead. A row that joins later
+    # gets its first token the same way.
     scheduled = []
     real_async_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: scheduled.append(arrays) or real_async_eval(*arrays))
     try:
-        generator.insert([list(PROMPT)], max_tokens=[3])
-        handed_over = []
-        while len(handed_over) < 3:
-            _, responses = generator.next()
-            handed_over += [response.token for response in responses]
-        assert scheduled == [] and len(handed_over) == 3
+
+        def scheduled_by_the_call_with_first_token(uid: int) -> int:
+            while True:
+                before = len(scheduled)
+                _, responses = generator.next()
+                if any(response.uid == uid for response in responses):
+                    return len(scheduled) - before
+
+        (first,) = generator.insert([list(PROMPT)], max_tokens=[8])
+        assert scheduled_by_the_call_with_first_token(first) == 0 and scheduled == []
+        _, responses = generator.next()
+        assert [response.uid for response in responses] == [first] and len(scheduled) == 1
+        (joining,) = generator.insert([list(OTHER_PROMPT)], max_tokens=[4])
+        assert scheduled_by_the_call_with_first_token(joining) == 0
+        before = len(scheduled)
+        generator.next()
+        assert len(scheduled) == before + 1
     finally:
         generator.close()
 
