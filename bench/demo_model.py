@@ -34,17 +34,18 @@ from typing import Any
 
 import click
 import httpx
+import numpy as np
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, print_figures, publish, publish_options
+from kvcellar.bench.common import describe_machine, load_note, print_figures, publish, publish_options
 from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
-from kvcellar.engine.scalars import item_float
 from kvcellar.engine.train_demo_model import (
     TRAINING_LOG_FILE_NAME,
     TrainingConfig,
     build_streams,
     fixed_windows,
+    held_out_loss,
 )
 
 DOCS_BEGIN, DOCS_END = "<!-- demo_model:begin -->", "<!-- demo_model:end -->"
@@ -190,25 +191,23 @@ def decode_tokens_per_s(model_dir: Path) -> float:
 
 def held_out_nats_per_byte(model_dir: Path, log: dict[str, Any]) -> float:
     """The held-out loss per UTF-8 byte of the text it predicts, on the windows training's held-out
-    loss uses (the same streams and windows, rebuilt with the model's own tokenizer): comparable
-    across tokenizers, where nats per token is not. Each window's bytes are those of its decoded
-    target tokens (a character cut at a window's edge counts as its replacement character)."""
-    import mlx.core as mx
-    import mlx.nn as nn
+    loss uses (the same streams and windows, rebuilt with the model's own tokenizer, and the same
+    `held_out_loss`): comparable across tokenizers, where nats per token is not. Each window's bytes
+    are those of its decoded target tokens (a character cut at a window's edge counts as its
+    replacement character)."""
     from mlx_lm import load
 
     # A log from before `tokenizer_ids` existed was made with the shared tokenizer (0).
     config = TrainingConfig(**{"tokenizer_ids": 0, **log["config"]})
     streams = build_streams(model_dir, config)
+    windows = [
+        fixed_windows(stream, config.eval_windows // 2, config.window_tokens)
+        for stream in (streams.code_held_out, streams.chat_held_out)
+    ]
     model, tokenizer = load(str(model_dir))[:2]
-    nats = byte_count = 0.0
-    for stream in (streams.code_held_out, streams.chat_held_out):
-        for window in fixed_windows(stream, config.eval_windows // 2, config.window_tokens):
-            inputs = mx.array(window[None, :-1])
-            logits = model(inputs).astype(mx.float32)
-            nats += item_float(nn.losses.cross_entropy(logits, mx.array(window[None, 1:])).sum())
-            byte_count += len(tokenizer.decode(window[1:].tolist()).encode("utf-8"))
-    return nats / byte_count
+    predicted = np.concatenate(windows)[:, 1:]
+    byte_count = sum(len(tokenizer.decode(row.tolist()).encode("utf-8")) for row in predicted)
+    return held_out_loss(model, windows) * predicted.size / byte_count
 
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
@@ -217,8 +216,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     lines = [
         "## Demo model (demo-coder): quality and speed",
         "",
-        f"`{command}`, {run_date}; {machine['cpus']} CPUs ({machine['cpu_model']}), MLX {machine['mlx']}; "
-        f"load average {os.getloadavg()[0]:.1f} at the end of the run.",
+        f"`{command}`, {run_date}; {machine['cpus']} CPUs ({machine['cpu_model']}), MLX {machine['mlx']}. "
+        + load_note(os.getloadavg()[0]),
         "",
         "| measurement | value | note |",
         "|---|---|---|",
