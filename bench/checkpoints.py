@@ -40,6 +40,7 @@ from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
     docs_section,
+    load_note,
     machine_sentence,
     model_option,
     publish_figures,
@@ -295,7 +296,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"off {', '.join(f'{v:.1f}' for v in runs['off'])} (alternating, fresh system and directory each)",
         f"(b) cold and resumed runs each in a fresh process whose system is open before the clock starts; "
         f"killed once a durable checkpoint covered {result['kill_at']:.0%} of the tokens",
-        f"whole run {result['wall_s']:.0f} s on a machine shared with other work",
+        f"whole run {result['wall_s']:.0f} s; {load_note(os.getloadavg()[0])}",
     ]
 
 
@@ -334,7 +335,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             f"Run {run_date} with `{command}`.",
             machine_sentence(
                 machine,
-                f" (CPU); SSD tier on {machine['filesystem']}. The machine was shared with other work while it ran.",
+                f" (CPU); SSD tier on {machine['filesystem']}. {load_note(os.getloadavg()[0])}",
             ),
         ],
         figures(result),

@@ -24,6 +24,7 @@ dim kv4's groups of 64 divide) adds `quant_batch_ratio_4` and `kv_bytes_vs_bf16`
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ from kvcellar.bench import quant_batch
 from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
+    load_note,
     model_option,
     print_figures,
     publish,
@@ -304,8 +306,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "",
             f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs, "
             f"{machine['memory_total']}), Python {machine['python']}, mlx {machine['mlx']} (CPU backend), "
-            f"model {result['model']}; the machine was shared with other agents' work (one of them training "
-            "a model), so rates are noisy.",
+            f"model {result['model']}. {load_note(os.getloadavg()[0])}",
             "",
             f"Blocks of {shape['block_size']} tokens. Batch 1: one {shape['long_tokens']}-token prompt. Mixed "
             f"rows: one {shape['long_tokens']}-token row beside {shape['short_tokens']}-token rows in mlx-lm's "

@@ -28,6 +28,7 @@ default model is the demo llama `medium` (head dim 64).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from kvcellar.bench.batching import forward_step_ms
 from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
+    load_note,
     model_option,
     print_figures,
     publish,
@@ -203,7 +205,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "",
             f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
             f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']}, mlx-lm "
-            f"{result['mlx_lm_version']}. The machine was shared with other jobs during the run.",
+            f"{result['mlx_lm_version']}. {load_note(os.getloadavg()[0])}",
             "",
             f"| {' | '.join(FIGURE_COLUMNS)} |",
             f"|{'|'.join('---:' for _ in FIGURE_COLUMNS)}|",

@@ -27,6 +27,7 @@ thread hops are left out; `compare_mlx_lm` measures the whole request at 2k.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from rich.console import Console
 from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
+    load_note,
     model_option,
     print_figures,
     publish,
@@ -190,9 +192,9 @@ def interpretation(result: dict[str, Any]) -> str:
         "mlx_lm.server five (its cache's deep copy first); kvcellar's lean generator moves the prompt "
         "batch instead of splitting it and merges with capacity for the next token, so it copies once. "
         "At 2,048 tokens the copies are small next to "
-        "the forward steps, so the sides differ by little more than the noise of a shared machine. "
-        "Runs on a machine shared with other "
-        "work spread widely (see the runs above): compare medians of one run, not figures across runs."
+        "the forward steps, so the sides differ by little more than the run-to-run noise. "
+        "Runs spread widely when other work shares the CPUs: compare medians of one run, not figures across "
+        f"runs. {load_note(os.getloadavg()[0])}"
     )
 
 

@@ -24,6 +24,7 @@ ratio is kvcellar / mlx_lm.server (target <= 1.0, issue 23 item 3).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
     docs_section,
+    load_note,
     machine_sentence,
     publish_figures,
     publish_options,
@@ -245,8 +247,8 @@ def interpretation(result: dict[str, Any]) -> str:
         f"template, the tokenization, the cache lookup. mlx_lm.server tokenizes the whole prompt every time; "
         f"kvcellar encodes only what follows the last turn marker it shares with a recent prompt "
         f"(http/prompt_tokens.py), which for the timed request, the reply request's prompt again, is the generation "
-        f"prompt (a next turn's prompt would have its new turns encoded). Single hits spread widely on a machine "
-        f"shared with other work: compare the medians of one run."
+        f"prompt (a next turn's prompt would have its new turns encoded). Single hits spread widely when other "
+        f"work shares the CPUs: compare the medians of one run."
     )
 
 
@@ -255,9 +257,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s; both servers up for the whole run).",
         machine_sentence(
             result["machine"],
-            f" (CPU), mlx-lm {result['mlx_lm_version']}; the machine was shared with a model training at normal "
-            f"priority while this benchmark ran under nice (others' CPUs: the average CPUs other processes kept "
-            f"busy during the context's rounds).",
+            f" (CPU), mlx-lm {result['mlx_lm_version']}. {load_note(os.getloadavg()[0])} Others' CPUs below: the "
+            f"average CPUs other processes kept busy during the context's rounds.",
         ),
     ]
     return docs_section(

@@ -149,7 +149,7 @@ def interpretation(result: dict[str, Any]) -> str:
             f"On top of a restore /health took at worst {_ms(result['health_worst_on_restore_s'])} (p99 "
             f"{_ms(result['health_p99_on_restore_s'])}); the idle server before the load took at worst "
             f"{_ms(result['health_idle_worst_s'])} (median {_ms(result['health_idle_p50_s'])}): scheduling on "
-            f"this shared machine alone comes close to the target."
+            f"this machine alone comes close to the target."
         )
     if result["restores"] == 0:
         parts.append(

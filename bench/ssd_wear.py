@@ -24,6 +24,7 @@ Run `python -m kvcellar.bench.ssd_wear --help` for the options.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
     docs_section,
+    load_note,
     machine_sentence,
     model_option,
     publish_figures,
@@ -420,7 +422,7 @@ def interpretation(result: dict[str, Any]) -> str:
             f"`second-hit`. "
         )
         + f"Restart TTFTs are medians of "
-        f"{result['shape']['conversations']} first turns on a shared machine; the cached ratios are exact."
+        f"{result['shape']['conversations']} first turns; the cached ratios are exact."
     )
 
 
@@ -436,7 +438,7 @@ def figures(result: dict[str, Any]) -> Figures:
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    shared = "The machine was shared with other work: TTFTs are noisy, byte counts are not."
+    shared = f"{load_note(os.getloadavg()[0])} TTFTs vary with the load, byte counts do not."
     return docs_section(
         "SSD write wear: admission policies on an agent-like workload",
         [

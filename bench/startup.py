@@ -278,9 +278,9 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "`$KVCELLAR_CACHE_DIR` and hashes every byte; the second reads the digests back and hashes none. The OS "
         "page cache was warm for both starts (the model was read once beforehand, and dropping the cache needs "
         "root), so the difference is hashing time saved; a cold page cache would add the read time of the weights "
-        "to the first start's hashing, though the model load would read them either way. The CPUs were shared with "
-        "other work while this ran (see the load average): the warm start's saving is the fingerprint's cold "
-        "time, and whatever the saving shows above or below that is noise from the shared CPUs.",
+        "to the first start's hashing, though the model load would read them either way. The warm start's saving "
+        "is the fingerprint's cold time, and whatever the saving shows above or below that is noise from other "
+        "work on the CPUs (see the load average).",
     ]
     return "\n".join(lines)
 
