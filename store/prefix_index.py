@@ -400,6 +400,22 @@ class PrefixIndex:
             node = node.parent
         return sorted(ancestors)
 
+    def entries_on_shared_paths(self) -> set[str]:
+        """Ids of the entries whose node holds another entry too (same
+        tokens) or lies below a node holding one (a strict prefix): those
+        `same_tokens` and `strict_prefix_ancestors_of` name anything for
+        beyond the entry itself. One walk of the trie, for the startup
+        scan's supersession pass, which skips every other entry."""
+        found: set[str] = set()
+        pending: list[tuple[_Node, bool]] = [(self._root, False)]
+        while pending:
+            node, below_an_entry = pending.pop()
+            if node.entries and (below_an_entry or len(node.entries) > 1):
+                found.update(node.entries)
+            below = below_an_entry or bool(node.entries)
+            pending.extend((child, below) for child in node.children.values())
+        return found
+
     def _candidates_at(self, node: _Node, usable: int) -> Iterator[tuple[int, bool, int, str]]:
         """Sort keys `(-usable, needs_trim, length, id)` of the best entries under
         `node` serving `usable` tokens. Sound only when no deeper level on the

@@ -340,6 +340,15 @@ def test_bulk_build_equals_repeated_add(entries, queries, removals):
             assert built.same_tokens(entry_id) == added.same_tokens(entry_id)
             assert built.strict_prefix_ancestors_of(entry_id) == added.strict_prefix_ancestors_of(entry_id)
             assert built.tokens_of(entry_id).tolist() == reference[entry_id][0]
+        sharing = {
+            entry_id
+            for entry_id, (tokens, _, _) in reference.items()
+            if any(
+                other_id != entry_id and other[: len(tokens)] == tokens[: len(other)] and len(other) <= len(tokens)
+                for other_id, (other, _, _) in reference.items()
+            )
+        }
+        assert built.entries_on_shared_paths() == added.entries_on_shared_paths() == sharing
         if step == 0:
             for entry_id in sorted(removals & set(reference)):
                 built.remove(entry_id)
