@@ -296,7 +296,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"off {', '.join(f'{v:.1f}' for v in runs['off'])} (alternating, fresh system and directory each)",
         f"(b) cold and resumed runs each in a fresh process whose system is open before the clock starts; "
         f"killed once a durable checkpoint covered {result['kill_at']:.0%} of the tokens",
-        f"whole run {result['wall_s']:.0f} s; {load_note(os.getloadavg()[0])}",
+        f"whole run {result['wall_s']:.0f} s; {load_note()}",
     ]
 
 
@@ -335,7 +335,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             f"Run {run_date} with `{command}`.",
             machine_sentence(
                 machine,
-                f" (CPU); SSD tier on {machine['filesystem']}. {load_note(os.getloadavg()[0])}",
+                f" (CPU); SSD tier on {machine['filesystem']}. {load_note()}",
             ),
         ],
         figures(result),

@@ -263,9 +263,12 @@ def publish_figures(
     publish(name, result, section, write_docs=write_docs, as_json=as_json, console=console, progress=progress)
 
 
-def load_note(load_average: float) -> str:
-    """The machine's load at the end of a run, as a sentence for a benchmark's prose (the run's own
-    work included: a single-threaded benchmark alone shows about 1)."""
+def load_note(load_average: float | None = None) -> str:
+    """The machine's load at the end of a run (`load_average`, else the 1-minute load average now),
+    as a sentence for a benchmark's prose (the run's own work included: a single-threaded benchmark
+    alone shows about 1)."""
+    if load_average is None:
+        load_average = os.getloadavg()[0]
     return (
         f"Load average at the end of the run: {load_average:.1f} on {os.cpu_count() or 1} CPUs (the benchmark's "
         f"own work included)."

@@ -217,7 +217,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "## Demo model (demo-coder): quality and speed",
         "",
         f"`{command}`, {run_date}; {machine['cpus']} CPUs ({machine['cpu_model']}), MLX {machine['mlx']}. "
-        + load_note(os.getloadavg()[0]),
+        + load_note(),
         "",
         "| measurement | value | note |",
         "|---|---|---|",

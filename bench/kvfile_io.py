@@ -619,7 +619,7 @@ def interpretation(result: dict[str, Any]) -> str:
     return (
         f"{_save_prose(result)} {_load_prose(result)}{_spread_sentence(result)} "
         f'"Cold" means this machine\'s page cache for the file was dropped with posix_fadvise(DONTNEED); caching '
-        f"beneath a virtual disk, if any, is outside the benchmark's reach. {load_note(os.getloadavg()[0])} "
+        f"beneath a virtual disk, if any, is outside the benchmark's reach. {load_note()} "
         f"Absolute rates vary between machines and runs; the ratios compare measurements interleaved in the "
         f"same repeats."
     )

@@ -24,7 +24,6 @@ dim kv4's groups of 64 divide) adds `quant_batch_ratio_4` and `kv_bytes_vs_bf16`
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -306,7 +305,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "",
             f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs, "
             f"{machine['memory_total']}), Python {machine['python']}, mlx {machine['mlx']} (CPU backend), "
-            f"model {result['model']}. {load_note(os.getloadavg()[0])}",
+            f"model {result['model']}. {load_note()}",
             "",
             f"Blocks of {shape['block_size']} tokens. Batch 1: one {shape['long_tokens']}-token prompt. Mixed "
             f"rows: one {shape['long_tokens']}-token row beside {shape['short_tokens']}-token rows in mlx-lm's "

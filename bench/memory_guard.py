@@ -240,7 +240,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         [
             f"Run {run_date} with `{command}` on {machine['cpu_model']} ({machine['cpus']} CPUs, "
             f"{machine['memory_total']}), Python {machine['python']}, mlx {machine['mlx']} (CPU backend), "
-            f"model {result['model']}. {load_note(os.getloadavg()[0])}",
+            f"model {result['model']}. {load_note()}",
             f"{result['clients']} concurrent clients, {result['requests_per_client']} distinct "
             f"{result['prompt_tokens']}-token prompts each, {result['max_tokens']} tokens out, batch lane of "
             f"{result['clients']} rows, SSD tier on. The workload would keep {_mb(result['wanted_kv_bytes'])} "

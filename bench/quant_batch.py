@@ -28,7 +28,6 @@ default model is the demo llama `medium` (head dim 64).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -205,7 +204,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             "",
             f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['memory_total']} RAM, "
             f"{machine['platform']}, Python {machine['python']}, MLX {machine['mlx']}, mlx-lm "
-            f"{result['mlx_lm_version']}. {load_note(os.getloadavg()[0])}",
+            f"{result['mlx_lm_version']}. {load_note()}",
             "",
             f"| {' | '.join(FIGURE_COLUMNS)} |",
             f"|{'|'.join('---:' for _ in FIGURE_COLUMNS)}|",

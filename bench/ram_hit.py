@@ -27,7 +27,6 @@ thread hops are left out; `compare_mlx_lm` measures the whole request at 2k.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -194,7 +193,7 @@ def interpretation(result: dict[str, Any]) -> str:
         "At 2,048 tokens the copies are small next to "
         "the forward steps, so the sides differ by little more than the run-to-run noise. "
         "Runs spread widely when other work shares the CPUs: compare medians of one run, not figures across "
-        f"runs. {load_note(os.getloadavg()[0])}"
+        f"runs. {load_note()}"
     )
 
 

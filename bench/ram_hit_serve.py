@@ -24,7 +24,6 @@ ratio is kvcellar / mlx_lm.server (target <= 1.0, issue 23 item 3).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -257,7 +256,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         f"Run {run_date} with `{command}` (wall time {result['wall_s']:.0f} s; both servers up for the whole run).",
         machine_sentence(
             result["machine"],
-            f" (CPU), mlx-lm {result['mlx_lm_version']}. {load_note(os.getloadavg()[0])} Others' CPUs below: the "
+            f" (CPU), mlx-lm {result['mlx_lm_version']}. {load_note()} Others' CPUs below: the "
             f"average CPUs other processes kept busy during the context's rounds.",
         ),
     ]

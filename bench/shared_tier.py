@@ -288,7 +288,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"entry was flushed to SSD, so its upload is queued as the decode starts (it waits for an idle "
         f"gateway); on and off alternate; median of {result['repeats']}",
         f"object store: moto {result['moto']} server mode on 127.0.0.1 (its own process, over HTTP, boto3 "
-        f"{result['boto3']}); whole run {result['wall_s']:.0f} s; {load_note(os.getloadavg()[0])}",
+        f"{result['boto3']}); whole run {result['wall_s']:.0f} s; {load_note()}",
     ]
 
 

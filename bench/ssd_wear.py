@@ -24,7 +24,6 @@ Run `python -m kvcellar.bench.ssd_wear --help` for the options.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -438,7 +437,7 @@ def figures(result: dict[str, Any]) -> Figures:
 
 def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str:
     machine = result["machine"]
-    shared = f"{load_note(os.getloadavg()[0])} TTFTs vary with the load, byte counts do not."
+    shared = f"{load_note()} TTFTs vary with the load, byte counts do not."
     return docs_section(
         "SSD write wear: admission policies on an agent-like workload",
         [
