@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -273,3 +275,40 @@ def load_note(load_average: float | None = None) -> str:
         f"Load average at the end of the run: {load_average:.1f} on {os.cpu_count() or 1} CPUs (the benchmark's "
         f"own work included)."
     )
+
+
+@contextmanager
+def timing_calls(owner: object, name: str, spent: list[float]) -> Iterator[None]:
+    """Time every call of `owner.name` (a class's method or an instance's bound one) into `spent`."""
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - started)
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextmanager
+def collections_timed(spent: list[float]) -> Iterator[None]:
+    """Time every cyclic garbage collection that runs inside the block into `spent` (`gc.callbacks`)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            spent.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)

@@ -16,7 +16,6 @@ the real `RealDisk`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import shutil
@@ -26,7 +25,6 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +37,14 @@ from rich.console import Console
 
 from kvcellar.bench.common import (
     Figures,
+    collections_timed,
     describe_machine,
     docs_markers,
     docs_section,
     machine_sentence,
     publish_figures,
     publish_options,
+    timing_calls,
 )
 from kvcellar.serialization import converter
 from kvcellar.store import kvfile
@@ -199,25 +199,6 @@ def journal_event_count(directory: Path) -> int:
         connection.close()
 
 
-@contextlib.contextmanager
-def timing_calls(owner: object, name: str, spent: list[float]) -> Iterator[None]:
-    """Time every call of `owner.name` (a class's method or an instance's bound one) into `spent`."""
-    original = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent.append(time.perf_counter() - started)
-
-    setattr(owner, name, timed)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def timed_open(root: Path, *, journal: bool) -> tuple[float, SsdStore]:
     gc.collect()
     started = time.perf_counter()
@@ -232,15 +213,23 @@ def timed_open(root: Path, *, journal: bool) -> tuple[float, SsdStore]:
 STARTUP_KEYS = ("scan_baseline", "open_journal_off", "open_journal_on")
 
 
-def time_startup_step(root: Path, key: str, expected_entries: int, reconcile_seconds: list[float]) -> float:
+def time_startup_step(
+    root: Path, key: str, expected_entries: int, reconcile_seconds: list[float], collection_seconds: list[float]
+) -> float:
+    """One timed baseline walk or open; an open's garbage collections go into `collection_seconds` (their sum)."""
     if key == "scan_baseline":
         gc.collect()
         started = time.perf_counter()
         scandir_and_stat(root / FINGERPRINT)
         return time.perf_counter() - started
     journal = key == "open_journal_on"
-    with timing_calls(SsdStore, "_reconcile_journal", reconcile_seconds if journal else []):
+    collections: list[float] = []
+    with (
+        timing_calls(SsdStore, "_reconcile_journal", reconcile_seconds if journal else []),
+        collections_timed(collections),
+    ):
         seconds, store = timed_open(root, journal=journal)
+    collection_seconds.append(sum(collections))
     entries = store.stats()["entries"]
     store.close()
     if entries != expected_entries:
@@ -252,17 +241,20 @@ def measure_startup(root: Path, repeats: int, expected_entries: int) -> dict[str
     """Baseline and both opens once per repeat, order rotated, headers re-warmed before each."""
     directory = root / FINGERPRINT
     runs: dict[str, list[float]] = {key: [] for key in STARTUP_KEYS}
+    collections: dict[str, list[float]] = {key: [] for key in STARTUP_KEYS[1:]}
     warm_seconds: list[float] = []
     reconcile_seconds: list[float] = []
     events_before = journal_event_count(directory)
     for repeat in range(repeats):
         for key in STARTUP_KEYS[repeat % 3 :] + STARTUP_KEYS[: repeat % 3]:
             warm_seconds.append(warm_headers(directory))
-            runs[key].append(time_startup_step(root, key, expected_entries, reconcile_seconds))
+            spent = collections.get(key, [])
+            runs[key].append(time_startup_step(root, key, expected_entries, reconcile_seconds, spent))
     return {
         "runs_seconds": runs,
         "warm_headers_seconds": warm_seconds,
         "reconcile_median_seconds": statistics.median(reconcile_seconds),
+        "collection_median_seconds": {key: statistics.median(values) for key, values in collections.items()},
         "median_seconds": {key: statistics.median(values) for key, values in runs.items()},
         "reconcile_events_in_timed_opens": journal_event_count(directory) - events_before,
     }
@@ -648,6 +640,19 @@ def journal_on_floor_sentence(result: dict[str, Any]) -> str:
     )
 
 
+def collection_sentence(result: dict[str, Any]) -> str:
+    """The cyclic garbage collections inside the timed opens: what the scan's allocations set off."""
+    spent, medians = result["collection_median_seconds"], result["median_seconds"]
+    return (
+        f"Of each open, the cyclic garbage collector took {duration(spent['open_journal_on'])} with the journal "
+        f"on ({spent['open_journal_on'] / medians['open_journal_on']:.0%}) and "
+        f"{duration(spent['open_journal_off'])} off (median): open pauses it over the scan, and the tens of "
+        f"thousands of objects the scan leaves set off a full collection of the process's heap once it runs "
+        f"again. gc.freeze() after the scan would skip that, but a frozen trie is never collected when its "
+        f"store closes (its parent and child links are cycles), so open leaves the collector as it was."
+    )
+
+
 def interpretation(result: dict[str, Any]) -> str:
     """One paragraph from the figures: which targets hold, and where the time goes."""
     parts, met = result["scan_components_seconds"], result["targets_met"]
@@ -668,7 +673,7 @@ def interpretation(result: dict[str, Any]) -> str:
         f"costs {duration(parts['read_header_summary'])} against {duration(parts['read_header'])} for the full "
         f"read_header, and the bulk index build {duration(parts['index_bulk'])} against "
         f"{duration(parts['index_add'])} for one insert per entry. "
-        f"{journal_on_floor_sentence(result)} The no-op reconcile costs "
+        f"{journal_on_floor_sentence(result)} {collection_sentence(result)} The no-op reconcile costs "
         f"{duration(reconcile)} timed directly. "
         f"A cold page cache would add one header read per file to a journal-off open, on top of the inode "
         f"reads both sides need. "

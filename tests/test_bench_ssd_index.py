@@ -60,6 +60,8 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     assert figures["entries"] == 50
     assert figures["verified_queries"] > 0 and figures["verification_mismatches"] == 0
     assert figures["reconcile_events_in_timed_opens"] == 0
+    assert set(figures["collection_median_seconds"]) == {"open_journal_off", "open_journal_on"}
+    assert all(seconds >= 0 for seconds in figures["collection_median_seconds"].values())
     assert figures["first_journal_open_events"] == 50
     assert [path.name[: len("ssd_index-")] for path in tmp_path.iterdir()] == ["ssd_index-"]
     docs_after = common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None
