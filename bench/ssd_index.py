@@ -646,10 +646,12 @@ def collection_sentence(result: dict[str, Any]) -> str:
     return (
         f"Of each open, the cyclic garbage collector took {duration(spent['open_journal_on'])} with the journal "
         f"on ({spent['open_journal_on'] / medians['open_journal_on']:.0%}) and "
-        f"{duration(spent['open_journal_off'])} off (median): open pauses it over the scan, and the tens of "
-        f"thousands of objects the scan leaves set off a full collection of the process's heap once it runs "
-        f"again. gc.freeze() after the scan would skip that, but a frozen trie is never collected when its "
-        f"store closes (its parent and child links are cycles), so open leaves the collector as it was."
+        f"{duration(spent['open_journal_off'])} off (median): open pauses it over the scan, and the objects "
+        f"the scan leaves (about five per entry: the entry, its trie entry and node, their dicts) set off a full "
+        f"collection of the process's heap once it runs again, since they outnumber a quarter of the objects "
+        f"it already tracked (CPython's rule; in a process with a larger heap it need not run at open). "
+        f"gc.freeze() after the scan would skip that, but a frozen trie is never collected when its store "
+        f"closes (its parent and child links are cycles), so open leaves the collector as it was."
     )
 
 
