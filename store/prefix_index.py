@@ -402,9 +402,9 @@ class PrefixIndex:
 
     def entries_on_shared_paths(self) -> set[str]:
         """Ids of the entries whose node holds another entry too (same
-        tokens) or lies below a node holding one (a strict prefix): those
-        `same_tokens` and `strict_prefix_ancestors_of` name anything for
-        beyond the entry itself. One walk of the trie, for the startup
+        tokens) or lies below a node holding one (a strict prefix): the
+        entries for which `same_tokens` or `strict_prefix_ancestors_of`
+        names an entry besides itself. One walk of the trie, for the startup
         scan's supersession pass, which skips every other entry."""
         found: set[str] = set()
         pending: list[tuple[_Node, bool]] = [(self._root, False)]
