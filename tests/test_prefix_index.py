@@ -344,7 +344,7 @@ def test_bulk_build_equals_repeated_add(entries, queries, removals):
             entry_id
             for entry_id, (tokens, _, _) in reference.items()
             if any(
-                other_id != entry_id and other[: len(tokens)] == tokens[: len(other)] and len(other) <= len(tokens)
+                other_id != entry_id and len(other) <= len(tokens) and tokens[: len(other)] == other
                 for other_id, (other, _, _) in reference.items()
             )
         }
