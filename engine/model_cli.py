@@ -225,14 +225,20 @@ def train_command(
     force: bool,
 ) -> None:
     """Train the demo-coder model into OUT_DIR (MLX on the CPU; the defaults made the committed one).
+
+    On Linux it runs on the system's OpenBLAS when one is installed (the
+    mlx[cpu] wheel's own BLAS is ~10x slower): about 35-55 minutes on 2 cores.
     \f
-    On Linux, run it with OpenBLAS preloaded (see `kvcellar.engine.train_demo_model`):
-    the reference BLAS of the mlx[cpu] wheel makes it ~20x slower.
+    `kvcellar.cli.main` re-executes the command with OpenBLAS preloaded (kvcellar.blas_preload).
     """
+    from kvcellar.blas_preload import loaded_blas
     from kvcellar.engine.train_demo_model import TrainingConfig, train, train_from_model
 
     if 0 < tokenizer_ids < TOKENIZER_IDS_MIN:
         raise UsageError(f"--tokenizer-ids must be 0 or at least {TOKENIZER_IDS_MIN} (got {tokenizer_ids})")
+    warmup_steps = TrainingConfig().warmup_steps
+    if steps <= warmup_steps:
+        raise UsageError(f"--steps must be more than phase one's {warmup_steps} warm-up steps (got {steps})")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UsageError(f"{out_dir} exists and is not empty (overwrite it with --force)")
     config = TrainingConfig(
@@ -250,6 +256,11 @@ def train_command(
     def report(line: str) -> None:
         click.echo(line, err=True)
 
+    if loaded_blas() == "reference":
+        report(
+            "warning: MLX runs on the wheel's reference BLAS, about 10x slower than OpenBLAS "
+            "(Debian/Ubuntu: apt install libopenblas0-pthread; it is then preloaded unless LD_PRELOAD is set)"
+        )
     if from_model is None:
         log = train(out_dir, config, progress=report)
     else:

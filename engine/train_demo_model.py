@@ -67,7 +67,9 @@ ProgressCallback = Callable[[str], None]
 
 @attrs.frozen(kw_only=True)
 class TrainingConfig:
-    """Everything that decides the trained weights besides the library versions."""
+    """Everything that decides the trained weights besides the library versions and the
+    CPU, and how often the held-out losses are measured (`*eval_every_steps`: forward passes
+    only, so they change the loss curve's points, never the weights)."""
 
     seed: int = 0
     # Ids of the byte-level BPE trained on the training text (phase one's chats and code) before
@@ -85,7 +87,8 @@ class TrainingConfig:
     # Share of each batch's rows drawn from the chat stream (the rest: standard-library code).
     chat_row_share: float = 0.75
     chat_conversations: int = 6000
-    eval_every_steps: int = 10
+    # 50, not 10: each evaluation costs ~2.5 training steps (16 windows), ~7 % of phases one and two.
+    eval_every_steps: int = 50
     eval_windows: int = 16
     hidden_size: int = 256
     intermediate_size: int = 768
@@ -564,6 +567,9 @@ def train_tool_phase(
     return log
 
 
+# Settings that decide when the held-out losses are measured, not the weights.
+EVALUATION_SETTINGS = frozenset({"eval_every_steps", "tool_eval_every_steps"})
+
 # Phase-three settings added after models were made without them, and the value that means "as before".
 SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
     "tool_varied_value_share": 0.0,
@@ -591,10 +597,10 @@ def train_from_model(
     except (OSError, ValueError) as e:
         raise ModelError(f"{source_dir} has no readable {TRAINING_LOG_FILE_NAME}: {e}") from e
     phases_done = len(source_log.get("phase_wall_s", [None]))
-    later_keys = {"tool_restart_steps"}
+    later_keys = {"tool_restart_steps", *EVALUATION_SETTINGS}
     if phases_done == 2:
         later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
-        later_keys |= {"conversation_tokens_max", "tool_eval_every_steps"}
+        later_keys |= {"conversation_tokens_max"}
         later_keys |= {"tool_varied_value_share", "tool_choice_loss_weight", "tool_rounds_max"}
     wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
     # A log written before a setting existed ran with its neutral value.
@@ -707,7 +713,10 @@ def _versions() -> dict[str, str]:
     import mlx_lm
     import tokenizers
 
+    from kvcellar.blas_preload import loaded_blas
+
     return {
+        "blas": loaded_blas(),
         "python": platform.python_version(),
         "mlx": mlx_version(),
         "mlx_lm": mlx_lm.__version__,

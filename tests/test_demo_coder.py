@@ -190,6 +190,14 @@ def test_model_train_refuses_a_tokenizer_smaller_than_its_byte_alphabet(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_model_train_refuses_no_steps_after_phase_one_warm_up(tmp_path, capsys):
+    from kvcellar.cli import main
+
+    assert main(["model", "train", str(tmp_path / "out"), "--steps", "20"]) == 2
+    assert "--steps must be more than phase one's 20 warm-up steps (got 20)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_writes_a_model_mlx_lm_loads_and_its_log_and_resuming_phase_three_gives_the_same_weights(tmp_path):
     from mlx_lm import load
 
@@ -203,7 +211,9 @@ def test_train_writes_a_model_mlx_lm_loads_and_its_log_and_resuming_phase_three_
     assert tokenizer.has_tool_calling
     assert json.loads((tmp_path / "model" / TRAINING_LOG_FILE_NAME).read_text())["final_held_out_loss_bf16"] > 0
 
-    train(tmp_path / "phase-two", attrs.evolve(TINY_TRAINING, tool_steps=0))
+    # Evaluated less often, the same weights: evaluations are forward passes only, and resuming
+    # does not ask for the same cadence.
+    train(tmp_path / "phase-two", attrs.evolve(TINY_TRAINING, tool_steps=0, eval_every_steps=1000))
     train(tmp_path / "phase-three-round-one", attrs.evolve(TINY_TRAINING, tool_restart_steps=0))
     for source in ("phase-two", "phase-three-round-one"):
         resumed = train_from_model(tmp_path / f"from-{source}", tmp_path / source, TINY_TRAINING)

@@ -1,0 +1,69 @@
+"""`kvcellar model train` re-executes itself once with OpenBLAS preloaded where
+that helps, and leaves every other case alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcellar.blas_preload import PRELOAD_ENV, find_openblas, loaded_blas, preload_environment
+
+LIBRARY = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def test_linux_with_openblas_gets_it_preloaded():
+    assert preload_environment({"A": "1"}, system="Linux", library=LIBRARY) == {"A": "1", PRELOAD_ENV: LIBRARY}
+
+
+@pytest.mark.parametrize(
+    ("environ", "system", "library"),
+    [
+        ({PRELOAD_ENV: ""}, "Linux", LIBRARY),  # the user decided (an empty value opts out)
+        ({}, "Darwin", LIBRARY),  # MLX uses Accelerate there
+        ({}, "Linux", None),  # not installed
+    ],
+    ids=["already-set", "macos", "no-openblas"],
+)
+def test_every_other_case_carries_on_unchanged(environ, system, library):
+    assert preload_environment(environ, system=system, library=library) is None
+
+
+def test_the_first_existing_path_wins(tmp_path):
+    present = tmp_path / "libopenblas.so.0"
+    present.write_bytes(b"")
+    assert find_openblas([tmp_path / "absent.so", present]) == str(present)
+
+
+def test_loaded_blas_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0\n")
+    assert loaded_blas(maps) == "reference"
+    maps.write_text(maps.read_text() + f"7f02-7f03 r-xp 0 08:01 2 {LIBRARY}\n")
+    assert loaded_blas(maps) == "openblas"
+    assert loaded_blas(tmp_path / "no-proc") == "unknown"
+
+
+@pytest.mark.skipif(find_openblas() is None or sys.platform != "linux", reason="needs Linux with OpenBLAS installed")
+@pytest.mark.parametrize(("preload", "expected"), [(None, "openblas"), ("", "reference")], ids=["default", "opt-out"])
+def test_model_train_runs_on_openblas_after_the_reexec(tmp_path, preload, expected):
+    # A refused option still goes through the re-exec first; the process then says which BLAS it mapped.
+    environ = {key: value for key, value in os.environ.items() if key != PRELOAD_ENV}
+    if preload is not None:
+        environ[PRELOAD_ENV] = preload
+    script = (
+        "import sys; from kvcellar.cli import main; from kvcellar.blas_preload import loaded_blas; "
+        "status = main(); print(loaded_blas()); sys.exit(status)"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script, "model", "train", str(tmp_path / "out"), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=environ,
+    )
+    assert completed.returncode == 2 and "--steps must be more than" in completed.stderr
+    assert completed.stdout.split() == [expected]
