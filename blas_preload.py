@@ -5,10 +5,11 @@ which ran at ~1.5 GFLOP/s here against ~37 GFLOP/s for OpenBLAS: a training
 step of the demo-coder took 11 s instead of 1.1 s. The wheel's library is
 loaded when MLX is imported, so the only way to swap it is the dynamic
 loader's `LD_PRELOAD` at process start: `kvcellar model train` re-executes
-itself once with the system's OpenBLAS preloaded. It does nothing where it
+itself once with the system's OpenBLAS added to `LD_PRELOAD` (after whatever
+is there: `stdbuf`, for one, works by preloading). It does nothing where it
 cannot help or was decided already: not Linux, no OpenBLAS installed (Debian:
-`apt install libopenblas0-pthread`), or `LD_PRELOAD` already in the
-environment (set it, even empty, to opt out).
+`apt install libopenblas0-pthread`), an OpenBLAS preloaded already, or
+`LD_PRELOAD` set to the empty string (the way to opt out).
 
 Only training does this: `serve` keeps the wheel's libraries, so its figures
 compare like with like against `mlx_lm.server` run the same way.
@@ -44,9 +45,10 @@ def find_openblas(paths: Sequence[Path] = OPENBLAS_PATHS) -> str | None:
 
 def preload_environment(environ: Mapping[str, str], *, system: str, library: str | None) -> dict[str, str] | None:
     """The environment to re-execute with, or None to carry on as is."""
-    if system != "Linux" or library is None or PRELOAD_ENV in environ:
+    preloaded = environ.get(PRELOAD_ENV)
+    if system != "Linux" or library is None or preloaded == "" or "openblas" in (preloaded or ""):
         return None
-    return {**environ, PRELOAD_ENV: library}
+    return {**environ, PRELOAD_ENV: f"{preloaded}:{library}" if preloaded else library}
 
 
 def reexec_with_openblas() -> None:

@@ -14,18 +14,23 @@ from kvcellar.blas_preload import PRELOAD_ENV, find_openblas, loaded_blas, prelo
 LIBRARY = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 
-def test_linux_with_openblas_gets_it_preloaded():
+def test_linux_with_openblas_gets_it_preloaded_after_what_is_there():
     assert preload_environment({"A": "1"}, system="Linux", library=LIBRARY) == {"A": "1", PRELOAD_ENV: LIBRARY}
+    stdbuf = {PRELOAD_ENV: "/usr/libexec/coreutils/libstdbuf.so"}
+    assert preload_environment(stdbuf, system="Linux", library=LIBRARY) == {
+        PRELOAD_ENV: f"{stdbuf[PRELOAD_ENV]}:{LIBRARY}"
+    }
 
 
 @pytest.mark.parametrize(
     ("environ", "system", "library"),
     [
         ({PRELOAD_ENV: ""}, "Linux", LIBRARY),  # the user decided (an empty value opts out)
+        ({PRELOAD_ENV: "/opt/lib/libopenblas64_.so"}, "Linux", LIBRARY),  # an OpenBLAS is there already
         ({}, "Darwin", LIBRARY),  # MLX uses Accelerate there
         ({}, "Linux", None),  # not installed
     ],
-    ids=["already-set", "macos", "no-openblas"],
+    ids=["opted-out", "already-openblas", "macos", "no-openblas"],
 )
 def test_every_other_case_carries_on_unchanged(environ, system, library):
     assert preload_environment(environ, system=system, library=library) is None

@@ -20,7 +20,7 @@ PACKAGE = "kvcellar"
 
 # Lowest first; "kvcellar" is the package's own `__init__` (its version).
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({PACKAGE, "errors", "huge_pages"}),
+    frozenset({PACKAGE, "errors", "huge_pages", "blas_preload"}),
     frozenset({"serialization"}),
     frozenset({"store"}),
     frozenset({"engine"}),
