@@ -105,6 +105,14 @@ class TrainingConfig:
     tool_conversations: int = 3000
     tool_row_share: float = 0.75
     conversation_tokens_max: int = 768
+    # Rows are padded to a multiple of this many tokens (so the compiled step sees few shapes)...
+    row_tokens_quantum: int = 64
+    # ...and a step's tool chats come from one length class (a multiple of the quantum): the first
+    # is drawn from all of them, the others from its class, so every chat is still drawn with the
+    # same chance, and a step pads to about its first chat's length instead of the longest of
+    # three random ones. Attention's cost grows with the square of the padded length: phase three's
+    # steps took ~3 s each with random groups and 128-token rounding, most of the whole run.
+    tool_rows_by_length: bool = True
     # Its evaluations cost ~2 training steps each (whole conversations), so they come less often.
     tool_eval_every_steps: int = 50
     # Then a warm restart of phase three: this many more steps from its stored weights, a fresh AdamW,
@@ -382,8 +390,6 @@ def train_chat_phase(
 ASSISTANT_TURN_START = "<|im_start|>assistant\n"
 ASSISTANT_TURN_END = EOS_TOKEN
 TOOL_CALL_START, TOOL_NAME_KEY = "<tool_call>", '"name": "'
-# Conversation rows are padded to a multiple of this, so the compiled step sees few distinct shapes.
-ROW_TOKENS_QUANTUM = 128
 
 
 @attrs.frozen(kw_only=True)
@@ -480,11 +486,17 @@ def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> Conversa
     return ConversationRows(tool=tool, plain=plain, held_out_tool=held_out)
 
 
-def conversation_batch(rows: list[ConversationRow], tokens_max: int) -> tuple[np.ndarray, np.ndarray]:
-    """The rows from their first token, padded (masked out) to a multiple of `ROW_TOKENS_QUANTUM`,
+def padded_tokens(row_tokens: int, quantum_tokens: int, tokens_max: int) -> int:
+    """`row_tokens` rounded up to a multiple of `quantum_tokens`, at most `tokens_max`."""
+    return min(tokens_max, -(-row_tokens // quantum_tokens) * quantum_tokens)
+
+
+def conversation_batch(
+    rows: list[ConversationRow], tokens_max: int, quantum_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows from their first token, padded (masked out) to a multiple of `quantum_tokens`,
     cut at `tokens_max`; the mask is over the predicted tokens (`windows[:, 1:]`)."""
-    longest = max(len(row.ids) for row in rows)
-    tokens = min(tokens_max, -(-longest // ROW_TOKENS_QUANTUM) * ROW_TOKENS_QUANTUM)
+    tokens = padded_tokens(max(len(row.ids) for row in rows), quantum_tokens, tokens_max)
     windows = np.full((len(rows), tokens + 1), PAD_TOKEN_ID, dtype=np.int32)
     mask = np.zeros((len(rows), tokens), dtype=np.float32)
     for index, row in enumerate(rows):
@@ -499,6 +511,16 @@ def masked_token_loss(model: nn.Module, windows: mx.array, mask: mx.array) -> mx
     logits = model(windows[:, :-1])
     losses = nn.losses.cross_entropy(logits.astype(mx.float32), windows[:, 1:]) * mask
     return losses.sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def tool_length_classes(
+    rows: list[ConversationRow], quantum_tokens: int, tokens_max: int
+) -> dict[int, list[ConversationRow]]:
+    """`rows` by their padded length (`padded_tokens`)."""
+    classes: dict[int, list[ConversationRow]] = {}
+    for row in rows:
+        classes.setdefault(padded_tokens(len(row.ids), quantum_tokens, tokens_max), []).append(row)
+    return classes
 
 
 def train_tool_phase(
@@ -533,13 +555,20 @@ def train_tool_phase(
     model.set_dtype(mx.float32)
     rng = np.random.default_rng(config.seed + (1002 if restart else 2))
     tool_rows = round(config.batch_rows * config.tool_row_share)
+    quantum, tokens_max = config.row_tokens_quantum, config.conversation_tokens_max
+    length_classes = tool_length_classes(rows.tool, quantum, tokens_max) if config.tool_rows_by_length else {}
 
     def tool_batch() -> tuple[np.ndarray, np.ndarray]:
-        picked = [rows.tool[index] for index in rng.integers(0, len(rows.tool), tool_rows)]
+        if length_classes:
+            first = rows.tool[int(rng.integers(0, len(rows.tool)))]
+            same_class = length_classes[padded_tokens(len(first.ids), quantum, tokens_max)]
+            picked = [first] + [same_class[index] for index in rng.integers(0, len(same_class), tool_rows - 1)]
+        else:
+            picked = [rows.tool[index] for index in rng.integers(0, len(rows.tool), tool_rows)]
         picked += [rows.plain[index] for index in rng.integers(0, len(rows.plain), config.batch_rows - tool_rows)]
-        return conversation_batch(picked, config.conversation_tokens_max)
+        return conversation_batch(picked, tokens_max, quantum)
 
-    held_out_batch = [mx.array(array) for array in conversation_batch(rows.held_out_tool, 10**6)]
+    held_out_batch = [mx.array(array) for array in conversation_batch(rows.held_out_tool, 10**6, quantum)]
 
     def assistant_eval(model: nn.Module) -> float:
         return item_float(masked_token_loss(model, *held_out_batch))
@@ -575,6 +604,8 @@ SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
     "tool_varied_value_share": 0.0,
     "tool_choice_loss_weight": 1.0,
     "tool_rounds_max": 1,
+    "row_tokens_quantum": 128,
+    "tool_rows_by_length": False,
     "tokenizer_ids": 0,
 }
 
@@ -600,7 +631,7 @@ def train_from_model(
     later_keys = {"tool_restart_steps", *EVALUATION_SETTINGS}
     if phases_done == 2:
         later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
-        later_keys |= {"conversation_tokens_max"}
+        later_keys |= {"conversation_tokens_max", "row_tokens_quantum", "tool_rows_by_length"}
         later_keys |= {"tool_varied_value_share", "tool_choice_loss_weight", "tool_rounds_max"}
     wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
     # A log written before a setting existed ran with its neutral value.

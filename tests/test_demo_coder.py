@@ -29,6 +29,8 @@ from kvcellar.engine.train_demo_model import (
     TrainingConfig,
     build_conversation_rows,
     conversation_batch,
+    padded_tokens,
+    tool_length_classes,
     train,
     train_from_model,
 )
@@ -242,9 +244,20 @@ def test_phase_three_scores_only_what_the_assistant_writes():
         assert set(row.weights.tolist()) == {0.0, 1.0, TINY_TRAINING.tool_choice_loss_weight}
     for row in rows.held_out_tool:
         assert set(row.weights.tolist()) == {0.0, 1.0}
-    windows, mask = conversation_batch(rows.plain, 64)
+    windows, mask = conversation_batch(rows.plain, 64, 64)
     assert windows.shape == (2, 65) and mask.shape == (2, 64)
     assert mask.sum() == sum(min(row.weights[1:65].sum(), 64) for row in rows.plain)
+
+
+def test_phase_three_groups_tool_chats_by_their_padded_length():
+    assert [padded_tokens(n, 64, 768) for n in (1, 64, 65, 700, 769, 5000)] == [64, 64, 128, 704, 768, 768]
+    rows = build_conversation_rows(DEMO_CODER_DIR, TINY_TRAINING).tool
+    classes = tool_length_classes(rows, 64, TINY_TRAINING.conversation_tokens_max)
+    assert sorted(id(row) for group in classes.values() for row in group) == sorted(id(row) for row in rows)
+    for tokens, group in classes.items():
+        assert {padded_tokens(len(row.ids), 64, TINY_TRAINING.conversation_tokens_max) for row in group} == {tokens}
+        windows, _ = conversation_batch(group, TINY_TRAINING.conversation_tokens_max, 64)
+        assert windows.shape == (len(group), tokens + 1)
 
 
 TOOL_NAMES = [spec.name for spec in demo_corpus.TOOL_SPECS]
