@@ -259,7 +259,8 @@ def train_command(
     if loaded_blas() == "reference":
         report(
             "warning: MLX runs on the wheel's reference BLAS, about 10x slower than OpenBLAS "
-            "(Debian/Ubuntu: apt install libopenblas0-pthread; it is then preloaded unless LD_PRELOAD is set)"
+            "(Debian/Ubuntu: apt install libopenblas0-pthread; it is then preloaded unless LD_PRELOAD "
+            "is the empty string)"
         )
     if from_model is None:
         log = train(out_dir, config, progress=report)
