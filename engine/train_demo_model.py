@@ -11,9 +11,10 @@ Everything random comes from `seed` (numpy for the batches, MLX for the
 initial weights), so the same seed, Python, MLX and BLAS give the same
 weights. Training runs in float32 (MLX's CPU matmuls are BLAS calls only in
 float32) and the weights are stored in bfloat16. On Linux, the reference BLAS
-that the `mlx[cpu]` wheel bundles is ~20x slower than OpenBLAS; preloading
-OpenBLAS (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0`, Debian's
-`libopenblas0-pthread`) is how the committed model was trained.
+that the `mlx[cpu]` wheel bundles is ~20x slower than OpenBLAS, so
+`kvcellar model train` re-executes itself with the system's OpenBLAS preloaded
+when one is installed (`kvcellar.blas_preload`; Debian's `libopenblas0-pthread`),
+which is how the committed model was trained.
 
 The output directory gets the model files plus `training-log.json` (the
 configuration, the loss at every step, the held-out loss over time and at the
