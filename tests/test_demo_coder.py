@@ -156,6 +156,9 @@ TINY_TRAINING = TrainingConfig(
     chat_conversations=8,
     tool_conversations=8,
     conversation_tokens_max=128,
+    # Not the default: so the training and resume tests run the length-class draw too.
+    row_tokens_quantum=64,
+    tool_rows_by_length=True,
     eval_every_steps=1,
     eval_windows=2,
     hidden_size=32,
