@@ -15,7 +15,11 @@
 * decode tokens/s of demo-coder against the random-weight `small` llama (same
   shape, float32) in the same run, in-process with mlx-lm.
 
-Usage: python -m kvcellar.bench.demo_model [--json] [--write-docs]
+`--model DIR` measures another model directory of the same kind (one
+`kvcellar model train` wrote) the same way, without replacing the committed
+one; `--write-docs` is for the committed model only.
+
+Usage: python -m kvcellar.bench.demo_model [--model DIR] [--json] [--write-docs]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import httpx
 import numpy as np
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, load_note, print_figures, publish, publish_options
+from kvcellar.bench.common import describe_machine, load_note, model_option, print_figures, publish, publish_options
 from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
 from kvcellar.engine.train_demo_model import (
@@ -100,7 +104,7 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def served_demo_model(*serve_args: str) -> Iterator[httpx.Client]:
-    """`kvcellar serve` (no --model: demo-coder) with `serve_args`, and a client for it."""
+    """`kvcellar serve` with `serve_args` (without --model: demo-coder), and a client for it."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
@@ -137,11 +141,11 @@ def tool_prompt_figures(client: httpx.Client, prompts: int) -> dict[str, Any]:
     }
 
 
-def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
+def run_server_prompts(prompts: int, progress: Console, model_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """Both prompt sets through `kvcellar serve --tool-call-grammar off` (the model's own output, what
     the targets measure), then the tool prompts again through the server's defaults, whose
     tool-call grammar holds a started call to the offered tools' schemas."""
-    with served_demo_model("--tool-call-grammar", "off") as client:
+    with served_demo_model(*model_args, "--tool-call-grammar", "off") as client:
         chats = []
         for conversation in held_out_chat_prompts()[:prompts]:
             reply = client.post("/v1/chat/completions", json=chat_request(conversation)).json()
@@ -149,7 +153,7 @@ def run_server_prompts(prompts: int, progress: Console) -> dict[str, Any]:
         progress.print(f"{len(chats)} chat replies")
         result = tool_prompt_figures(client, prompts)
         progress.print(f"{result['tool_prompts']} tool replies, the grammar off")
-    with served_demo_model() as client:
+    with served_demo_model(*model_args) as client:
         with_grammar = tool_prompt_figures(client, prompts)
         progress.print(f"{with_grammar['tool_prompts']} tool replies, the grammar on (the default)")
     result.update(
@@ -286,25 +290,36 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     show_default=True,
     help="How many of the 20 held-out chat prompts and of the 20 tool prompts to send.",
 )
+@model_option("A model directory `kvcellar model train` wrote, measured instead of the committed demo-coder.")
 @publish_options(DOCS_BEGIN, DOCS_END)
-def main(prompts: int, as_json: bool, write_docs: bool) -> None:
+def main(prompts: int, model_dir: Path | None, as_json: bool, write_docs: bool) -> None:
     """Measure the committed demo-coder model: held-out loss, printable and tool-call shares, speed."""
+    if model_dir is not None and write_docs:
+        raise click.UsageError("--write-docs publishes the committed demo-coder's figures; drop --model DIR")
+    model_args = () if model_dir is None else ("--model", str(model_dir))
+    model_dir = model_dir or DEMO_CODER_DIR
+    if not (model_dir / TRAINING_LOG_FILE_NAME).is_file():
+        raise click.UsageError(f"{model_dir} has no {TRAINING_LOG_FILE_NAME}: not a model `kvcellar model train` wrote")
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=140)
     progress = Console(stderr=True)
-    log = json.loads((DEMO_CODER_DIR / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
+    log = json.loads((model_dir / TRAINING_LOG_FILE_NAME).read_text(encoding="utf-8"))
     result: dict[str, Any] = {
         "held_out_loss": log["final_held_out_loss_bf16"],
         "held_out_perplexity": log["final_held_out_perplexity_bf16"],
-        "held_out_nats_per_byte": held_out_nats_per_byte(DEMO_CODER_DIR, log),
+        "held_out_nats_per_byte": held_out_nats_per_byte(model_dir, log),
     }
-    result.update(run_server_prompts(prompts, progress))
+    result.update(run_server_prompts(prompts, progress, model_args))
     with tempfile.TemporaryDirectory(prefix="demo-model-bench-") as scratch:
         random_dir = create_model("llama", Path(scratch) / "llama-small", size="small")
         result["random_small_tokens_per_s"] = decode_tokens_per_s(random_dir)
-        result["demo_tokens_per_s"] = decode_tokens_per_s(DEMO_CODER_DIR)
+        result["demo_tokens_per_s"] = decode_tokens_per_s(model_dir)
     result["speed_ratio"] = result["demo_tokens_per_s"] / result["random_small_tokens_per_s"]
-    result.update(machine=describe_machine(Path(tempfile.gettempdir())), wall_s=time.perf_counter() - started)
+    result.update(
+        model=str(model_dir),
+        machine=describe_machine(Path(tempfile.gettempdir())),
+        wall_s=time.perf_counter() - started,
+    )
     print_figures("demo-coder", FIGURE_COLUMNS, figure_rows(result), [], console)
     publish(
         "demo_model",
