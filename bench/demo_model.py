@@ -293,7 +293,7 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
 @model_option("A model directory `kvcellar model train` wrote, measured instead of the committed demo-coder.")
 @publish_options(DOCS_BEGIN, DOCS_END)
 def main(prompts: int, model_dir: Path | None, as_json: bool, write_docs: bool) -> None:
-    """Measure the committed demo-coder model: held-out loss, printable and tool-call shares, speed."""
+    """Measure the committed demo-coder model (or --model DIR): held-out loss, printable and tool-call shares, speed."""
     if model_dir is not None and write_docs:
         raise click.UsageError("--write-docs publishes the committed demo-coder's figures; drop --model DIR")
     model_args = () if model_dir is None else ("--model", str(model_dir))
