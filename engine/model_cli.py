@@ -220,6 +220,15 @@ def list_command() -> None:
     "phase three ~1.5x faster; the committed model was made without it).",
 )
 @click.option(
+    "--validation-prompts",
+    "tool_validation_prompts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Keep the phase-three checkpoint whose greedy replies to this many validation tool prompts most "
+    "often call an offered tool (0: keep the last weights).",
+)
+@click.option(
     "--from-model",
     "from_model",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -239,6 +248,7 @@ def train_command(
     tool_rounds_max: int,
     row_tokens_quantum: int,
     tool_rows_by_length: bool,
+    tool_validation_prompts: int,
     from_model: Path | None,
     force: bool,
 ) -> None:
@@ -250,7 +260,8 @@ def train_command(
     `kvcellar.cli.main` re-executes the command with OpenBLAS preloaded (kvcellar.blas_preload).
     """
     from kvcellar.blas_preload import loaded_blas
-    from kvcellar.engine.train_demo_model import TrainingConfig, train, train_from_model
+    from kvcellar.engine.demo_training_config import TrainingConfig
+    from kvcellar.engine.train_demo_model import train, train_from_model
 
     if 0 < tokenizer_ids < TOKENIZER_IDS_MIN:
         raise UsageError(f"--tokenizer-ids must be 0 or at least {TOKENIZER_IDS_MIN} (got {tokenizer_ids})")
@@ -271,6 +282,7 @@ def train_command(
         tool_rounds_max=tool_rounds_max,
         row_tokens_quantum=row_tokens_quantum,
         tool_rows_by_length=tool_rows_by_length,
+        tool_validation_prompts=tool_validation_prompts,
     )
 
     def report(line: str) -> None:

@@ -43,6 +43,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvcellar.engine import demo_corpus
+from kvcellar.engine.demo_conversations import (
+    build_conversation_rows,
+    conversation_batch,
+    padded_tokens,
+    tool_length_classes,
+)
 from kvcellar.engine.demo_models import (
     EOS_TOKEN,
     EOS_TOKEN_ID,
@@ -55,7 +61,9 @@ from kvcellar.engine.demo_models import (
     _tools_tokenizer_json,
     write_safetensors,
 )
+from kvcellar.engine.demo_training_config import EVALUATION_SETTINGS, SETTINGS_BEFORE_THEY_EXISTED, TrainingConfig
 from kvcellar.engine.scalars import item_float
+from kvcellar.engine.tool_validation import CheckpointScore, ToolCallScorer
 from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 from kvcellar.store.fingerprint import mlx_version
@@ -64,73 +72,6 @@ TRAINING_LOG_FILE_NAME = "training-log.json"
 LOSS_CURVE_FILE_NAME = "loss-curve.png"
 
 ProgressCallback = Callable[[str], None]
-
-
-@attrs.frozen(kw_only=True)
-class TrainingConfig:
-    """Everything that decides the trained weights besides the library versions and the
-    CPU, and how often the held-out losses are measured (`*eval_every_steps`: forward passes
-    only, so they change the loss curve's points, never the weights)."""
-
-    seed: int = 0
-    # Ids of the byte-level BPE trained on the training text (phase one's chats and code) before
-    # anything else, so frequent words and identifiers (`weather`, `get_weather`, `self`) are one
-    # token each; 0: the shared tokenizer of the random-weight models (1024 ids, trained on 14
-    # stdlib files), which split each tool name into 3 to 9 tokens.
-    tokenizer_ids: int = 2048
-    steps: int = 250
-    batch_rows: int = 4
-    window_tokens: int = 384
-    learning_rate_peak: float = 3e-3
-    learning_rate_final: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    # Share of each batch's rows drawn from the chat stream (the rest: standard-library code).
-    chat_row_share: float = 0.75
-    chat_conversations: int = 6000
-    # 50, not 10: each evaluation costs ~2.5 training steps (16 windows), ~7 % of phases one and two.
-    eval_every_steps: int = 50
-    eval_windows: int = 16
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    # Phase two (`train_chat_phase`): chat windows only, a fresh AdamW with a cosine decay from this rate.
-    chat_steps: int = 240
-    chat_learning_rate: float = 1e-3
-    # Phase three (`train_tool_phase`): whole conversations, one per row from its first token, with the
-    # loss on the assistant's tokens only; `tool_row_share` of the rows are tool chats, the rest plain chats.
-    tool_steps: int = 350
-    tool_learning_rate: float = 1e-3
-    tool_conversations: int = 3000
-    tool_row_share: float = 0.75
-    conversation_tokens_max: int = 768
-    # Rows are padded to a multiple of this many tokens (so the compiled step sees few shapes).
-    row_tokens_quantum: int = 128
-    # When set, a step's tool chats come from one length class (a multiple of the quantum): the
-    # first is drawn from all of them, the others from its class, so every chat is still drawn with
-    # the same chance, and a step pads to about its first chat's length instead of the longest of
-    # three random ones. With a 64-token quantum phase three ran ~1.5x faster (attention's cost
-    # grows with the square of the padded length), but the two models made so scored below the
-    # committed one on tool calls (docs/demo-model.md), so the default stays as it made that one.
-    tool_rows_by_length: bool = False
-    # Its evaluations cost ~2 training steps each (whole conversations), so they come less often.
-    tool_eval_every_steps: int = 50
-    # Then a warm restart of phase three: this many more steps from its stored weights, a fresh AdamW,
-    # the same schedule shape, new batch draws (the assistant loss was still falling when the first
-    # round's learning rate had decayed).
-    tool_restart_steps: int = 300
-    # Share of phase three's tool chats whose arguments are made-up values (`demo_corpus.varied_value`),
-    # so the model learns to copy them from the request rather than recall the training pools.
-    tool_varied_value_share: float = 0.5
-    # Weight in phase three's loss of the tokens that decide what the assistant does (`choice_spans`:
-    # a turn's first token, a called tool's name), against 1 for its other tokens: they are a few of
-    # a chat's ~60 assistant tokens, and the made-up argument values' high loss would drown them.
-    tool_choice_loss_weight: float = 8.0
-    # Phase three's tool chats hold 1 to this many request/call/result/answer rounds (uniformly): the
-    # tool list is most of a chat's tokens, and each round after the first adds a choice for ~70 more.
-    tool_rounds_max: int = 4
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -389,140 +330,11 @@ def train_chat_phase(
     return log
 
 
-ASSISTANT_TURN_START = "<|im_start|>assistant\n"
-ASSISTANT_TURN_END = EOS_TOKEN
-TOOL_CALL_START, TOOL_NAME_KEY = "<tool_call>", '"name": "'
-
-
-@attrs.frozen(kw_only=True)
-class ConversationRow:
-    """One tokenized conversation and, per id, its weight in the loss: 0 for context (what the
-    assistant did not write), 1 for the assistant's text, `tool_choice_loss_weight` for the
-    tokens that choose (`choice_spans`)."""
-
-    ids: np.ndarray
-    weights: np.ndarray
-
-
-@attrs.frozen(kw_only=True)
-class ConversationRows:
-    tool: list[ConversationRow]
-    plain: list[ConversationRow]
-    held_out_tool: list[ConversationRow]
-
-
-def assistant_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant's turns in a rendered chat: after the turn's header,
-    through its closing `<|im_end|>` (the model must learn to stop)."""
-    spans = []
-    start = text.find(ASSISTANT_TURN_START)
-    while start != -1:
-        begin = start + len(ASSISTANT_TURN_START)
-        end = text.find(ASSISTANT_TURN_END, begin)
-        end = len(text) if end == -1 else end + len(ASSISTANT_TURN_END)
-        spans.append((begin, end))
-        start = text.find(ASSISTANT_TURN_START, end)
-    return spans
-
-
-def choice_spans(text: str, assistant: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Character spans of the tokens that decide what the assistant does: the first token of
-    each of its turns (a `<tool_call>` or text) and the name of each tool it calls."""
-    spans = []
-    for begin, end in assistant:
-        spans.append((begin, begin + 1))
-        start = text.find(TOOL_CALL_START, begin, end)
-        while start != -1:
-            name = text.find(TOOL_NAME_KEY, start, end)
-            if name == -1:
-                break
-            name += len(TOOL_NAME_KEY)
-            close = text.find('"', name, end)
-            spans.append((name, end if close == -1 else close))
-            start = text.find(TOOL_CALL_START, name, end)
-    return spans
-
-
-def build_conversation_rows(model_dir: Path, config: TrainingConfig) -> ConversationRows:
-    """Phase three's whole conversations (own seed), tokenized with their loss weights."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    functions = demo_corpus.function_docs(demo_corpus.read_modules(demo_corpus.TRAINING_MODULES))
-
-    def encode(conversation: demo_corpus.Conversation, choice_weight: float = 1.0) -> ConversationRow:
-        tools: Any = conversation.tools or None
-        text = str(tokenizer.apply_chat_template(conversation.messages, tools=tools, tokenize=False))
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        spans = assistant_spans(text)
-        choices = choice_spans(text, spans)
-
-        def weight(first: int) -> float:
-            if not any(begin <= first < end for begin, end in spans):
-                return 0.0
-            return choice_weight if any(begin <= first < end for begin, end in choices) else 1.0
-
-        weights = [weight(first) for first, _ in encoding["offset_mapping"]]
-        return ConversationRow(ids=np.asarray(encoding["input_ids"], np.int32), weights=np.asarray(weights, np.float32))
-
-    rng = random.Random(config.seed + 2)
-    tool_count = round(config.tool_conversations * config.tool_row_share)
-    tool = [
-        encode(
-            demo_corpus.tool_conversation(
-                rng,
-                varied_value_share=config.tool_varied_value_share,
-                rounds=rng.randint(1, config.tool_rounds_max),
-            ),
-            config.tool_choice_loss_weight,
-        )
-        for _ in range(tool_count)
-    ]
-    plain = [
-        encode(demo_corpus.code_conversation(rng, rng.choice(functions)))
-        for _ in range(config.tool_conversations - tool_count)
-    ]
-    held_out_rng = random.Random(config.seed + 3)
-    held_out_count = max(1, config.eval_windows // 2)
-    held_out = [encode(demo_corpus.tool_conversation(held_out_rng, held_out=True)) for _ in range(held_out_count)]
-    return ConversationRows(tool=tool, plain=plain, held_out_tool=held_out)
-
-
-def padded_tokens(row_tokens: int, quantum_tokens: int, tokens_max: int) -> int:
-    """`row_tokens` rounded up to a multiple of `quantum_tokens`, at most `tokens_max`."""
-    return min(tokens_max, -(-row_tokens // quantum_tokens) * quantum_tokens)
-
-
-def conversation_batch(
-    rows: list[ConversationRow], tokens_max: int, quantum_tokens: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The rows from their first token, padded (masked out) to a multiple of `quantum_tokens`,
-    cut at `tokens_max`; the mask is over the predicted tokens (`windows[:, 1:]`)."""
-    tokens = padded_tokens(max(len(row.ids) for row in rows), quantum_tokens, tokens_max)
-    windows = np.full((len(rows), tokens + 1), PAD_TOKEN_ID, dtype=np.int32)
-    mask = np.zeros((len(rows), tokens), dtype=np.float32)
-    for index, row in enumerate(rows):
-        ids = row.ids[: tokens + 1]
-        windows[index, : len(ids)] = ids
-        mask[index, : len(ids) - 1] = row.weights[1 : len(ids)]
-    return windows, mask
-
-
 def masked_token_loss(model: nn.Module, windows: mx.array, mask: mx.array) -> mx.array:
     """Next-token cross-entropy averaged over the tokens `mask` marks (the assistant's), by their weights."""
     logits = model(windows[:, :-1])
     losses = nn.losses.cross_entropy(logits.astype(mx.float32), windows[:, 1:]) * mask
     return losses.sum() / mx.maximum(mask.sum(), 1.0)
-
-
-def tool_length_classes(
-    rows: list[ConversationRow], quantum_tokens: int, tokens_max: int
-) -> dict[int, list[ConversationRow]]:
-    """`rows` by their padded length (`padded_tokens`)."""
-    classes: dict[int, list[ConversationRow]] = {}
-    for row in rows:
-        classes.setdefault(padded_tokens(len(row.ids), quantum_tokens, tokens_max), []).append(row)
-    return classes
 
 
 def train_tool_phase(
@@ -571,9 +383,15 @@ def train_tool_phase(
         return conversation_batch(picked, tokens_max, quantum)
 
     held_out_batch = [mx.array(array) for array in conversation_batch(rows.held_out_tool, 10**6, quantum)]
+    choice = None
+    if config.tool_validation_prompts:
+        choice = _CheckpointChoice(config, out_dir, log, start=model if restart else None)
 
-    def assistant_eval(model: nn.Module) -> float:
-        return item_float(masked_token_loss(model, *held_out_batch))
+    def assistant_eval(model: nn.Module, step_index: int) -> dict[str, float]:
+        figures = {"assistant_loss": item_float(masked_token_loss(model, *held_out_batch))}
+        if choice is not None:
+            figures["validation_tool_call_share"] = choice.offer(model, step_index, figures["assistant_loss"])
+        return figures
 
     steps = config.tool_restart_steps if restart else config.tool_steps
     warmup_steps = min(10, steps)
@@ -595,21 +413,55 @@ def train_tool_phase(
         assistant_eval=assistant_eval,
         eval_every_steps=config.tool_eval_every_steps,
     )
+    if choice is not None:
+        choice.adopt(out_dir, model, _eval_windows(config, streams), report)
     return log
 
 
-# Settings that decide when the held-out losses are measured, not the weights.
-EVALUATION_SETTINGS = frozenset({"eval_every_steps", "tool_eval_every_steps"})
+class _CheckpointChoice:
+    """Phase three's checkpoint choice (`TrainingConfig.tool_validation_prompts`): scores each
+    evaluation's weights and keeps the best in memory; `adopt` ends the round on them.
 
-# Phase-three settings added after models were made without them, and the value that means "as before".
-SETTINGS_BEFORE_THEY_EXISTED: dict[str, float] = {
-    "tool_varied_value_share": 0.0,
-    "tool_choice_loss_weight": 1.0,
-    "tool_rounds_max": 1,
-    "row_tokens_quantum": 128,
-    "tool_rows_by_length": False,
-    "tokenizer_ids": 0,
-}
+    A restart round starts from the weights its first round kept (the file it loads), with their
+    score from the log as the one to beat, so resuming in a new process keeps the same weights.
+    """
+
+    def __init__(self, config: TrainingConfig, model_dir: Path, log: dict[str, Any], start: nn.Module | None):
+        self._log = log
+        self._scorer = ToolCallScorer(
+            model_dir, lambda: _build_model(llama_config(config)), config.tool_validation_prompts
+        )
+        kept = log.get("tool_checkpoint") if start is not None else None
+        self._best = CheckpointScore(**kept) if kept is not None else None
+        self._best_weights = _bfloat16_weights(start) if start is not None else {}
+
+    def offer(self, model: nn.Module, step_index: int, assistant_loss: float) -> float:
+        share = self._scorer.share(model)
+        score = CheckpointScore(step=step_index, validation_tool_call_share=share, assistant_loss=assistant_loss)
+        if score.beats(self._best):
+            self._best, self._best_weights = score, _bfloat16_weights(model)
+            self._log["tool_checkpoint"] = attrs.asdict(score)
+        return share
+
+    def adopt(self, out_dir: Path, model: nn.Module, eval_windows: list[np.ndarray], report: ProgressCallback) -> None:
+        """Put the kept weights into `model` (left in bfloat16), measure their held-out loss and
+        save them as the model."""
+        assert self._best is not None, "a round evaluates at least at its last step"
+        model.load_weights(list(self._best_weights.items()))
+        final_loss = held_out_loss(model, eval_windows)
+        self._log["final_held_out_loss_bf16"] = round(final_loss, 4)
+        self._log["final_held_out_perplexity_bf16"] = round(math.exp(final_loss), 2)
+        _save(out_dir, model, self._log)
+        report(
+            f"kept step {self._best.step}'s weights: validation tool-call share "
+            f"{self._best.validation_tool_call_share:.2f}, held-out loss {final_loss:.3f}"
+        )
+
+
+def _bfloat16_weights(model: nn.Module) -> dict[str, mx.array]:
+    weights = {name: weight.astype(mx.bfloat16) for name, weight in _flat_parameters(model)}
+    mx.eval(weights)
+    return weights
 
 
 def train_from_model(
@@ -635,6 +487,7 @@ def train_from_model(
         later_keys |= {"tool_steps", "tool_learning_rate", "tool_conversations", "tool_row_share"}
         later_keys |= {"conversation_tokens_max", "row_tokens_quantum", "tool_rows_by_length"}
         later_keys |= {"tool_varied_value_share", "tool_choice_loss_weight", "tool_rounds_max"}
+        later_keys |= {"tool_validation_prompts"}
     wanted = {key: value for key, value in attrs.asdict(config).items() if key not in later_keys}
     # A log written before a setting existed ran with its neutral value.
     found = {key: source_log["config"].get(key, SETTINGS_BEFORE_THEY_EXISTED.get(key)) for key in wanted}
@@ -652,6 +505,7 @@ def train_from_model(
     # The tokenizer comes with the weights: it was trained (or chosen) by the earlier phases.
     for name in ("config.json", WEIGHTS_FILE_NAME, *TOKENIZER_FILE_NAMES):
         (out_dir / name).write_bytes((source_dir / name).read_bytes())
+
     source_log["config"] = attrs.asdict(config)
     log = source_log
     if phases_done == 2:
@@ -683,7 +537,7 @@ def _train_loop(
     steps: int,
     report: ProgressCallback,
     loss_function: Callable[..., mx.array] = token_loss,
-    assistant_eval: Callable[[nn.Module], float] | None = None,
+    assistant_eval: Callable[[nn.Module, int], dict[str, float]] | None = None,
     eval_every_steps: int | None = None,
 ) -> None:
     """`steps` AdamW steps of `loss_function(model, *next_batch())`, evaluating and saving every
@@ -699,10 +553,7 @@ def _train_loop(
         optimizer.update(model, grads)
         return loss
 
-    eval_windows = [
-        fixed_windows(streams.code_held_out, config.eval_windows // 2, config.window_tokens),
-        fixed_windows(streams.chat_held_out, config.eval_windows // 2, config.window_tokens),
-    ]
+    eval_windows = _eval_windows(config, streams)
     last_step = first_step + steps - 1
     eval_every_steps = eval_every_steps or config.eval_every_steps
     started_s = time.monotonic()
@@ -716,8 +567,11 @@ def _train_loop(
             point = {"step": step_index, "loss": round(loss_now, 4), "elapsed_s": round(elapsed_s, 1)}
             losses = f"train {item_float(loss):.3f}, held-out {loss_now:.3f}"
             if assistant_eval is not None:
-                point["assistant_loss"] = round(assistant_eval(model), 4)
-                losses += f", held-out assistant tokens {point['assistant_loss']:.3f}"
+                figures = assistant_eval(model, step_index)
+                point.update({name: round(value, 4) for name, value in figures.items()})
+                losses += f", held-out assistant tokens {figures['assistant_loss']:.3f}"
+                if "validation_tool_call_share" in figures:
+                    losses += f", validation tool calls {figures['validation_tool_call_share']:.2f}"
             log["held_out"].append(point)
             total_steps = config.steps + config.chat_steps + config.tool_steps + config.tool_restart_steps
             report(f"step {step_index}/{total_steps}: {losses}, {elapsed_s:.0f} s")
@@ -730,6 +584,13 @@ def _train_loop(
     log["final_held_out_perplexity_bf16"] = round(math.exp(final_loss), 2)
     _save(out_dir, model, log)
     report(f"held-out loss (bfloat16 weights): {final_loss:.3f}, perplexity {math.exp(final_loss):.1f}")
+
+
+def _eval_windows(config: TrainingConfig, streams: TokenStreams) -> list[np.ndarray]:
+    return [
+        fixed_windows(streams.code_held_out, config.eval_windows // 2, config.window_tokens),
+        fixed_windows(streams.chat_held_out, config.eval_windows // 2, config.window_tokens),
+    ]
 
 
 def _save(out_dir: Path, model: nn.Module, log: dict[str, Any]) -> None:

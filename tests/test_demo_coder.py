@@ -23,17 +23,15 @@ import pytest
 
 from kvcellar.bench.demo_model import chat_request, is_mostly_printable, names_only_offered_tools
 from kvcellar.engine import demo_corpus
-from kvcellar.engine.demo_models import DEMO_CODER_DIR, count_parameters, packaged_demo_coder_dir
-from kvcellar.engine.train_demo_model import (
-    TRAINING_LOG_FILE_NAME,
-    TrainingConfig,
+from kvcellar.engine.demo_conversations import (
     build_conversation_rows,
     conversation_batch,
     padded_tokens,
     tool_length_classes,
-    train,
-    train_from_model,
 )
+from kvcellar.engine.demo_models import DEMO_CODER_DIR, count_parameters, packaged_demo_coder_dir
+from kvcellar.engine.demo_training_config import TrainingConfig
+from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, train, train_from_model
 from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 
@@ -159,6 +157,7 @@ TINY_TRAINING = TrainingConfig(
     # Not the default: so the training and resume tests run the length-class draw too.
     row_tokens_quantum=64,
     tool_rows_by_length=True,
+    tool_validation_prompts=2,
     eval_every_steps=1,
     eval_windows=2,
     hidden_size=32,
@@ -212,6 +211,10 @@ def test_train_writes_a_model_mlx_lm_loads_and_its_log_and_resuming_phase_three_
     assert len(log["train_loss"]) == 5 and [point["step"] for point in log["held_out"]] == [1, 2, 3, 4, 5]
     assert log["phase_one_held_out_loss_bf16"] > 0 and len(log["phase_wall_s"]) == 4
     assert log["phase_two_held_out_loss_bf16"] > 0 and log["held_out"][-1]["assistant_loss"] > 0
+    # Each phase-three evaluation scored the validation prompts; the kept step is one of them.
+    shares = {point["step"]: point["validation_tool_call_share"] for point in log["held_out"][3:]}
+    assert set(shares) == {4, 5} and all(0 <= share <= 1 for share in shares.values())
+    assert log["tool_checkpoint"]["validation_tool_call_share"] == shares[log["tool_checkpoint"]["step"]]
     _, tokenizer = load(str(tmp_path / "model"))
     assert tokenizer.has_tool_calling
     assert json.loads((tmp_path / "model" / TRAINING_LOG_FILE_NAME).read_text())["final_held_out_loss_bf16"] > 0
