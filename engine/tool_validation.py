@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map
 
 from kvcellar.engine import demo_corpus
@@ -124,7 +125,7 @@ class ToolCallScorer:
         end_id, eos_ids = self._end_marker_id, set(self._tokenizer.eos_token_ids)
         for _ in range(REPLY_TOKENS_MAX):
             tokens = mx.argmax(logits[:, -1], axis=-1)
-            for row, token in enumerate(tokens.tolist()):
+            for row, token in enumerate(np.asarray(tokens).astype(int).tolist()):
                 done[row] = done[row] or token in eos_ids
                 if not done[row]:
                     replies[row].append(token)

@@ -620,7 +620,8 @@ def _versions() -> dict[str, str]:
 
 
 def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
-    """The training and held-out loss against the step, when matplotlib is installed."""
+    """The training and held-out loss against the step (and phase three's validation tool-call
+    share, when it was measured), when matplotlib is installed."""
     try:
         import matplotlib
 
@@ -659,6 +660,7 @@ def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
             label="held-out tool chats, assistant tokens",
             marker="s",
         )
+    _plot_validation_share(axes, log)
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats/token)")
     axes.set_title(f"demo-coder: {log['parameters']:,} parameters, {log['tokens_per_step']} tokens/step")
@@ -667,3 +669,26 @@ def _plot_loss_curve(log: dict[str, Any], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, metadata={"Software": None})
     plt.close(figure)
+
+
+def _plot_validation_share(axes: Any, log: dict[str, Any]) -> None:
+    """Phase three's validation tool-call shares on a right-hand axis, the kept step circled."""
+    scored = [point for point in log["held_out"] if "validation_tool_call_share" in point]
+    if not scored:
+        return
+    share_axes = axes.twinx()
+    share_axes.plot(
+        [point["step"] for point in scored],
+        [point["validation_tool_call_share"] for point in scored],
+        color="tab:red",
+        marker="^",
+        linewidth=0.8,
+        label="validation tool-call share (right)",
+    )
+    kept = log.get("tool_checkpoint")
+    if kept is not None:
+        kept_point = ([kept["step"]], [kept["validation_tool_call_share"]])
+        share_axes.scatter(*kept_point, s=160, facecolors="none", edgecolors="k", label="kept")
+    share_axes.set_ylim(0, 1)
+    share_axes.set_ylabel("share of validation tool prompts")
+    share_axes.legend(fontsize="small", loc="upper center")
