@@ -7,12 +7,13 @@ parseable call that names only offered tools (`bench/demo_model.py`, through
 it only loosely: runs of one recipe with about the same final loss scored
 between 0.55 and 0.85. So phase three measures the same share on validation
 prompts of its own (`validation_tool_cases`: another seed, and none equal to a
-test prompt) at each evaluation, and the run keeps the weights that scored
-best (`BestToolCheckpoint`), instead of the last ones.
+test prompt) at each evaluation, and each round of it ends on the weights
+that scored best (`CheckpointScore` ranks them), instead of its last ones.
 
 The measure here is a proxy of the bench's, in-process: greedy decoding of the
-bfloat16 weights (what `serve` loads) with mlx-lm's cache, and the tokenizer's
-own tool parser over the first `<tool_call>` block. It never touches the
+weights rounded to bfloat16 (what `serve` loads) but computed in float32 (MLX's
+CPU matmuls are BLAS calls only in float32), all prompts as one batch, and the
+tokenizer's own tool parser over the first `<tool_call>` block. It never touches the
 training's random state, so the weights a run passes through are the same with
 or without it; only which of them it keeps changes.
 """
@@ -83,8 +84,8 @@ class ToolCallScorer:
     """The share of validation prompts whose greedy reply calls only offered tools.
 
     `build_model` makes an empty model of the trained shape: the scorer keeps one
-    and loads a bfloat16 copy of the weights it scores into it, so the model in
-    training keeps its float32 weights.
+    and loads into it a copy of the weights it scores, rounded to bfloat16 (kept
+    in float32), so the model in training keeps its own float32 weights.
     """
 
     def __init__(self, model_dir: Path, build_model: Callable[[], nn.Module], prompts: int) -> None:
