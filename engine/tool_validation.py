@@ -33,6 +33,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from kvcellar.engine import demo_corpus
+from kvcellar.engine.tool_calls import offered_tool_names, parse_tool_calls
 
 # Not 2_000_003 (the test prompts' seed): the choice must not see the prompts it is measured on.
 VALIDATION_SEED = 3_000_017
@@ -67,17 +68,11 @@ def calls_only_offered_tools(tokenizer: Any, reply: str, tools: list[dict[str, A
         return False
     block = reply.split(start, 1)[1].split(end, 1)[0]
     try:
-        parsed = tokenizer.tool_parser(block, tools)
-        items = parsed if isinstance(parsed, list) else [parsed]
-        offered = {tool["function"]["name"] for tool in tools}
-        for item in items:
-            arguments = item.get("arguments", {})
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-            if item.get("name") not in offered or not isinstance(arguments, dict):
-                return False
-    except (ValueError, TypeError, AttributeError):  # the model's text, not a bug: a miss
+        calls = parse_tool_calls(tokenizer.tool_parser, block, tools)
+    except Exception:  # the model's text, not a bug: a miss, as serve returns such text as content
         return False
-    return bool(items)
+    offered = offered_tool_names(tools)
+    return bool(calls) and all(name in offered for name, _ in calls)
 
 
 class ToolCallScorer:

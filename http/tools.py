@@ -52,6 +52,7 @@ from typing import Any
 import attrs
 from mlx_lm.generate import TextStateMachine
 
+from kvcellar.engine.tool_calls import offered_tool_names, parse_tool_calls
 from kvcellar.errors import UsageError
 from kvcellar.http.prompt_tokens import common_length, prompt_encoder
 
@@ -360,9 +361,7 @@ class ReplySplitter:
         """The (name, arguments JSON) of each call in one tool block, or None
         when the model's parser refuses the text or it names no known tool."""
         try:
-            parsed = self._tokenizer.tool_parser(tool_text, self._plan.template_tools())
-            items = parsed if isinstance(parsed, list) else [parsed]
-            calls = [_call_fields(item) for item in items]
+            calls = parse_tool_calls(self._tokenizer.tool_parser, tool_text, self._plan.template_tools())
         except Exception as e:  # a third-party parser over model output: any failure is the text's
             log.warning(
                 "generated tool-call text does not parse (%s: %s); returned as content: %r",
@@ -371,7 +370,7 @@ class ReplySplitter:
                 tool_text[:200],
             )
             return None
-        known = {tool["function"]["name"] for tool in self._plan.tools or ()}
+        known = offered_tool_names(self._plan.tools)
         unknown = [name for name, _ in calls if name not in known]
         wanted = self._plan.function_name
         if unknown or (wanted is not None and any(name != wanted for name, _ in calls)):
@@ -382,17 +381,6 @@ class ReplySplitter:
             )
             return None
         return calls
-
-
-def _call_fields(item: Any) -> tuple[str, str]:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise ValueError("a tool call needs a string 'name'")
-    arguments = item.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments)
-    if not isinstance(arguments, dict):
-        raise ValueError("a tool call's arguments must be a JSON object")
-    return item["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 def stable_prefix_tokens(
