@@ -45,6 +45,7 @@ from kvcellar.bench.common import describe_machine, load_note, model_option, pri
 from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
 from kvcellar.engine.demo_training_config import TrainingConfig
+from kvcellar.engine.tool_calls import offered_tool_names
 from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, build_streams, fixed_windows, held_out_loss
 
 DOCS_BEGIN, DOCS_END = "<!-- demo_model:begin -->", "<!-- demo_model:end -->"
@@ -69,15 +70,11 @@ def is_mostly_printable(text: str) -> bool:
     return printable_word_share(text) >= PRINTABLE_WORD_SHARE_MIN
 
 
-def offered_tool_names(conversation: Conversation) -> set[str]:
-    return {tool["function"]["name"] for tool in conversation.tools}
-
-
 def names_only_offered_tools(message: dict[str, Any], conversation: Conversation) -> bool:
     """True when `message` (an OpenAI reply message) calls at least one tool, and only offered ones."""
     calls = message.get("tool_calls") or []
     names = {call["function"]["name"] for call in calls}
-    return bool(calls) and names <= offered_tool_names(conversation)
+    return bool(calls) and names <= offered_tool_names(conversation.tools)
 
 
 def chat_request(conversation: Conversation) -> dict[str, Any]:

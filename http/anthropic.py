@@ -64,6 +64,7 @@ from starlette.routing import Route
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
+from kvcellar.engine.tool_calls import offered_tool_names
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.parsing import (
     MAX_TOKENS_LIMIT,
@@ -339,7 +340,7 @@ def _tool_plan(body: dict[str, Any]) -> ToolPlan:
     name = None
     if kind == "function":
         name = choice.get("name")
-        if name not in {tool["function"]["name"] for tool in tools}:
+        if name not in offered_tool_names(tools):
             raise BadRequest(f"tool_choice names {name!r}, which is not one of 'tools'", param="tool_choice.name")
     elif kind == "required" and not tools:
         raise BadRequest("tool_choice 'any' needs 'tools'", param="tool_choice")

@@ -28,6 +28,7 @@ from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.structured import GrammarError, compile_response_grammar
+from kvcellar.engine.tool_calls import offered_tool_names
 from kvcellar.errors import KvCellarError
 from kvcellar.http.tool_grammar import StrictToolsRefused, ToolGrammarPolicy
 from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, PromptRefused, RenderedPrompt, ToolPlan, render_prompt
@@ -583,6 +584,6 @@ def _tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, s
         raise BadRequest(
             "a named 'tool_choice' is {'type': 'function', 'function': {'name': ...}}", param="tool_choice"
         )
-    if name not in {tool["function"]["name"] for tool in tools}:
+    if name not in offered_tool_names(tools):
         raise BadRequest(f"tool_choice names {name!r}, which is not one of 'tools'", param="tool_choice")
     return "function", name
