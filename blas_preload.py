@@ -11,6 +11,14 @@ cannot help or was decided already: not Linux, no OpenBLAS installed (Debian:
 `apt install libopenblas0-pthread`), an OpenBLAS preloaded already, or
 `LD_PRELOAD` set to the empty string (the way to opt out).
 
+It also pins OpenBLAS's kernels where the CPU can run the ones the committed
+demo-coder was trained with (`OPENBLAS_CORETYPE=SkylakeX`, which needs AVX-512):
+OpenBLAS otherwise picks its kernels by CPU (Haswell's on an AMD EPYC, SkylakeX's
+on the Intel Xeon that trained it), and the two round a matmul differently, so the
+same recipe and seed gave other weights after 28 steps. With the kernels pinned,
+the same seed gives the same weights on either CPU (docs/demo-model.md). A value
+the user set is kept.
+
 Only training does this: `serve` keeps the wheel's libraries, so its figures
 compare like with like against `mlx_lm.server` run the same way.
 """
@@ -25,6 +33,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 PRELOAD_ENV = "LD_PRELOAD"
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
+# The kernels the committed demo-coder's weights were computed with, and the CPU flags
+# they execute (OpenBLAS's SkylakeX target: AVX-512 F, CD, BW, DQ and VL).
+PINNED_CORETYPE = "SkylakeX"
+PINNED_CORETYPE_CPU_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+_CPUINFO_PATH = Path("/proc/cpuinfo")
 # Where Debian/Ubuntu (both architectures) and Fedora put the pthread build's library.
 OPENBLAS_PATHS = (
     Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0"),
@@ -43,19 +57,41 @@ def find_openblas(paths: Sequence[Path] = OPENBLAS_PATHS) -> str | None:
     return ctypes.util.find_library("openblas")
 
 
-def preload_environment(environ: Mapping[str, str], *, system: str, library: str | None) -> dict[str, str] | None:
-    """The environment to re-execute with, or None to carry on as is."""
+def cpu_flags(cpuinfo_path: Path = _CPUINFO_PATH) -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo; empty where there is none (macOS)."""
+    try:
+        text = cpuinfo_path.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def preload_environment(
+    environ: Mapping[str, str], *, system: str, library: str | None, flags: frozenset[str] = frozenset()
+) -> dict[str, str] | None:
+    """The environment to re-execute with, or None to carry on as is: OpenBLAS added to
+    `LD_PRELOAD` unless one is there, and its kernels pinned where `flags` (the CPU's)
+    run them and the user did not choose others."""
     preloaded = environ.get(PRELOAD_ENV)
-    if system != "Linux" or library is None or preloaded == "" or "openblas" in (preloaded or ""):
+    if system != "Linux" or library is None or preloaded == "":
         return None
-    return {**environ, PRELOAD_ENV: f"{preloaded}:{library}" if preloaded else library}
+    changes: dict[str, str] = {}
+    if "openblas" not in (preloaded or ""):
+        changes[PRELOAD_ENV] = f"{preloaded}:{library}" if preloaded else library
+    if CORETYPE_ENV not in environ and PINNED_CORETYPE_CPU_FLAGS.issubset(flags):
+        changes[CORETYPE_ENV] = PINNED_CORETYPE
+    return {**environ, **changes} if changes else None
 
 
 def reexec_with_openblas() -> None:
     """Replace this process by itself with OpenBLAS preloaded, when it helps (see the module
     docstring); returns only when it does nothing. Call it first thing in a process's own
     entry point, never in-process (tests)."""
-    environment = preload_environment(os.environ, system=platform.system(), library=find_openblas())
+    environment = preload_environment(os.environ, system=platform.system(), library=find_openblas(), flags=cpu_flags())
     if environment is None:
         return
     sys.stdout.flush()
@@ -73,3 +109,14 @@ def loaded_blas(maps_path: Path = _MAPS_PATH) -> str:
     if "libopenblas" in maps:
         return "openblas"
     return "reference" if "libblas" in maps else "unknown"
+
+
+def openblas_core() -> str:
+    """The kernel set the OpenBLAS this process loaded runs (`Haswell`, `SkylakeX`, ...);
+    "" when none is loaded, or it cannot say."""
+    try:
+        name_of = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return ""
+    name_of.restype = ctypes.c_char_p
+    return (name_of() or b"").decode("ascii", "replace")

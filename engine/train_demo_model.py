@@ -607,10 +607,11 @@ def _versions() -> dict[str, str]:
     import mlx_lm
     import tokenizers
 
-    from kvcellar.blas_preload import loaded_blas
+    from kvcellar.blas_preload import loaded_blas, openblas_core
 
     return {
         "blas": loaded_blas(),
+        "blas_core": openblas_core(),
         "python": platform.python_version(),
         "mlx": mlx_version(),
         "mlx_lm": mlx_lm.__version__,

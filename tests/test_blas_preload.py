@@ -9,7 +9,16 @@ import sys
 
 import pytest
 
-from kvcellar.blas_preload import PRELOAD_ENV, find_openblas, loaded_blas, preload_environment
+from kvcellar.blas_preload import (
+    CORETYPE_ENV,
+    PINNED_CORETYPE,
+    PINNED_CORETYPE_CPU_FLAGS,
+    PRELOAD_ENV,
+    cpu_flags,
+    find_openblas,
+    loaded_blas,
+    preload_environment,
+)
 
 LIBRARY = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
@@ -22,18 +31,57 @@ def test_linux_with_openblas_gets_it_preloaded_after_what_is_there():
     }
 
 
+AVX512 = PINNED_CORETYPE_CPU_FLAGS | {"fpu", "avx2"}
+
+
+def test_an_avx512_cpu_gets_the_committed_models_kernels_pinned():
+    assert preload_environment({}, system="Linux", library=LIBRARY, flags=AVX512) == {
+        PRELOAD_ENV: LIBRARY,
+        CORETYPE_ENV: PINNED_CORETYPE,
+    }
+    # OpenBLAS preloaded already but not pinned: one re-exec to pin it (it reads the variable when loaded).
+    preloaded = {PRELOAD_ENV: LIBRARY}
+    assert preload_environment(preloaded, system="Linux", library=LIBRARY, flags=AVX512) == {
+        PRELOAD_ENV: LIBRARY,
+        CORETYPE_ENV: PINNED_CORETYPE,
+    }
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{PRELOAD_ENV: LIBRARY, CORETYPE_ENV: "Haswell"}, {PRELOAD_ENV: LIBRARY, CORETYPE_ENV: PINNED_CORETYPE}],
+    ids=["users-choice", "after-the-reexec"],
+)
+def test_a_chosen_coretype_is_kept_and_the_reexec_happens_once(environ):
+    assert preload_environment(environ, system="Linux", library=LIBRARY, flags=AVX512) is None
+
+
+def test_without_avx512_nothing_is_pinned():
+    avx2_only = frozenset({"fpu", "avx2", "avx512f"})  # AVX-512 F alone does not run SkylakeX's kernels
+    assert preload_environment({}, system="Linux", library=LIBRARY, flags=avx2_only) == {PRELOAD_ENV: LIBRARY}
+    assert preload_environment({PRELOAD_ENV: LIBRARY}, system="Linux", library=LIBRARY, flags=avx2_only) is None
+
+
+def test_cpu_flags_reads_the_first_processors_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512f"}
+    assert cpu_flags(tmp_path / "absent") == frozenset()
+
+
 @pytest.mark.parametrize(
     ("environ", "system", "library"),
     [
         ({PRELOAD_ENV: ""}, "Linux", LIBRARY),  # the user decided (an empty value opts out)
-        ({PRELOAD_ENV: "/opt/lib/libopenblas64_.so"}, "Linux", LIBRARY),  # an OpenBLAS is there already
+        ({PRELOAD_ENV: "/opt/lib/libopenblas64_.so", CORETYPE_ENV: "Zen"}, "Linux", LIBRARY),  # both chosen
         ({}, "Darwin", LIBRARY),  # MLX uses Accelerate there
         ({}, "Linux", None),  # not installed
     ],
     ids=["opted-out", "already-openblas", "macos", "no-openblas"],
 )
 def test_every_other_case_carries_on_unchanged(environ, system, library):
-    assert preload_environment(environ, system=system, library=library) is None
+    # Even on a CPU that runs the pinned kernels.
+    assert preload_environment(environ, system=system, library=library, flags=AVX512) is None
 
 
 def test_the_first_existing_path_wins(tmp_path):
@@ -55,12 +103,12 @@ def test_loaded_blas_reads_the_process_maps(tmp_path):
 @pytest.mark.parametrize(("preload", "expected"), [(None, "openblas"), ("", "reference")], ids=["default", "opt-out"])
 def test_model_train_runs_on_openblas_after_the_reexec(tmp_path, preload, expected):
     # A refused option still goes through the re-exec first; the process then says which BLAS it mapped.
-    environ = {key: value for key, value in os.environ.items() if key != PRELOAD_ENV}
+    environ = {key: value for key, value in os.environ.items() if key not in (PRELOAD_ENV, CORETYPE_ENV)}
     if preload is not None:
         environ[PRELOAD_ENV] = preload
     script = (
-        "import sys; from kvcellar.cli import main; from kvcellar.blas_preload import loaded_blas; "
-        "status = main(); print(loaded_blas()); sys.exit(status)"
+        "import sys; from kvcellar.cli import main; from kvcellar.blas_preload import loaded_blas, openblas_core; "
+        "status = main(); print(loaded_blas(), openblas_core() or '-'); sys.exit(status)"
     )
     completed = subprocess.run(
         [sys.executable, "-c", script, "model", "train", str(tmp_path / "out"), "--steps", "1"],
@@ -71,4 +119,8 @@ def test_model_train_runs_on_openblas_after_the_reexec(tmp_path, preload, expect
         env=environ,
     )
     assert completed.returncode == 2 and "--steps must be more than" in completed.stderr
-    assert completed.stdout.split() == [expected]
+    blas, core = completed.stdout.split()
+    assert blas == expected
+    if expected == "openblas" and PINNED_CORETYPE_CPU_FLAGS.issubset(cpu_flags()):
+        assert core == PINNED_CORETYPE
+    assert (core == "-") == (expected == "reference")
