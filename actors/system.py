@@ -54,6 +54,7 @@ from kvcellar.actors.system_wiring import (
     admission_gate,
     demote_idle_forever,
     give_guard_the_ssd_tier,
+    load_model_beside_store,
     observe_for_admission,
     open_memory_guard,
     open_store,
@@ -536,31 +537,34 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
     `seams`: what a test or the simulator replaces (None: the real world)."""
     seams = seams or SystemSeams()
     engine = seams.engine or EngineThread(config.model_dir, turn_log=seams.turn_log)
+    store: SsdStore | None = None
     try:
-        loaded = await engine.start()
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
-        paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
         # The simulator's store (`store_opener`) has no wear monitor: it models no drive wear.
         wear: WearMonitor | None = None
         if seams.store_opener is not None:
+            # After the model, in one order: the simulator's seams run deterministically.
+            loaded = await engine.start()
             store, tokenizer_hash = seams.store_opener(config, scheme), ""
         else:
             wear = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
-            store, tokenizer_hash = await open_store(config, seams, scheme, wear)
-        try:
-            async with trio.open_nursery() as nursery:
-                system = await _start_actors(
-                    nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
-                )
-                try:
-                    yield system
-                    await system.shutdown()
-                finally:
-                    nursery.cancel_scope.cancel()
-        finally:
-            if store is not None:
-                store.close()
+            monitor = wear
+            loaded, store, tokenizer_hash = await load_model_beside_store(
+                engine, lambda: open_store(config, seams, scheme, monitor)
+            )
+        paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
+        async with trio.open_nursery() as nursery:
+            system = await _start_actors(
+                nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
+            )
+            try:
+                yield system
+                await system.shutdown()
+            finally:
+                nursery.cancel_scope.cancel()
     finally:
+        if store is not None:
+            store.close()
         engine.stop()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -60,6 +61,7 @@ async def open_store(
         memo.path or "(in RAM only)",
     )
     # The scan, the reconciliation and the startup supersession are disk work too.
+    started_s = time.perf_counter()
     store = await run_blocking(
         lambda: SsdStore.open(
             config.ssd_dir,
@@ -72,8 +74,50 @@ async def open_store(
             event_listeners=(wear.on_event,),
         )
     )
-    await run_blocking(lambda: _seed_wear(wear, store))
+    try:
+        await run_blocking(lambda: _seed_wear(wear, store))
+    except BaseException:
+        store.close()
+        raise
+    stats = store.stats()
+    log.info(
+        "SSD tier opened in %.2f s: %d entries, %d bytes",
+        time.perf_counter() - started_s,
+        stats["entries"],
+        stats["bytes"],
+    )
     return store, fingerprint.tokenizer_sha256
+
+
+async def load_model_beside_store(
+    engine: Any, open_tier: Callable[[], Awaitable[tuple[SsdStore | None, str]]]
+) -> tuple[LoadedModel, SsdStore | None, str]:
+    """Load the model (`engine.start()`, on the engine thread) while `open_tier()` opens
+    the SSD tier (worker threads: the fingerprint, the scan): neither needs the other, so
+    serve is ready after the longer of the two, not their sum. Returns the loaded model,
+    the store and its tokenizer hash; when either fails, closes the store the other made
+    and raises that failure itself (the model's first), not a group."""
+    opened: list[tuple[SsdStore | None, str]] = []
+    failures: list[Exception] = []
+
+    async def open_beside() -> None:
+        try:
+            opened.append(await open_tier())
+        except Exception as e:  # raised below, in the caller's task
+            failures.append(e)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(open_beside)
+        try:
+            loaded = await engine.start()
+        except Exception as e:
+            failures.insert(0, e)
+    if failures:
+        if opened and opened[0][0] is not None:
+            opened[0][0].close()
+        raise failures[0]
+    store, tokenizer_hash = opened[0]
+    return loaded, store, tokenizer_hash
 
 
 def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:

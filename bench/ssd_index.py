@@ -137,11 +137,14 @@ def filled_caches(layers: int, heads: int, rows: int, head_dim: int, dtype: mx.D
     return caches
 
 
-def build_tree(root: Path, stored: list[np.ndarray], progress: Console) -> tuple[dict[str, np.ndarray], float]:
-    """Store every entry (no fsync, no journal, one sync at the end); returns tokens by entry id and the build time."""
+def build_tree(
+    root: Path, stored: list[np.ndarray], progress: Console, fingerprint: str = FINGERPRINT
+) -> tuple[dict[str, np.ndarray], float]:
+    """Store every entry (no fsync, no journal, one sync at the end) under `fingerprint`;
+    returns tokens by entry id and the build time."""
     caches = filled_caches(1, TREE_HEADS, len(stored[0]), TREE_HEAD_DIM, mx.float32)
     started = time.perf_counter()
-    store = SsdStore.open(root, FINGERPRINT, disk=BuildOnlyDisk(), journal=False)
+    store = SsdStore.open(root, fingerprint, disk=BuildOnlyDisk(), journal=False)
     tokens_by_id: dict[str, np.ndarray] = {}
     try:
         for number, tokens in enumerate(stored, start=1):

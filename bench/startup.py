@@ -1,5 +1,7 @@
 """Benchmark: start-to-healthy of `kvcellar serve --ssd-cache`, first start
-(cold shard digest memo) against second start (warm memo).
+(cold shard digest memo) against second start (warm memo), then two starts on
+a tier of `--tier-entries` entries (`serve` opens the tier beside the model
+load, so the tier should add little beyond what its opening takes past it).
 
 The SSD tier's directory is named by the serving fingerprint, which hashes
 every weight and tokenizer byte; the memo, under `$KVCELLAR_CACHE_DIR`
@@ -34,6 +36,7 @@ from typing import Any
 
 import click
 import httpx
+import numpy as np
 from rich.console import Console
 
 from kvcellar.bench.common import (
@@ -70,7 +73,10 @@ FINGERPRINT_LOG = re.compile(
     r"serving fingerprint (?P<digest>[0-9a-f]+) in (?P<seconds>[0-9.]+) s: "
     r"(?P<hashed>\d+) bytes hashed"
 )
-FIGURE_COLUMNS = ("start", "start-to-healthy s", "fingerprint s", "bytes hashed", "note")
+TIER_LOG = re.compile(r"SSD tier opened in (?P<seconds>[0-9.]+) s: (?P<entries>\d+) entries")
+# The tier of the third and fourth starts: entries of this many tokens, as bench/ssd_index builds them.
+TIER_ENTRY_TOKENS = 4000
+FIGURE_COLUMNS = ("start", "start-to-healthy s", "fingerprint s", "bytes hashed", "tier opened s", "note")
 DOCS_BEGIN, DOCS_END = docs_markers("startup")
 
 
@@ -177,27 +183,46 @@ def time_one_start(model_dir: Path, ssd_dir: Path, cache_dir: Path, log_path: Pa
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    logged = FINGERPRINT_LOG.search(log_path.read_text(errors="replace"))
-    if logged is None:
-        raise click.ClickException(f"kvcellar serve logged no fingerprint line; see {log_path}")
+    log_text = log_path.read_text(errors="replace")
+    logged, tier = FINGERPRINT_LOG.search(log_text), TIER_LOG.search(log_text)
+    if logged is None or tier is None:
+        raise click.ClickException(f"kvcellar serve logged no fingerprint or SSD tier line; see {log_path}")
     return {
         "start_s": start_s,
         "fingerprint_s": float(logged["seconds"]),
         "bytes_hashed": int(logged["hashed"]),
         "digest": logged["digest"],
+        "tier_open_s": float(tier["seconds"]),
+        "tier_entries": int(tier["entries"]),
         "exit_status": exit_status,
     }
 
 
-def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) -> dict[str, Any]:
-    """`runs` pairs of starts, each pair on a fresh memo and SSD directory."""
+def build_tier(ssd_dir: Path, digest: str, entries: int, progress: Console) -> None:
+    """`entries` entries of `TIER_ENTRY_TOKENS` tokens in the tier of fingerprint `digest`, shaped
+    as conversations branching at turns (bench/ssd_index's tree, tiny caches: the scan reads
+    no payload)."""
+    from kvcellar.bench.ssd_index import build_tree, conversation_tree
+
+    progress.print(f"building an SSD tier of {entries:,} entries")
+    build_tree(ssd_dir, conversation_tree(entries, TIER_ENTRY_TOKENS, np.random.default_rng(0)), progress, digest)
+
+
+def run_benchmark(model_dir: Path, workdir: Path, runs: int, tier_entries: int, progress: Console) -> dict[str, Any]:
+    """`runs` rounds, each on a fresh memo and SSD directory: a first and a second start on an
+    empty tier, then (with `tier_entries`) a tier of that many entries built and two more starts,
+    the first of which reconciles the journal against the new files."""
     read_through(model_dir)
     load_before = os.getloadavg()[0]
     pairs = []
     for run in range(runs):
         cache_dir, ssd_dir = workdir / f"cache-{run}", workdir / f"ssd-{run}"
         pair: dict[str, Any] = {}
-        for start in ("first", "second"):
+        for start in ("first", "second", "tier_reconciled", "tier"):
+            if start == "tier_reconciled":
+                if not tier_entries:
+                    break
+                build_tier(ssd_dir, pair["second"]["digest"], tier_entries, progress)
             progress.print(f"run {run + 1}/{runs}: {start} start")
             pair[start] = time_one_start(model_dir, ssd_dir, cache_dir, workdir / f"serve-{run}-{start}.log")
         memo_dir = cache_dir / SHARD_DIGEST_MEMO_DIR_NAME
@@ -207,6 +232,7 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) 
     first_s = statistics.median(pair["first"]["start_s"] for pair in pairs)
     second_s = statistics.median(pair["second"]["start_s"] for pair in pairs)
     return {
+        **(_tier_figures(pairs, second_s) if tier_entries else {}),
         "model_bytes": model_size_bytes(model_dir),
         "first_start_s": first_s,
         "second_start_s": second_s,
@@ -221,23 +247,46 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, progress: Console) 
     }
 
 
+def _tier_figures(pairs: list[dict[str, Any]], second_s: float) -> dict[str, Any]:
+    """The two starts on the built tier against the second start (warm memo, empty tier)."""
+    figures: dict[str, Any] = {"tier_entries": pairs[0]["tier"]["tier_entries"]}
+    for start in ("tier_reconciled", "tier"):
+        start_s = statistics.median(pair[start]["start_s"] for pair in pairs)
+        figures[f"{start}_start_s"] = start_s
+        figures[f"{start}_open_s"] = statistics.median(pair[start]["tier_open_s"] for pair in pairs)
+        figures[f"{start}_added_s"] = start_s - second_s
+    return figures
+
+
+def _row(result: dict[str, Any], start: str, label: str, note: str) -> tuple[str, ...]:
+    """One start's figures, medians over the runs."""
+    runs = [pair[start] for pair in result["runs"]]
+    return (
+        label,
+        f"{statistics.median(run['start_s'] for run in runs):.2f}",
+        f"{statistics.median(run['fingerprint_s'] for run in runs):.2f}",
+        f"{max(run['bytes_hashed'] for run in runs):,}",
+        f"{statistics.median(run['tier_open_s'] for run in runs):.2f}",
+        note,
+    )
+
+
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
-    return [
-        (
-            "first (cold memo)",
-            f"{result['first_start_s']:.2f}",
-            f"{result['first_fingerprint_s']:.2f}",
-            f"{result['first_bytes_hashed']:,}",
-            "every weight and tokenizer byte hashed",
-        ),
-        (
-            "second (warm memo)",
-            f"{result['second_start_s']:.2f}",
-            f"{result['second_fingerprint_s']:.2f}",
-            f"{result['second_bytes_hashed']:,}",
-            "digests read from the memo",
-        ),
+    rows = [
+        _row(result, "first", "first (cold memo)", "every weight and tokenizer byte hashed"),
+        _row(result, "second", "second (warm memo)", "digests read from the memo"),
     ]
+    if "tier_entries" in result:
+        rows += [
+            _row(
+                result,
+                "tier_reconciled",
+                f"third ({result['tier_entries']:,} entries built since)",
+                "the journal reconciled with every header",
+            ),
+            _row(result, "tier", "fourth (the same tier)", "the tier indexed from the journal"),
+        ]
+    return rows
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
@@ -247,9 +296,21 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"first / second start-to-healthy: {result['ratio']:.2f}x ({saved_s:.2f} s saved; the fingerprint itself "
         f"took {result['first_fingerprint_s']:.2f} s cold and {result['second_fingerprint_s']:.3f} s warm)",
         f"same fingerprint digest on both starts: {'yes' if result['same_digest'] else 'NO'}",
+        *_tier_lines(result),
         "1-minute load average before and after the starts: "
         + " and ".join(f"{load:.1f}" for load in result["load_average_1m"])
         + f" on {result['machine']['cpus']} CPUs",
+    ]
+
+
+def _tier_lines(result: dict[str, Any]) -> list[str]:
+    if "tier_entries" not in result:
+        return []
+    return [
+        f"a tier of {result['tier_entries']:,} entries added {result[f'{start}_added_s']:+.2f} s to start-to-healthy "
+        f"against the second start, while opening it took {result[f'{start}_open_s']:.2f} s beside the model load "
+        f"({label})"
+        for start, label in (("tier_reconciled", "third start"), ("tier", "fourth start"))
     ]
 
 
@@ -257,7 +318,7 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     machine = result["machine"]
     runs = len(result["runs"])
     lines = [
-        "## Start-to-healthy: the shard digest memo",
+        "## Start-to-healthy: the shard digest memo and a full SSD tier",
         "",
         f"Run {run_date} with `{command}` ({runs} pair{'s' if runs != 1 else ''} of starts"
         f"{', medians' if runs > 1 else ''}; wall time {result['wall_s']:.0f} s).",
@@ -280,7 +341,10 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
         "root), so the difference is hashing time saved; a cold page cache would add the read time of the weights "
         "to the first start's hashing, though the model load would read them either way. The warm start's saving "
         "is the fingerprint's cold time, and whatever the saving shows above or below that is noise from other "
-        "work on the CPUs (see the load average).",
+        "work on the CPUs (see the load average). The third and fourth starts (when a tier is built) open a "
+        "tier of that many entries: `serve` opens the tier on worker threads while the engine thread loads the "
+        "weights, so a tier adds to start-to-healthy only what its opening takes beyond the model load (and "
+        "what the two take from each other on the CPUs); `tier opened s` is the server's own log line.",
     ]
     return "\n".join(lines)
 
@@ -301,12 +365,26 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
     show_default=True,
     help="Pairs of starts (first on an empty memo, second on the memo it left); figures are medians.",
 )
+@click.option(
+    "--tier-entries",
+    type=click.IntRange(min=0),
+    default=10_000,
+    show_default=True,
+    help="Entries of the SSD tier built for the third and fourth starts (0: no tier, two starts).",
+)
 @scratch_dir_option("the model, memo and SSD tier")
 @publish_options(DOCS_BEGIN, DOCS_END)
 def main(
-    model_mb: int, model_dir: Path | None, runs: int, directory: Path | None, as_json: bool, write_docs: bool
+    model_mb: int,
+    model_dir: Path | None,
+    runs: int,
+    tier_entries: int,
+    directory: Path | None,
+    as_json: bool,
+    write_docs: bool,
 ) -> None:
-    """Time `kvcellar serve` to healthy, with a cold and then a warm shard digest memo."""
+    """Time `kvcellar serve` to healthy, with a cold and then a warm shard digest memo, then on a
+    tier of `--tier-entries` entries."""
     started = time.perf_counter()
     console = Console() if sys.stdout.isatty() else Console(width=140)
     progress = Console(stderr=True)
@@ -317,7 +395,7 @@ def main(
             enlarge_model(scratch.model_dir, model_mb * MB_BYTES)
             layers = json.loads((scratch.model_dir / "config.json").read_text())["num_hidden_layers"]
             described = f"random-weight {DEMO_ARCH}, {layers} layers, float32, demo tokenizer"
-        result = run_benchmark(scratch.model_dir, scratch.workdir, runs, progress)
+        result = run_benchmark(scratch.model_dir, scratch.workdir, runs, tier_entries, progress)
     result.update(model=described, machine=describe_machine(scratch.base), wall_s=time.perf_counter() - started)
     print_figures(
         "Start-to-healthy of kvcellar serve --ssd-cache",

@@ -35,7 +35,9 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     bench_dir = tmp_path / "bench"
     docs_before = _docs_text()
 
-    outcome = CliRunner().invoke(startup.main, ["--model-mb", "1", "--dir", str(bench_dir), "--json"])
+    outcome = CliRunner().invoke(
+        startup.main, ["--model-mb", "1", "--tier-entries", "120", "--dir", str(bench_dir), "--json"]
+    )
 
     assert outcome.exit_code == 0, outcome.output
     figures = json.loads(outcome.stdout.strip().splitlines()[-1])
@@ -49,7 +51,12 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_path):
     assert figures["same_digest"] is True
     [pair] = figures["runs"]
     assert pair["memo_file_bytes"] > 0
-    assert pair["first"]["exit_status"] == pair["second"]["exit_status"] == 0
+    assert all(pair[start]["exit_status"] == 0 for start in ("first", "second", "tier_reconciled", "tier"))
+    # The tier built after the second start is what the third and fourth starts opened, all of it.
+    assert pair["second"]["tier_entries"] == 0
+    assert pair["tier_reconciled"]["tier_entries"] == pair["tier"]["tier_entries"] == figures["tier_entries"] == 120
+    assert figures["tier_start_s"] == pair["tier"]["start_s"]
+    assert figures["tier_added_s"] == figures["tier_start_s"] - figures["second_start_s"]
     assert list(bench_dir.iterdir()) == []
     assert _docs_text() == docs_before
 
