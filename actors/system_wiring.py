@@ -36,6 +36,9 @@ from kvcellar.store.write_wear import WearMonitor
 
 log = logging.getLogger("kvcellar.system")
 
+# The `entries` columns the wear monitor is seeded from (`WearFold.seed_entries`).
+WEAR_SEED_COLUMNS = ("entry_id", "bytes", "restores")
+
 
 async def open_store(
     config: SystemConfig, seams: SystemSeams, scheme: KvScheme, wear: WearMonitor
@@ -131,7 +134,8 @@ def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:
         if wear.budgeted
         else []
     )
-    wear.seed(journal.entries(), stored)
+    # Only what the wear fold keeps: the token ids would be most of the rows' bytes.
+    wear.seed(journal.entries(WEAR_SEED_COLUMNS), stored)
 
 
 def admission_gate(config: SystemConfig) -> AdmissionGate | None:

@@ -44,6 +44,20 @@ def test_append_updates_projection_in_the_same_transaction_and_replay_matches(tm
     journal.close()
 
 
+def test_entries_narrowed_to_some_columns_are_the_full_rows_cut_down(tmp_path):
+    journal = Journal.open(tmp_path / "j.sqlite")
+    journal.append(ev.EntryStored(entry=_fields("b", 20)))
+    journal.append(ev.EntryStored(entry=_fields("a")))
+    journal.append(ev.EntryRestored(entry_id="a", usable_tokens=9, restore_ms=1.5))
+    columns = ("entry_id", "bytes", "restores")
+    narrow = journal.entries(columns)
+    assert narrow == [{column: row[column] for column in columns} for row in journal.entries()]
+    assert narrow == [{"entry_id": "a", "bytes": 1000, "restores": 1}, {"entry_id": "b", "bytes": 2000, "restores": 0}]
+    with pytest.raises(ValueError, match="token_ids; DROP"):
+        journal.entries(("entry_id", "token_ids; DROP TABLE entries"))
+    journal.close()
+
+
 def test_reopening_keeps_events_and_a_readonly_view_sees_them(tmp_path):
     path = tmp_path / "j.sqlite"
     journal = Journal.open(path)
