@@ -98,8 +98,9 @@ async def load_model_beside_store(
     """Load the model (`engine.start()`, on the engine thread) while `open_tier()` opens
     the SSD tier (worker threads: the fingerprint, the scan): neither needs the other, so
     serve is ready after the longer of the two, not their sum. Returns the loaded model,
-    the store and its tokenizer hash; when either fails, closes the store the other made
-    and raises that failure itself (the model's first), not a group."""
+    the store and its tokenizer hash. When either fails it raises that failure itself (the
+    model's first), not a group, and leaves no store open: a failed model cancels the tier's
+    open at its next step, and a store that opened anyway is closed."""
     opened: list[tuple[SsdStore | None, str]] = []
     failures: list[Exception] = []
 
@@ -115,6 +116,8 @@ async def load_model_beside_store(
             loaded = await engine.start()
         except Exception as e:
             failures.insert(0, e)
+            # No model, no server: the tier stops at its next step (`open_store` closes a store it opened).
+            nursery.cancel_scope.cancel()
     if failures:
         if opened and opened[0][0] is not None:
             opened[0][0].close()

@@ -72,15 +72,33 @@ def test_a_model_that_fails_to_load_closes_the_tier_it_opened_and_raises_its_own
     store = _Store()
 
     async def main():
-        engine = _Engine(error=ModelError("config.json: no model_type"))
+        tier_opened = trio.Event()
+        engine = _Engine(error=ModelError("config.json: no model_type"), before_loading=tier_opened)
 
         async def open_tier():
-            await engine.loading.wait()
+            tier_opened.set()  # the engine fails after this returns: no checkpoint in between
             return store, ""
 
         with pytest.raises(ModelError, match="no model_type"):
             await load_model_beside_store(engine, open_tier)
         assert store.closed
+
+    _run(main)
+
+
+def test_a_model_that_fails_to_load_stops_the_tier_from_opening_on():
+    async def main():
+        steps: list[str] = []
+
+        async def open_tier():
+            steps.append("fingerprint")
+            await trio.sleep_forever()  # a long scan: a failed model must not wait for it
+            steps.append("scan")
+            return _Store(), ""
+
+        with trio.fail_after(60), pytest.raises(ModelError):
+            await load_model_beside_store(_Engine(error=ModelError("no weights")), open_tier)
+        assert steps == ["fingerprint"]
 
     _run(main)
 
