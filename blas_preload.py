@@ -13,11 +13,13 @@ cannot help or was decided already: not Linux, no OpenBLAS installed (Debian:
 
 It also pins OpenBLAS's kernels where the CPU can run the ones the committed
 demo-coder was trained with (`OPENBLAS_CORETYPE=SkylakeX`, which needs AVX-512):
-OpenBLAS otherwise picks its kernels by CPU (Haswell's on an AMD EPYC, SkylakeX's
-on the Intel Xeon that trained it), and the two round a matmul differently, so the
-same recipe and seed gave other weights after 28 steps. With the kernels pinned,
-the same seed gives the same weights on either CPU (docs/demo-model.md). A value
-the user set is kept.
+OpenBLAS otherwise picks its kernels by CPU (Cooperlake's on the AMD EPYC here;
+the Intel Xeon that trained the model ran ones that round as SkylakeX's do), or
+runs those `OPENBLAS_CORETYPE` names (this machine's environment names Haswell),
+and kernel sets round a matmul differently: the same recipe and seed gave other
+weights after 28 steps. With the kernels pinned, the same seed gives the same
+weights on either CPU (docs/demo-model.md). A value set in the environment is
+kept, and `model train` says how to get the committed weights (`blas_note`).
 
 Only training does this: `serve` keeps the wheel's libraries, so its figures
 compare like with like against `mlx_lm.server` run the same way.
@@ -109,6 +111,28 @@ def loaded_blas(maps_path: Path = _MAPS_PATH) -> str:
     if "libopenblas" in maps:
         return "openblas"
     return "reference" if "libblas" in maps else "unknown"
+
+
+def blas_note(blas: str, core: str, chosen_core: str | None) -> str:
+    """What `model train` says before it trains on `blas` (`loaded_blas()`) running `core`
+    (`openblas_core()`), with `chosen_core` the environment's `OPENBLAS_CORETYPE`; "" when all is as it should be."""
+    if blas == "reference":
+        return (
+            "warning: MLX runs on the wheel's reference BLAS, about 10x slower than OpenBLAS "
+            "(Debian/Ubuntu: apt install libopenblas0-pthread; it is then preloaded unless LD_PRELOAD "
+            "is the empty string)"
+        )
+    if blas != "openblas" or core in ("", PINNED_CORETYPE):
+        return ""
+    why = (
+        f"{CORETYPE_ENV}={chosen_core} is set; unset it to regenerate the committed weights"
+        if chosen_core
+        else "this CPU lacks the AVX-512 they need"
+    )
+    return (
+        f"note: OpenBLAS runs its {core} kernels, not the {PINNED_CORETYPE} ones the committed demo-coder was "
+        f"trained with ({why}), so the weights will differ from it by rounding"
+    )
 
 
 def openblas_core() -> str:

@@ -3,6 +3,7 @@ demo-coder) and hub models (pull, list)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -259,7 +260,7 @@ def train_command(
     \f
     `kvcellar.cli.main` re-executes the command with OpenBLAS preloaded (kvcellar.blas_preload).
     """
-    from kvcellar.blas_preload import PINNED_CORETYPE, loaded_blas, openblas_core
+    from kvcellar.blas_preload import CORETYPE_ENV, blas_note, loaded_blas, openblas_core
     from kvcellar.engine.demo_training_config import TrainingConfig
     from kvcellar.engine.train_demo_model import train, train_from_model
 
@@ -288,17 +289,9 @@ def train_command(
     def report(line: str) -> None:
         click.echo(line, err=True)
 
-    if loaded_blas() == "reference":
-        report(
-            "warning: MLX runs on the wheel's reference BLAS, about 10x slower than OpenBLAS "
-            "(Debian/Ubuntu: apt install libopenblas0-pthread; it is then preloaded unless LD_PRELOAD "
-            "is the empty string)"
-        )
-    elif loaded_blas() == "openblas" and openblas_core() not in ("", PINNED_CORETYPE):
-        report(
-            f"note: OpenBLAS runs its {openblas_core()} kernels, not the {PINNED_CORETYPE} ones the committed "
-            "demo-coder was trained with (they need AVX-512), so the weights will differ from it by rounding"
-        )
+    note = blas_note(loaded_blas(), openblas_core(), os.environ.get(CORETYPE_ENV))
+    if note:
+        report(note)
     if from_model is None:
         log = train(out_dir, config, progress=report)
     else:

@@ -14,6 +14,7 @@ from kvcellar.blas_preload import (
     PINNED_CORETYPE,
     PINNED_CORETYPE_CPU_FLAGS,
     PRELOAD_ENV,
+    blas_note,
     cpu_flags,
     find_openblas,
     loaded_blas,
@@ -62,6 +63,17 @@ def test_without_avx512_nothing_is_pinned():
     assert preload_environment({PRELOAD_ENV: LIBRARY}, system="Linux", library=LIBRARY, flags=avx2_only) is None
 
 
+def test_what_model_train_says_about_its_blas():
+    assert blas_note("openblas", PINNED_CORETYPE, None) == ""
+    assert blas_note("openblas", PINNED_CORETYPE, PINNED_CORETYPE) == ""
+    assert blas_note("unknown", "", None) == ""  # macOS: Accelerate
+    assert "reference BLAS" in blas_note("reference", "", None)
+    # An environment that chose other kernels (this sandbox sets Haswell) is told how to get the committed weights.
+    chosen = blas_note("openblas", "Haswell", "Haswell")
+    assert "OPENBLAS_CORETYPE=Haswell is set; unset it" in chosen and "differ" in chosen
+    assert "lacks the AVX-512" in blas_note("openblas", "Zen", None)
+
+
 def test_cpu_flags_reads_the_first_processors_flags(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu\n")
@@ -106,9 +118,14 @@ def test_model_train_runs_on_openblas_after_the_reexec(tmp_path, preload, expect
     environ = {key: value for key, value in os.environ.items() if key not in (PRELOAD_ENV, CORETYPE_ENV)}
     if preload is not None:
         environ[PRELOAD_ENV] = preload
+    # Also whether that OpenBLAS picks kernels at run time (DYNAMIC_ARCH): only such a build can be pinned.
     script = (
-        "import sys; from kvcellar.cli import main; from kvcellar.blas_preload import loaded_blas, openblas_core; "
-        "status = main(); print(loaded_blas(), openblas_core() or '-'); sys.exit(status)"
+        "import ctypes, sys; from kvcellar.cli import main; "
+        "from kvcellar.blas_preload import loaded_blas, openblas_core; "
+        "status = main(); config = getattr(ctypes.CDLL(None), 'openblas_get_config', None); "
+        "config and setattr(config, 'restype', ctypes.c_char_p); "
+        "dynamic = bool(config) and b'DYNAMIC_ARCH' in config(); "
+        "print(loaded_blas(), openblas_core() or '-', dynamic); sys.exit(status)"
     )
     completed = subprocess.run(
         [sys.executable, "-c", script, "model", "train", str(tmp_path / "out"), "--steps", "1"],
@@ -119,8 +136,8 @@ def test_model_train_runs_on_openblas_after_the_reexec(tmp_path, preload, expect
         env=environ,
     )
     assert completed.returncode == 2 and "--steps must be more than" in completed.stderr
-    blas, core = completed.stdout.split()
+    blas, core, dynamic = completed.stdout.split()
     assert blas == expected
-    if expected == "openblas" and PINNED_CORETYPE_CPU_FLAGS.issubset(cpu_flags()):
+    if expected == "openblas" and dynamic == "True" and PINNED_CORETYPE_CPU_FLAGS.issubset(cpu_flags()):
         assert core == PINNED_CORETYPE
     assert (core == "-") == (expected == "reference")
