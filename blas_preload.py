@@ -34,13 +34,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvcellar.cpuinfo import CPUINFO_PATH, cpuinfo_field
+
 PRELOAD_ENV = "LD_PRELOAD"
 CORETYPE_ENV = "OPENBLAS_CORETYPE"
 # The kernels the committed demo-coder's weights were computed with, and the CPU flags
 # they execute (OpenBLAS's SkylakeX target: AVX-512 F, CD, BW, DQ and VL).
 PINNED_CORETYPE = "SkylakeX"
 PINNED_CORETYPE_CPU_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
-_CPUINFO_PATH = Path("/proc/cpuinfo")
 # Where Debian/Ubuntu (both architectures) and Fedora put the pthread build's library.
 OPENBLAS_PATHS = (
     Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0"),
@@ -59,17 +60,9 @@ def find_openblas(paths: Sequence[Path] = OPENBLAS_PATHS) -> str | None:
     return ctypes.util.find_library("openblas")
 
 
-def cpu_flags(cpuinfo_path: Path = _CPUINFO_PATH) -> frozenset[str]:
+def cpu_flags(cpuinfo_path: Path = CPUINFO_PATH) -> frozenset[str]:
     """The first CPU's feature flags from /proc/cpuinfo; empty where there is none (macOS)."""
-    try:
-        text = cpuinfo_path.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset((cpuinfo_field("flags", cpuinfo_path) or "").split())
 
 
 def preload_environment(

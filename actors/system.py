@@ -547,8 +547,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
             loaded = await engine.start()
             store, tokenizer_hash = seams.store_opener(config, scheme), ""
         else:
-            wear = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
-            monitor = wear
+            wear = monitor = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
             loaded, store, tokenizer_hash = await load_model_beside_store(
                 engine, lambda: open_store(config, seams, scheme, monitor)
             )

@@ -218,10 +218,8 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, tier_entries: int, 
     for run in range(runs):
         cache_dir, ssd_dir = workdir / f"cache-{run}", workdir / f"ssd-{run}"
         pair: dict[str, Any] = {}
-        for start in ("first", "second", "tier_reconciled", "tier"):
+        for start in ("first", "second", "tier_reconciled", "tier") if tier_entries else ("first", "second"):
             if start == "tier_reconciled":
-                if not tier_entries:
-                    break
                 build_tier(ssd_dir, pair["second"]["digest"], tier_entries, progress)
             progress.print(f"run {run + 1}/{runs}: {start} start")
             pair[start] = time_one_start(model_dir, ssd_dir, cache_dir, workdir / f"serve-{run}-{start}.log")

@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from kvcellar.cpuinfo import CPUINFO_PATH, cpuinfo_field
 from kvcellar.errors import ModelError
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store.disk import fsync_path
@@ -72,7 +73,6 @@ TOKENIZER_FILE_NAMES = (
     "vocab.txt",
 )
 ADDITIONAL_CHAT_TEMPLATES_DIR = "additional_chat_templates"
-CPUINFO_PATH = Path("/proc/cpuinfo")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -298,14 +298,7 @@ def mlx_lm_version() -> str:
 
 def _cpu_model(cpuinfo_path: Path) -> str:
     """Linux's /proc/cpuinfo "model name", else what `platform` knows."""
-    try:
-        for line in cpuinfo_path.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    return cpuinfo_field("model name", cpuinfo_path) or platform.processor() or platform.machine() or "unknown"
 
 
 def describe_device_architecture(
