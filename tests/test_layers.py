@@ -20,8 +20,8 @@ PACKAGE = "kvcellar"
 
 # Lowest first; "kvcellar" is the package's own `__init__` (its version).
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({PACKAGE, "errors", "huge_pages", "blas_preload"}),
-    frozenset({"serialization"}),
+    frozenset({PACKAGE, "errors", "cpuinfo"}),
+    frozenset({"serialization", "huge_pages", "blas_preload"}),
     frozenset({"store"}),
     frozenset({"engine"}),
     frozenset({"actors"}),
