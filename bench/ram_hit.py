@@ -7,13 +7,16 @@ chat turn leaves behind) and the request is the context alone, so both caches
 serve all but its last token from a longer entry, as in `compare_mlx_lm`'s
 1-token requests. Three sides, their order rotated every repeat:
 
-- kvcellar: `PromptCache.take` (views of the entry's rows) and
+- kvcellar: `PromptCache.take` (views of the entry's rows), marked as the
+  batch lane inserts a RAM hit's lent layers (`capacity_merging_caches`: the
+  merge leaves a step of capacity, so the first step writes in place), and
   `LeanBatchGenerator` (engine/batch_generator.py: one copy of the reused
-  rows instead of four), a new generator per hit
-  and MLX's buffer cache cleared after it, as the batch lane does when a
-  lone request's batch job ends;
-- kvcellar with mlx-lm's stock `BatchGenerator` (what the batch lane ran
-  before issue 23's change), otherwise the same;
+  rows instead of four), a new generator per hit and MLX's buffer cache
+  cleared after it, as the batch lane does when a lone request's batch job
+  ends;
+- kvcellar with mlx-lm's stock `BatchGenerator` and the lent layers
+  unmarked (what the batch lane ran before issue 23's change), otherwise the
+  same;
 - mlx_lm.server's path: `LRUPromptCache.fetch_nearest_cache` (a deep copy of
   the entry, trimmed) and one stock `BatchGenerator` kept across hits.
 
@@ -51,7 +54,7 @@ from kvcellar.bench.common import (
     scratch_dir_option,
     scratch_with_model,
 )
-from kvcellar.engine.batch_generator import LeanBatchGenerator
+from kvcellar.engine.batch_generator import LeanBatchGenerator, capacity_merging_caches
 from kvcellar.engine.engine import configure_host_allocator
 from kvcellar.store.prompt_cache import PromptCache
 
@@ -112,17 +115,22 @@ def measure_context(model: Any, context: int, repeats: int, progress: Console) -
         caches, rest = peer.fetch_nearest_cache(MODEL_KEY, prompt)
         return caches, rest, context - len(rest)
 
-    def kvcellar_hit(generator_class: type) -> float:
+    def kvcellar_lane_take() -> tuple[list[Any], list[int], int]:
+        # The batch lane's insertion of lent layers (engine/batch.py `_joining_caches`).
+        caches, rest, reused = kvcellar_take()
+        return capacity_merging_caches(caches), rest, reused
+
+    def kvcellar_hit(generator_class: type, take: Callable[[], tuple[list[Any], list[int], int]]) -> float:
         generator = generator_class(model, **GENERATOR_OPTIONS)
         try:
-            return first_token_s(generator, kvcellar_take)
+            return first_token_s(generator, take)
         finally:
             generator.close()
             mx.clear_cache()
 
     hits: dict[str, Callable[[], float]] = {
-        KVCELLAR: lambda: kvcellar_hit(LeanBatchGenerator),
-        KVCELLAR_STOCK: lambda: kvcellar_hit(BatchGenerator),
+        KVCELLAR: lambda: kvcellar_hit(LeanBatchGenerator, kvcellar_lane_take),
+        KVCELLAR_STOCK: lambda: kvcellar_hit(BatchGenerator, kvcellar_take),
         MLX_LM: lambda: first_token_s(peer_generator, peer_take),
     }
     runs: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -185,13 +193,14 @@ def interpretation(result: dict[str, Any]) -> str:
     return (
         f"kvcellar's RAM hit took {ratios} tokens of mlx_lm.server's path in this run (target <= 1.0x: "
         f"{verdict}); with mlx-lm's stock generator, as before issue 23's change, {stock}. Past the lookup "
-        "(well under a millisecond on both sides) the time is copies of the reused rows and two forward "
-        "steps (mlx-lm samples one step ahead): the stock generator copies every reused row four times "
-        "(the merge into the batch cache, the split's deep copy, its gather, the first step's growth), "
-        "mlx_lm.server five (its cache's deep copy first); kvcellar's lean generator moves the prompt "
-        "batch instead of splitting it and merges with capacity for the next token, so it copies once. "
-        "At 2,048 tokens the copies are small next to "
-        "the forward steps, so the sides differ by little more than the run-to-run noise. "
+        "(well under a millisecond on both sides) the time is copies of the reused rows and forward steps. "
+        "The stock generator copies every reused row four times (the merge into the batch cache, the split's "
+        "deep copy, its gather, the first step's growth), mlx_lm.server five (its cache's deep copy first), "
+        "and both run two forward steps before the first token (mlx-lm schedules step n+1 before it hands out "
+        "step n's token). kvcellar's lean generator moves the prompt batch instead of splitting it, the lent "
+        "layers are merged with a step of capacity (`capacity_merging_caches`, as the batch lane inserts a RAM "
+        "hit), so the rows are copied once and the first step writes in place, and on MLX's CPU backend a new "
+        "row's first token is handed out after one step (`EagerGenerationBatch`). "
         "Runs spread widely when other work shares the CPUs: compare medians of one run, not figures across "
         f"runs. {load_note()}"
     )
