@@ -227,21 +227,31 @@ def run_benchmark(model_dir: Path, workdir: Path, runs: int, tier_entries: int, 
         pair["memo_file_bytes"] = sum(path.stat().st_size for path in memo_dir.iterdir())
         pairs.append(pair)
         shutil.rmtree(ssd_dir, ignore_errors=True)
-    first_s = statistics.median(pair["first"]["start_s"] for pair in pairs)
-    second_s = statistics.median(pair["second"]["start_s"] for pair in pairs)
+    first, second = start_figures(pairs, "first"), start_figures(pairs, "second")
     return {
-        **(_tier_figures(pairs, second_s) if tier_entries else {}),
+        **(_tier_figures(pairs, second["start_s"]) if tier_entries else {}),
         "model_bytes": model_size_bytes(model_dir),
-        "first_start_s": first_s,
-        "second_start_s": second_s,
-        "ratio": first_s / second_s,
-        "first_fingerprint_s": statistics.median(pair["first"]["fingerprint_s"] for pair in pairs),
-        "second_fingerprint_s": statistics.median(pair["second"]["fingerprint_s"] for pair in pairs),
-        "first_bytes_hashed": max(pair["first"]["bytes_hashed"] for pair in pairs),
-        "second_bytes_hashed": max(pair["second"]["bytes_hashed"] for pair in pairs),
+        "first_start_s": first["start_s"],
+        "second_start_s": second["start_s"],
+        "ratio": first["start_s"] / second["start_s"],
+        "first_fingerprint_s": first["fingerprint_s"],
+        "second_fingerprint_s": second["fingerprint_s"],
+        "first_bytes_hashed": first["bytes_hashed"],
+        "second_bytes_hashed": second["bytes_hashed"],
         "same_digest": all(pair["first"]["digest"] == pair["second"]["digest"] for pair in pairs),
         "load_average_1m": [load_before, os.getloadavg()[0]],
         "runs": pairs,
+    }
+
+
+def start_figures(pairs: list[dict[str, Any]], start: str) -> dict[str, Any]:
+    """One start's figures over the runs: the medians, and the most bytes hashed."""
+    runs = [pair[start] for pair in pairs]
+    return {
+        "start_s": statistics.median(run["start_s"] for run in runs),
+        "fingerprint_s": statistics.median(run["fingerprint_s"] for run in runs),
+        "bytes_hashed": max(run["bytes_hashed"] for run in runs),
+        "tier_open_s": statistics.median(run["tier_open_s"] for run in runs),
     }
 
 
@@ -249,22 +259,22 @@ def _tier_figures(pairs: list[dict[str, Any]], second_s: float) -> dict[str, Any
     """The two starts on the built tier against the second start (warm memo, empty tier)."""
     figures: dict[str, Any] = {"tier_entries": pairs[0]["tier"]["tier_entries"]}
     for start in ("tier_reconciled", "tier"):
-        start_s = statistics.median(pair[start]["start_s"] for pair in pairs)
-        figures[f"{start}_start_s"] = start_s
-        figures[f"{start}_open_s"] = statistics.median(pair[start]["tier_open_s"] for pair in pairs)
-        figures[f"{start}_added_s"] = start_s - second_s
+        medians = start_figures(pairs, start)
+        figures[f"{start}_start_s"] = medians["start_s"]
+        figures[f"{start}_open_s"] = medians["tier_open_s"]
+        figures[f"{start}_added_s"] = medians["start_s"] - second_s
     return figures
 
 
 def _row(result: dict[str, Any], start: str, label: str, note: str) -> tuple[str, ...]:
     """One start's figures, medians over the runs."""
-    runs = [pair[start] for pair in result["runs"]]
+    figures = start_figures(result["runs"], start)
     return (
         label,
-        f"{statistics.median(run['start_s'] for run in runs):.2f}",
-        f"{statistics.median(run['fingerprint_s'] for run in runs):.2f}",
-        f"{max(run['bytes_hashed'] for run in runs):,}",
-        f"{statistics.median(run['tier_open_s'] for run in runs):.2f}",
+        f"{figures['start_s']:.2f}",
+        f"{figures['fingerprint_s']:.2f}",
+        f"{figures['bytes_hashed']:,}",
+        f"{figures['tier_open_s']:.2f}",
         note,
     )
 
