@@ -57,6 +57,7 @@ from kvcellar.actors.system_wiring import (
     load_model_beside_store,
     observe_for_admission,
     open_memory_guard,
+    open_restore_policy,
     open_store,
     start_shared_tier,
 )
@@ -64,6 +65,7 @@ from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import EngineThread, LoadedModel
+from kvcellar.engine.restore_policy import PolicyColdTier
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
     MemoryGuard,
@@ -122,6 +124,8 @@ class System:
         self.memory_guard: MemoryGuard | None = None
         # Paged KV's layout and pool ledger (engine/paged_kv.py); None when --paged-kv is off.
         self.paged_kv: PagedKv | None = None
+        # The SSD tier's restore policy (issue 44); None without the tier.
+        self.restore_policy: PolicyColdTier | None = None
         self.memory_meter: MemoryMeter = seams.memory_meter or MlxMemoryMeter()
         self._memory_refused_at_gate = 0
         # Owned by the Trio thread: fed by `generate` and `flush`, read by `stats` and the routes.
@@ -372,6 +376,8 @@ class System:
                 with trio.move_on_at(deadline), self._write_window():
                     await self.queue.wait_idle()
             self._warn_not_durable(verdict)
+            if self.restore_policy is not None:
+                await self.seams.run_blocking(self.restore_policy.book.persist)
             self._shutdown_verdict = verdict
             return verdict
         finally:
@@ -434,6 +440,7 @@ class System:
             "flush": self._flush_stats(),
             "checkpoints": self._checkpoint_stats(),
             "paged_kv": self.paged_kv.stats() if self.paged_kv is not None else {},
+            "restore_policy": self.restore_policy.stats() if self.restore_policy is not None else {},
         }
 
     def check_memory(self, request: GenerationRequest) -> None:
@@ -609,8 +616,10 @@ async def _start_ram_tier(
     journal = store.journal if store is not None else None
     gateway = Gateway(engine, journal=journal)
     await nursery.start(gateway.run)
-    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=store, clock_s=seams.clock_s)
+    policy = await open_restore_policy(engine, config, store) if store is not None else None
+    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=policy, clock_s=seams.clock_s)
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
+    system.restore_policy = policy
     system.gateway = gateway
     system.memory_guard = await open_memory_guard(engine, config, system.memory_meter, scheme, prompt_cache, journal)
     return system

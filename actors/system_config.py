@@ -75,6 +75,12 @@ class SystemConfig:
     generation_checkpoint_tokens: int = 0
     # Paged KV (spec §6, engine/paged_kv.py): the block size in tokens; None: off (no paged code runs).
     paged_kv_block_size: int | None = None
+    # Issue 44: how a request with a prefix on the SSD tier is served ("auto":
+    # the fastest predicted of restore, recompute and split; or one forced),
+    # and an emulated slower SSD (every read and write of the tier at this
+    # rate; None: the disk as it is).
+    restore_policy: str = "auto"
+    disk_throttle_bytes_per_s: float | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]

@@ -18,6 +18,7 @@ from kvcellar.actors.spill_queue import SpillQueue
 from kvcellar.actors.system_config import SystemConfig, SystemSeams
 from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
 from kvcellar.engine.engine import LoadedModel
+from kvcellar.engine.restore_policy import CostBook, PolicyColdTier, calibrate, with_disk_probed
 from kvcellar.engine.memory import (
     Footprint,
     MemoryGuard,
@@ -26,8 +27,10 @@ from kvcellar.engine.memory import (
     default_memory_budget_bytes,
 )
 from kvcellar.errors import UsageError
+from kvcellar.store.disk import RealDisk, ThrottledDisk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
+from kvcellar.store.cost_memo import CostKey, load_costs
 from kvcellar.store.s3_objects import S3ObjectStore
 from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 from kvcellar.store.shared_tier import SharedKeys, SharedLocation
@@ -65,12 +68,15 @@ async def open_store(
     )
     # The scan, the reconciliation and the startup supersession are disk work too.
     started_s = time.perf_counter()
+    disk = seams.disk
+    if config.disk_throttle_bytes_per_s is not None:
+        disk = ThrottledDisk(disk if disk is not None else RealDisk(), config.disk_throttle_bytes_per_s)
     store = await run_blocking(
         lambda: SsdStore.open(
             config.ssd_dir,
             fingerprint.digest,
             config.ssd_bytes_max,
-            seams.disk,
+            disk,
             fingerprint_fields=fingerprint.as_dict(),
             verify=config.ssd_verify,
             safeguards=seams.safeguards,
@@ -290,3 +296,46 @@ def give_guard_the_ssd_tier(guard: MemoryGuard, store: SsdStore, queue: SpillQue
     guard.persist = persist
     # Read by `stats()` on the Trio thread, the queue's owner.
     guard.spill_pinned_bytes = lambda: queue.stats()["pending_bytes"]
+
+
+# The start-up calibration when no persisted cost model matches: about this
+# long on the prefill, up to this context (`kvcellar calibrate` measures longer).
+START_CALIBRATION_S = 1.0
+START_CALIBRATION_TOKENS_MAX = 4096
+
+
+async def open_restore_policy(engine: Any, config: SystemConfig, store: SsdStore) -> PolicyColdTier:
+    """The SSD tier behind the restore policy (issue 44): the persisted cost
+    model of this model and device when there is one, else a short
+    calibration on the engine thread (prefill curve, copy rate, the tier's
+    disk read rate), persisted beside the digest memo. The SSD tier's disk
+    is probed at every start either way."""
+    memo = config.shard_digest_memo
+    memo_dir = memo.path.parent if memo is not None and memo.path is not None else None
+    key = CostKey.of_fields(store.fingerprint_fields)
+    persisted = load_costs(memo_dir, key) if memo_dir is not None else None
+
+    def build(loaded: LoadedModel) -> PolicyColdTier:
+        model = persisted
+        if model is not None:
+            # The disk belongs to the directory, not to the model: probed every start (milliseconds on an SSD).
+            model = with_disk_probed(model, store.disk, store.directory)
+        else:
+            model = calibrate(
+                loaded.model,
+                int(loaded.tokenizer.vocab_size),
+                disk=store.disk,
+                directory=store.directory,
+                context_tokens_max=min(START_CALIBRATION_TOKENS_MAX, loaded.context_tokens_max),
+                budget_s=START_CALIBRATION_S,
+                step_tokens=config.prefill_step_tokens,
+            )
+        book = CostBook(model, key=key, memo_dir=memo_dir)
+        if persisted is None:
+            book.update(model)
+            book.persist()
+        return PolicyColdTier(
+            store, book, model=loaded.model, policy=config.restore_policy, step_tokens=config.prefill_step_tokens
+        )
+
+    return await engine.call(build, label="restore-policy")

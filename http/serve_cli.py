@@ -287,6 +287,25 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "tool's JSON schema, then the end marker; the rest of the reply stays free. off leaves the model's "
     "own output as-is (a tool with strict: true still turns it on for its request).",
 )
+@click.option(
+    "--restore-policy",
+    "restore_policy",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "restore", "recompute", "split"]),
+    help="How a request whose prefix is on the SSD tier is served: auto takes the fastest predicted of "
+    "restoring it, recomputing it, and splitting it (prefill the front while the back loads; full-attention "
+    "models only), from a cost model measured on this machine (docs/restore-policy.md); the others force "
+    "one plan, for benchmarks and debugging. Needs --ssd-cache.",
+)
+@click.option(
+    "--disk-throttle-mbps",
+    "disk_throttle_mbps",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Emulate a slower SSD: every read and write of the SSD tier keeps to this many MB/s (10**6 "
+    "bytes). For benchmarks and for seeing the restore policy recompute where a disk is slow. Needs --ssd-cache.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -318,6 +337,8 @@ def serve_command(
     paged_kv: bool,
     paged_kv_block_size: int,
     tool_call_grammar: str,
+    restore_policy: str,
+    disk_throttle_mbps: float | None,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -365,6 +386,8 @@ def serve_command(
         generation_checkpoint_tokens=generation_checkpoint_tokens,
         ssd_verify=ssd_cache_verify == "on",
         paged_kv_block_size=paged_kv_block_size if paged_kv else None,
+        restore_policy=restore_policy,
+        disk_throttle_bytes_per_s=None if disk_throttle_mbps is None else disk_throttle_mbps * 1e6,
     )
     settings = HttpSettings(
         api_key=api_key,

@@ -318,3 +318,54 @@ class TracingDisk:
             return str(args[0])
         handle = args[0]
         return self._handle_paths.get(handle if isinstance(handle, int) else id(handle))
+
+
+class ThrottledDisk:
+    """Wraps a `Disk` so its reads and writes together move at most
+    `bytes_per_s` (a slower disk, emulated: `serve --disk-throttle-mbps`, the
+    restore-policy bench and tests). A token bucket with no burst: each
+    read or write waits until the bytes before it would have passed at that
+    rate, then runs; the wait happens on the calling thread, never under a
+    lock, so concurrent callers share the rate. Every other call passes
+    through. `bytes_per_s` may be changed between calls (a bench's sweep)."""
+
+    def __init__(
+        self,
+        inner: Disk,
+        bytes_per_s: float,
+        *,
+        clock_s: Any = None,
+        sleep_s: Any = None,
+    ) -> None:
+        import threading
+        import time
+
+        if bytes_per_s <= 0:
+            raise ValueError(f"a disk throttle needs a positive rate, not {bytes_per_s} bytes/s")
+        self.inner = inner
+        self.concurrent_io = inner.concurrent_io
+        self.bytes_per_s = float(bytes_per_s)
+        self._clock_s = clock_s if clock_s is not None else time.monotonic
+        self._sleep_s = sleep_s if sleep_s is not None else time.sleep
+        self._lock = threading.Lock()  # guards `_free_at_s` only, never held across I/O or a sleep
+        self._free_at_s = 0.0
+
+    def __getattr__(self, operation: str) -> Any:
+        return getattr(self.inner, operation)
+
+    def _wait_for(self, size_bytes: int) -> None:
+        with self._lock:
+            now = self._clock_s()
+            start = max(now, self._free_at_s)
+            self._free_at_s = start + size_bytes / self.bytes_per_s
+            wait_s = self._free_at_s - now
+        if wait_s > 0:
+            self._sleep_s(wait_s)
+
+    def read_into(self, handle: FileHandle, offset: int, buffer: memoryview) -> int:
+        self._wait_for(buffer.nbytes)
+        return self.inner.read_into(handle, offset, buffer)
+
+    def write_at(self, handle: FileHandle, offset: int, data: bytes | memoryview) -> None:
+        self._wait_for(len(data) if isinstance(data, bytes) else data.nbytes)
+        self.inner.write_at(handle, offset, data)

@@ -98,6 +98,27 @@ class EntryRestored:
 
 
 @attrs.frozen(kw_only=True)
+class RestoreDecided:
+    """How a request with a cached prefix in a slow tier was served (issue 44):
+    `plan` is "restore", "recompute" or "split" (prefill `[0, split_at_tokens)`,
+    load the rest); `predicted_ms` every allowed plan's predicted time to the
+    cached prefix plus the prompt's tail; `actual_ms` what the chosen plan's
+    tier part took (the load, or the split's prefill and load; 0 for a
+    recompute, whose prefill the request's own timing shows)."""
+
+    kind: ClassVar[str] = "restore.decided"
+    entry_id: str
+    tier: str
+    plan: str
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    split_at_tokens: int
+    predicted_ms: dict[str, float]
+    actual_ms: float
+
+
+@attrs.frozen(kw_only=True)
 class EntryQuarantined:
     """A corrupt, foreign or mismatched file was moved aside (`entry_id` is
     empty when the file was never indexed)."""
@@ -167,6 +188,7 @@ Event = (
     | EntryEvicted
     | EntryHit
     | EntryRestored
+    | RestoreDecided
     | EntryQuarantined
     | QuarantinePurged
     | TempReaped
@@ -182,6 +204,7 @@ STORE_EVENT_TYPES: tuple[type[Any], ...] = (
     EntryEvicted,
     EntryHit,
     EntryRestored,
+    RestoreDecided,
     EntryQuarantined,
     QuarantinePurged,
     TempReaped,

@@ -15,7 +15,10 @@ three ways to serve a prompt whose first `cached_tokens` a slow tier holds:
   `max(prefill(0, k), load(k..n)) + join`.
 
 and takes the fastest allowed one (ties: restore, recompute, split, in that
-order). A forced policy is honoured where it applies; a forced split the
+order), except that a split must beat the better single path by
+`SPLIT_GAIN_MIN` (it runs a second thread, copies every row once more to
+join, and cannot check tensor checksums): a split that saves a few tokens'
+prefill is not worth that. A forced policy is honoured where it applies; a forced split the
 cache type refuses falls back to the better of the other two.
 
 The model learns online: `observe_restore` / `observe_prefill` fold a
@@ -38,6 +41,8 @@ PLANS = (PLAN_RESTORE, PLAN_RECOMPUTE, PLAN_SPLIT)
 POLICIES = ("auto", *PLANS)
 # Weight of a new observation in the exponentially weighted averages.
 EWMA_WEIGHT = 0.3
+# A split is chosen only when predicted at most this fraction of the better single path.
+SPLIT_GAIN_MIN = 0.9
 # Prefill buckets are powers of two of the context position, from this one up.
 BUCKET_TOKENS_MIN = 256
 
@@ -193,6 +198,12 @@ def predictions(model: CostModel, query: RestoreQuery) -> tuple[dict[str, float]
     return predicted, split_at
 
 
+def _fastest(predicted: Mapping[str, float]) -> str:
+    single = min((PLAN_RESTORE, PLAN_RECOMPUTE), key=lambda plan: (predicted[plan], PLANS.index(plan)))
+    split_s = predicted.get(PLAN_SPLIT)
+    return PLAN_SPLIT if split_s is not None and split_s <= SPLIT_GAIN_MIN * predicted[single] else single
+
+
 def plan_restore(model: CostModel, query: RestoreQuery) -> RestorePlan:
     """Choose how to serve `query`: the forced policy where it applies, else the fastest predicted plan."""
     if query.policy not in POLICIES:
@@ -201,7 +212,7 @@ def plan_restore(model: CostModel, query: RestoreQuery) -> RestorePlan:
     if query.policy != "auto" and query.policy in predicted:
         kind, reason = query.policy, "forced"
     else:
-        kind = min(predicted, key=lambda plan: (predicted[plan], PLANS.index(plan)))
+        kind = _fastest(predicted)
         reason = "fastest" if query.policy == "auto" else f"forced split refused: {query.split_refusal}"
     return RestorePlan(
         kind=kind, split_at_tokens=split_at if kind == PLAN_SPLIT else query.cached_tokens, predicted_s=predicted, reason=reason

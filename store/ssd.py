@@ -481,8 +481,14 @@ class SsdStore:
         caches = _trimmed(loaded.caches, int(entry.tokens.size), match.usable_tokens)
         if caches is None:
             return None  # below what the entry can serve: a miss, never wrong rows
+        self.served(match, entry, (self._timer_ns() - started_ns) / 1e6)
+        for listener in self._restore_listeners:
+            listener(match, entry, caches)
+        return caches
+
+    def served(self, match: SsdMatch, entry: IndexedEntry, restore_ms: float) -> None:
+        """Count and journal a restore of `entry` (whole, or its suffix in a split restore) and touch it (LRU)."""
         self._touch(entry, match.usable_tokens)
-        restore_ms = (self._timer_ns() - started_ns) / 1e6
         with self._lock:
             self.counters.restores += 1
             self.counters.restore_ms_last = restore_ms
@@ -492,9 +498,6 @@ class SsdStore:
                         entry_id=entry.entry_id, usable_tokens=match.usable_tokens, restore_ms=round(restore_ms, 3)
                     )
                 )
-        for listener in self._restore_listeners:
-            listener(match, entry, caches)
-        return caches
 
     def _load(self, entry: IndexedEntry) -> kvfile.Entry:
         # Only the restore-holds-index-lock mutation reads under the index lock.
