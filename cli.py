@@ -1,4 +1,4 @@
-"""The `kvcellar` command line: serve, model, kv, journal and simulate.
+"""The `kvcellar` command line: serve, model, kv, journal, simulate and calibrate.
 
 Subcommand groups live beside the code they drive; this module only assembles
 them and turns a `KvCellarError` into a clear message and exit status 2
@@ -23,6 +23,7 @@ def cli() -> None:
 
 def _register_commands() -> None:
     from kvcellar.engine.model_cli import model_group
+    from kvcellar.http.calibrate_cli import calibrate_command
     from kvcellar.http.serve_cli import serve_command
     from kvcellar.simulations.cli import simulate_command
     from kvcellar.store.journal_cli import journal_group
@@ -33,6 +34,7 @@ def _register_commands() -> None:
     cli.add_command(kv_group)
     cli.add_command(journal_group)
     cli.add_command(simulate_command)
+    cli.add_command(calibrate_command)
 
 
 _register_commands()

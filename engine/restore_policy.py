@@ -363,5 +363,3 @@ def prefill_curve_lines(model: CostModel) -> Sequence[str]:
         f"{name:<6}  {rate.fixed_s * 1e3:>8.3f}  {rate.bytes_per_s / 1e6:>8.1f}" for name, rate in model.tiers.items()
     ]
     return lines
-
-

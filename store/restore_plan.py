@@ -215,7 +215,10 @@ def plan_restore(model: CostModel, query: RestoreQuery) -> RestorePlan:
         kind = _fastest(predicted)
         reason = "fastest" if query.policy == "auto" else f"forced split refused: {query.split_refusal}"
     return RestorePlan(
-        kind=kind, split_at_tokens=split_at if kind == PLAN_SPLIT else query.cached_tokens, predicted_s=predicted, reason=reason
+        kind=kind,
+        split_at_tokens=split_at if kind == PLAN_SPLIT else query.cached_tokens,
+        predicted_s=predicted,
+        reason=reason,
     )
 
 

@@ -63,9 +63,7 @@ def test_a_full_speed_disk_restores(model_dir_factory, tmp_path: Path) -> None:
 
 
 def test_a_forced_split_serves_the_cold_runs_tokens(model_dir_factory, tmp_path: Path) -> None:
-    before, after, policy = _first_then_restarted(
-        model_dir_factory("llama"), tmp_path, "--restore-policy", "split"
-    )
+    before, after, policy = _first_then_restarted(model_dir_factory("llama"), tmp_path, "--restore-policy", "split")
     assert policy["plans"]["split"] == 1, policy
     decision = policy["recent_decisions"][-1]
     assert 0 <= decision["split_at_tokens"] <= decision["cached_tokens"]
@@ -88,8 +86,18 @@ def test_costs_persist_and_a_model_or_device_change_invalidates_them(tmp_path: P
     assert save_costs(tmp_path, KEY, _model(1e-3))
     assert load_costs(tmp_path, KEY) == _model(1e-3)
     for changed in (
-        CostKey(config_sha256=KEY.config_sha256, weights_sha256="v" * 64, device="cpu", device_architecture=KEY.device_architecture),
-        CostKey(config_sha256=KEY.config_sha256, weights_sha256=KEY.weights_sha256, device="gpu", device_architecture="NVIDIA H200"),
+        CostKey(
+            config_sha256=KEY.config_sha256,
+            weights_sha256="v" * 64,
+            device="cpu",
+            device_architecture=KEY.device_architecture,
+        ),
+        CostKey(
+            config_sha256=KEY.config_sha256,
+            weights_sha256=KEY.weights_sha256,
+            device="gpu",
+            device_architecture="NVIDIA H200",
+        ),
     ):
         assert load_costs(tmp_path, changed) is None
     (tmp_path / COST_MEMO_FILE_NAME).write_bytes(b"not cbor")
@@ -109,3 +117,38 @@ def test_bad_policy_flags_are_refused_at_start(flag, model_dir_factory) -> None:
     )
     assert result.returncode == 2
     assert flag[0] in result.stderr
+
+
+def test_calibrate_prints_the_curve_and_persists_it_for_serve(model_dir_factory, tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from kvcellar.cli import cli
+    from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
+
+    monkeypatch.setenv("KVCELLAR_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = model_dir_factory("llama")
+    outcome = CliRunner().invoke(
+        cli,
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--seconds",
+            "1",
+            "--context-max",
+            "1024",
+            "--ssd-cache",
+            str(tmp_path / "ssd"),
+            "--json",
+        ],
+    )
+    assert outcome.exit_code == 0, outcome.output
+    assert "context_tokens  tokens_per_s" in outcome.output
+    shown = json.loads(outcome.output.strip().splitlines()[-1])
+    assert shown["prefill"] and shown["tiers"]["ssd"]["mb_per_s"] > 0
+    memo_dir = tmp_path / "cache" / "shard-digests"
+    key = CostKey.of(compute_fingerprint(model_dir, memo=ShardDigestMemo(memo_dir)))
+    persisted = load_costs(memo_dir, key)
+    assert persisted is not None and len(persisted.prefill) == len(shown["prefill"])
