@@ -51,6 +51,8 @@ class RequestRecord:
     decode_tokens_per_s: float | None
     duration_s: float
     finish_reason: str
+    # The restore policy's plan when the prefix was on a slow tier ("" when none; issue 44).
+    restore_plan: str = ""
 
 
 @attrs.define
@@ -186,6 +188,7 @@ def _request_record(
         decode_tokens_per_s=decode_tokens_per_s,
         duration_s=ended_s - started_s,
         finish_reason=done.finish_reason if done is not None else finish_reason,
+        restore_plan=done.restore_plan if done is not None else "",
     )
 
 

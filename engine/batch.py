@@ -174,6 +174,8 @@ class _Row:
     cache_tier: str
     use_cache: bool
     snapshot: bool
+    # The restore policy's plan for a prefix on a slow tier ("" when none; `Reuse.restore_plan`).
+    restore_plan: str
     # The stable boundary whose snapshot is still owed (the end of the row's first segment), or None.
     boundary: int | None
     assembler: TextAssembler
@@ -326,6 +328,7 @@ class BatchLoop:
             cached_tokens=cached_tokens,
             prefilled_tokens=cached_tokens,
             cache_tier=reuse.tier,
+            restore_plan=reuse.restore_plan,
             use_cache=reuse.use_cache,
             snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
             boundary=boundary,
@@ -365,6 +368,7 @@ class BatchLoop:
             prompt=prompt,
             cached_tokens=len(prompt),
             cache_tier="checkpoint",
+            restore_plan="",
             use_cache=self.prompt_cache.enabled,
             snapshot=False,
             boundary=None,
@@ -496,6 +500,7 @@ class BatchLoop:
             completion_tokens=state.produced,
             cached_tokens=state.cached_tokens,
             cache_tier=state.cache_tier,
+            restore_plan=state.restore_plan,
             resumed_tokens=state.checkpoints.resumed_tokens if state.checkpoints is not None else 0,
         )
         events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done, error=error))

@@ -102,6 +102,8 @@ class Reuse:
     tier: str
     # The tier's entry the caches were lent from ("" on a miss): the request's own, never a relief victim.
     entry_id: str = ""
+    # How a cold entry was served (store/prompt_cache.py `TakeResult.restore_plan`); "" when none was considered.
+    restore_plan: str = ""
 
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
@@ -132,6 +134,7 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
         cached_tokens=taken.reused_tokens,
         tier=taken.tier,
         entry_id=taken.entry_id,
+        restore_plan=taken.restore_plan,
     )
 
 
@@ -162,6 +165,8 @@ class GenerationDone:
     cache_tier: str
     # Emitted tokens a resumed generation took from its checkpoint (spec §5.7), replayed, not generated.
     resumed_tokens: int = 0
+    # The restore policy's plan for a prefix on a slow tier ("restore", "recompute", "split"; "" when none).
+    restore_plan: str = ""
 
 
 def _prefill_boundary_snapshot(
@@ -414,4 +419,5 @@ def run_generation(
         cached_tokens=start.reuse.cached_tokens,
         cache_tier=start.reuse.tier,
         resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
+        restore_plan=start.reuse.restore_plan,
     )

@@ -65,6 +65,8 @@ DECISIONS_KEPT = 32
 # download is observed it is assumed this slow.
 SHARED_DEFAULT = TierRate(fixed_s=0.2, bytes_per_s=100e6)
 PROBE_FILE_NAME = ".restore-probe.tmp"
+# The disk probe writes and reads pieces of this size (at least one, however slow the disk).
+PROBE_PIECE_BYTES = 64 << 10
 
 
 class CostBook:
@@ -124,12 +126,15 @@ class PolicyColdTier:
         self._step_tokens = step_tokens
         self.refusal = split_refusal(make_prompt_cache(model))
         self._prompt_tokens = 0  # the last `find`'s prompt length; engine thread only
+        # The plan of the take in progress (`PromptCache` reads it after `restore`); engine thread only.
+        self.last_plan = ""
         # Published as immutable values after each decision: `stats()` (Trio) reads them without a lock.
         self.decisions: tuple[Decision, ...] = ()
         self.plan_counts: dict[str, int] = {PLAN_RESTORE: 0, PLAN_RECOMPUTE: 0, PLAN_SPLIT: 0}
 
     def find(self, tokens: Any, namespace: str = "") -> Any:
         self._prompt_tokens = len(tokens)
+        self.last_plan = ""
         return self.store.find(tokens, namespace)
 
     def restore(self, match: Any) -> list[Any] | None:
@@ -147,6 +152,7 @@ class PolicyColdTier:
             policy=self.policy,
         )
         plan = plan_restore(self.book.model, query)
+        self.last_plan = plan.kind
         started = time.perf_counter()
         caches = self._run(plan, match, entry, entry_bytes)
         actual_s = time.perf_counter() - started if plan.kind != PLAN_RECOMPUTE else 0.0
@@ -276,7 +282,7 @@ def measure_disk(disk: Disk, directory: Path, *, bytes_max: int = 8 << 20, budge
     fsync, drop it from the page cache, time reading it back; the fixed cost
     is the open plus the first 4 KiB."""
     path = directory / PROBE_FILE_NAME
-    piece = np.full(256 << 10, 7, dtype=np.uint8)
+    piece = np.full(PROBE_PIECE_BYTES, 7, dtype=np.uint8)
     with _probe_file(disk, path) as handle:
         written, started = 0, time.perf_counter()
         while written < bytes_max and (written == 0 or time.perf_counter() - started < budget_s):

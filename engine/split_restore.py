@@ -111,10 +111,11 @@ def run_split(
     started = time.perf_counter()
     try:
         prefill_rows(model, prefix_tokens, cache, step_tokens)
+        prefill_s = time.perf_counter() - started  # the front alone, before waiting on the loader
     finally:
         thread.join()
     if on_prefilled is not None and prefix_tokens:
-        on_prefilled(time.perf_counter() - started)
+        on_prefilled(prefill_s)
     loaded = outcome[0]
     if isinstance(loaded, BaseException):
         raise loaded

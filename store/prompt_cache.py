@@ -76,6 +76,9 @@ class TakeResult:
     reused_tokens: int
     tier: str
     entry_id: str = ""
+    # How the cold tier served this take when it chose ("restore", "recompute",
+    # "split"; engine/restore_policy.py); "" when no cold entry was considered.
+    restore_plan: str = ""
 
 
 @attrs.define(kw_only=True)
@@ -176,13 +179,19 @@ class PromptCache:
         if cold is not None:
             self._notify_take(namespace, query[: cold.reused_tokens])
             return cold
+        plan = self._cold_plan()
         if ram is None:
-            return TakeResult(caches=None, reused_tokens=0, tier="none")
+            return TakeResult(caches=None, reused_tokens=0, tier="none", restore_plan=plan)
         entry, usable = ram
         self._touch(entry)
         self._notify_take(namespace, entry.tokens)
         lent = lend_caches(entry.caches, drop_tokens=entry.tokens.size - usable)
-        return TakeResult(caches=lent, reused_tokens=usable, tier="ram", entry_id=entry.entry_id)
+        return TakeResult(caches=lent, reused_tokens=usable, tier="ram", entry_id=entry.entry_id, restore_plan=plan)
+
+    def _cold_plan(self) -> str:
+        """The plan a cold tier with a restore policy (`last_plan`, reset by its
+        `find`) chose in this take; "" for a tier without one (a bare `SsdStore`)."""
+        return str(getattr(self.cold_tier, "last_plan", ""))
 
     def _ram_candidate(self, query: np.ndarray, namespace: str) -> tuple[_RamEntry, int] | None:
         index = self._indexes.get(namespace)
@@ -210,7 +219,11 @@ class PromptCache:
             return None
         self.counters.cold_hits += 1
         return TakeResult(
-            caches=caches, reused_tokens=match.usable_tokens, tier="ssd", entry_id=getattr(match, "entry_id", "")
+            caches=caches,
+            reused_tokens=match.usable_tokens,
+            tier="ssd",
+            entry_id=getattr(match, "entry_id", ""),
+            restore_plan=self._cold_plan(),
         )
 
     def _touch(self, entry: _RamEntry) -> None:

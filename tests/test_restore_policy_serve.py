@@ -33,19 +33,25 @@ def _first_then_restarted(model_dir: Path, tmp_path: Path, *flags: str) -> tuple
     try:
         after = httpx.post(f"{second.base}/v1/completions", json=BODY, timeout=120).json()
         policy = httpx.get(f"{second.base}/stats", timeout=30).json()["restore_policy"]
+        recent = httpx.get(f"{second.base}/stats/requests", timeout=30).json()["requests"]
+        # /stats/requests names each request's plan; the decision shows it and its times.
+        assert recent[-1]["restore_plan"] == policy["recent_decisions"][-1]["plan"]
     finally:
         second.kill()
     return before, after, policy
 
 
-def test_a_one_mb_per_s_disk_does_not_restore(model_dir_factory, tmp_path: Path) -> None:
-    """At 1 MB/s the tiny llama's restore is slower than its prefill: the
-    server recomputes, or splits where overlapping the two is faster still
-    (it is, for this full-attention model: the load covers the tail while the
-    front prefills); never the whole restore."""
-    before, after, policy = _first_then_restarted(model_dir_factory("llama"), tmp_path, "--disk-throttle-mbps", "1")
+def test_a_slow_disk_does_not_restore(model_dir_factory, tmp_path: Path) -> None:
+    """On a disk at 0.1 MB/s the tiny llama's restore is slower than its
+    prefill: the server recomputes, or splits where overlapping the two is
+    faster still (it is, for this full-attention model: the load covers the
+    tail while the front prefills); never the whole restore. Its KV costs 512
+    bytes a token and this CPU prefills 500-4000 tokens/s depending on the
+    load, so the crossover lies at 0.25-2 MB/s: 1 MB/s would be a coin toss
+    on a busy machine, 0.1 MB/s is on one side of it whatever the load."""
+    before, after, policy = _first_then_restarted(model_dir_factory("llama"), tmp_path, "--disk-throttle-mbps", "0.1")
     assert policy["plans"]["restore"] == 0 and policy["plans"]["recompute"] + policy["plans"]["split"] == 1, policy
-    assert policy["costs"]["tiers"]["ssd"]["mb_per_s"] < 2
+    assert policy["costs"]["tiers"]["ssd"]["mb_per_s"] < 0.2
     decision = policy["recent_decisions"][-1]
     assert decision["predicted_ms"]["recompute"] < decision["predicted_ms"]["restore"]
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
