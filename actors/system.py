@@ -65,7 +65,6 @@ from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import EngineThread, LoadedModel
-from kvcellar.engine.restore_policy import PolicyColdTier
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
     MemoryGuard,
@@ -73,6 +72,7 @@ from kvcellar.engine.memory import (
     MlxMemoryMeter,
 )
 from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
+from kvcellar.engine.restore_policy import PolicyColdTier
 from kvcellar.errors import UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalError, JournalEvent

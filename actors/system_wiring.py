@@ -18,7 +18,6 @@ from kvcellar.actors.spill_queue import SpillQueue
 from kvcellar.actors.system_config import SystemConfig, SystemSeams
 from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
 from kvcellar.engine.engine import LoadedModel
-from kvcellar.engine.restore_policy import CostBook, PolicyColdTier, calibrate, with_disk_probed
 from kvcellar.engine.memory import (
     Footprint,
     MemoryGuard,
@@ -26,11 +25,12 @@ from kvcellar.engine.memory import (
     WorkspaceModel,
     default_memory_budget_bytes,
 )
+from kvcellar.engine.restore_policy import CostBook, PolicyColdTier, calibrate, with_disk_probed
 from kvcellar.errors import UsageError
+from kvcellar.store.cost_memo import CostKey, load_costs
 from kvcellar.store.disk import RealDisk, ThrottledDisk
 from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
-from kvcellar.store.cost_memo import CostKey, load_costs
 from kvcellar.store.s3_objects import S3ObjectStore
 from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 from kvcellar.store.shared_tier import SharedKeys, SharedLocation

@@ -27,6 +27,7 @@ start (about a second, only when no persisted model matches) and longer in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -318,10 +319,8 @@ class _probe_file:
         self.disk, self.path = disk, path
 
     def __enter__(self) -> Any:
-        try:
+        with contextlib.suppress(DiskError):
             self.disk.unlink(self.path)
-        except DiskError:
-            pass
         self.handle = self.disk.create_exclusive(self.path)
         return self.handle
 

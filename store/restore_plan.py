@@ -27,6 +27,7 @@ request's measured times in (EWMA), so the predictions follow the machine.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 
@@ -116,7 +117,7 @@ class CostModel:
         knots[1:1] = [p.context_tokens for p in self.prefill if start_tokens < p.context_tokens < end_tokens]
         return sum(
             (b - a) * 0.5 * (self.seconds_per_token_at(a) + self.seconds_per_token_at(b))
-            for a, b in zip(knots, knots[1:], strict=False)
+            for a, b in itertools.pairwise(knots)
         )
 
 

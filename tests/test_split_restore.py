@@ -1,4 +1,6 @@
-"""The split restore (issue 44): prefill the front while the back loads; equal to a cold run where it applies, refused elsewhere."""
+"""The split restore (issue 44): prefill the front while the back loads.
+
+Equal to a cold run where it applies, refused elsewhere."""
 
 from __future__ import annotations
 
