@@ -215,7 +215,7 @@ def run_benchmark(
 ) -> dict[str, Any]:
     from mlx_lm import load
 
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = load(str(model_dir))[:2]
     refusal = split_refusal(make_prompt_cache(model))
     if refusal:
         raise click.UsageError(f"the bench needs a model the split applies to: {refusal}")

@@ -287,7 +287,7 @@ def measure_disk(disk: Disk, directory: Path, *, bytes_max: int = 8 << 20, budge
     with _probe_file(disk, path) as handle:
         written, started = 0, time.perf_counter()
         while written < bytes_max and (written == 0 or time.perf_counter() - started < budget_s):
-            disk.write_at(handle, written, memoryview(piece))
+            disk.write_at(handle, written, piece.data)
             written += piece.nbytes
         disk.fsync(handle)
         disk.drop_cached(handle, 0, written)
@@ -300,7 +300,7 @@ def measure_disk(disk: Disk, directory: Path, *, bytes_max: int = 8 << 20, budge
         buffer = np.empty(piece.nbytes, dtype=np.uint8)
         read_started = time.perf_counter()
         for offset in range(0, written, piece.nbytes):
-            disk.read_into(handle, offset, memoryview(buffer))
+            disk.read_into(handle, offset, buffer.data)
         read_s = time.perf_counter() - read_started
         disk.drop_cached(handle, 0, written)
     finally:

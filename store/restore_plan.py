@@ -113,7 +113,7 @@ class CostModel:
         piecewise-linear curve, exact between its knots."""
         if end_tokens <= start_tokens:
             return 0.0
-        knots = [start_tokens, end_tokens]
+        knots: list[float] = [float(start_tokens), float(end_tokens)]
         knots[1:1] = [p.context_tokens for p in self.prefill if start_tokens < p.context_tokens < end_tokens]
         return sum(
             (b - a) * 0.5 * (self.seconds_per_token_at(a) + self.seconds_per_token_at(b))

@@ -75,7 +75,7 @@ def _read_rows(disk: Disk, handle: object, path: Path, record: TensorRecord, sta
     row_bytes = dim * _ITEM_BYTES[record.dtype]
     run_bytes = (end - start) * row_bytes
     data = np.empty(batch * heads * run_bytes, dtype=np.uint8)
-    view = memoryview(data)
+    view = data.data
     for slot in range(batch * heads):
         offset = record.file_offset + slot * rows * row_bytes + start * row_bytes
         destination = view[slot * run_bytes : (slot + 1) * run_bytes]
