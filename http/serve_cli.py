@@ -296,7 +296,8 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="How a request whose prefix is on the SSD tier is served: auto takes the fastest predicted of "
     "restoring it, recomputing it, and splitting it (prefill the front while the back loads; full-attention "
     "models only), from a cost model measured on this machine (docs/restore-policy.md); the others force "
-    "one plan, for benchmarks and debugging. Needs --ssd-cache.",
+    "one plan, for benchmarks and debugging (restore: every hit restored as before, nothing measured at "
+    "start). Needs --ssd-cache.",
 )
 @click.option(
     "--disk-throttle-mbps",

@@ -270,6 +270,9 @@ def _config(run: _Run) -> SystemConfig:
         # The fake model's memory is no real footprint, and the guard's probe
         # would take an engine turn of virtual time: off, as `--memory-budget 0`.
         memory_budget_bytes=0,
+        # The restore policy times real work with the wall clock and probes the disk: a run must
+        # replay exactly, so every hit is restored, as `--restore-policy restore`.
+        restore_policy="restore",
         generation_checkpoint_tokens=run.options.shape.generation_checkpoint_tokens,
     )
 
