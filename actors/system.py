@@ -618,7 +618,7 @@ async def _start_ram_tier(
     await nursery.start(gateway.run)
     # A forced restore is the tier as it was before the policy: nothing measured, nothing predicted.
     measured = config.restore_policy != "restore"
-    policy = await open_restore_policy(engine, config, store) if store is not None and measured else None
+    policy = await open_restore_policy(engine, config, store, scheme) if store is not None and measured else None
     cold_tier = policy if policy is not None else store
     prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=cold_tier, clock_s=seams.clock_s)
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)

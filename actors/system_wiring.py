@@ -304,7 +304,7 @@ START_CALIBRATION_S = 1.0
 START_CALIBRATION_TOKENS_MAX = 4096
 
 
-async def open_restore_policy(engine: Any, config: SystemConfig, store: SsdStore) -> PolicyColdTier:
+async def open_restore_policy(engine: Any, config: SystemConfig, store: SsdStore, scheme: KvScheme) -> PolicyColdTier:
     """The SSD tier behind the restore policy (issue 44): the persisted cost
     model of this model and device when there is one, else a short
     calibration on the engine thread (prefill curve, copy rate, the tier's
@@ -335,7 +335,12 @@ async def open_restore_policy(engine: Any, config: SystemConfig, store: SsdStore
             book.update(model)
             book.persist()
         return PolicyColdTier(
-            store, book, model=loaded.model, policy=config.restore_policy, step_tokens=config.prefill_step_tokens
+            store,
+            book,
+            model=loaded.model,
+            policy=config.restore_policy,
+            step_tokens=config.prefill_step_tokens,
+            quantized_kv=scheme.quantized,
         )
 
     return await engine.call(build, label="restore-policy")

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.split_restore import prefill_rows, run_split, split_refusal
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
+from kvcellar.errors import CorruptEntry, DiskError, RefusedCacheKind, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store.cost_memo import CostKey, save_costs
 from kvcellar.store.disk import Disk
@@ -119,13 +119,15 @@ class PolicyColdTier:
         model: Any,
         policy: str = "auto",
         step_tokens: int = PREFILL_STEP_TOKENS,
+        quantized_kv: bool = False,
     ) -> None:
         self.store = store
         self.book = book
         self.policy = policy
         self._model = model
         self._step_tokens = step_tokens
-        self.refusal = split_refusal(make_prompt_cache(model))
+        # Entries under a quantizing KV scheme hold quantized rows, which a prefill's plain rows cannot join.
+        self.refusal = "quantized KV (--kv-quant)" if quantized_kv else split_refusal(make_prompt_cache(model))
         self._prompt_tokens = 0  # the last `find`'s prompt length; engine thread only
         # The plan of the take in progress (`PromptCache` reads it after `restore`); engine thread only.
         self.last_plan = ""
@@ -179,7 +181,7 @@ class PolicyColdTier:
             started = time.perf_counter()
             try:
                 rows = read_suffix_rows(self.store.disk, entry.path, k, n, expected_tokens=entry.tokens[:n])
-            except (CorruptEntry, UnsupportedFormat, DiskError) as e:
+            except (CorruptEntry, UnsupportedFormat, DiskError, RefusedCacheKind) as e:
                 log.warning("split restore of %s fell back to a recompute: %s", entry.path, e)
                 return None
             loaded.append(time.perf_counter() - started)

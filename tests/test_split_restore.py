@@ -103,3 +103,19 @@ def test_split_is_refused_where_rows_cannot_be_split(loaded_model_factory, tmp_p
         read_suffix_rows(RealDisk(), tmp_path / "entry.kvc", 10, CACHED_TOKENS)
     with pytest.raises(RefusedCacheKind):
         run_split(model, prompt[:10], lambda: None)
+
+
+def test_a_quantizing_kv_scheme_refuses_the_split(loaded_model_factory) -> None:
+    """Entries under --kv-quant hold quantized rows: the policy keeps restore-or-recompute for them."""
+    from kvcellar.engine.restore_policy import CostBook, PolicyColdTier
+    from kvcellar.store.restore_plan import CostModel, PrefillPoint, TierRate
+
+    model, _ = loaded_model_factory("llama")
+    costs = CostModel(
+        tiers={"ssd": TierRate(fixed_s=0.0, bytes_per_s=1e9)},
+        prefill=(PrefillPoint(bucket_tokens=256, context_tokens=256.0, seconds_per_token=1e-3),),
+        join_bytes_per_s=1e9,
+    )
+    book = CostBook(costs, key=None, memo_dir=None)
+    assert PolicyColdTier(None, book, model=model).refusal == ""
+    assert "quantized" in PolicyColdTier(None, book, model=model, quantized_kv=True).refusal
