@@ -10,8 +10,9 @@ the cached prefix:
 - restore: `kvfile.load` of the n-token entry, then the tail's prefill, from
   each tier of the grid: "ram" (the file in the page cache), "ssd" (cold: its
   pages dropped) and the SSD throttled to each rate (`ThrottledDisk`); where
-  the throttle's floor alone (bytes / rate) exceeds the recompute, the restore
-  cannot be the better single path and is not run (shown as "≥ floor");
+  the throttle's floor alone (bytes / rate) exceeds twice the recompute, the
+  restore can be neither the better single path nor within 2x of it and is
+  not run (shown as "≥ floor");
 - split: `run_split` at the planner's k (prefill [0, k) while a thread reads
   rows [k, n)), then the tail, measured where the planner chose it or where
   both single paths are within 2x of each other;
@@ -163,11 +164,11 @@ def _cell(
     query = RestoreQuery(tier="ssd", prompt_tokens=n + TAIL_TOKENS, cached_tokens=n, entry_bytes=entry_bytes)
     auto = plan_restore(costs, query)
     split_plan = plan_restore(costs, attrs.evolve(query, policy=PLAN_SPLIT))
-    # A throttled read cannot beat its rate: where that floor alone exceeds the recompute, the
-    # restore cannot be the better single path and is not run (reported as at least the floor),
-    # unless auto chose it.
+    # A throttled read cannot beat its rate: where that floor alone exceeds twice the recompute, the
+    # restore can be neither the better single path nor within 2x of it, so it is not run (reported
+    # as at least the floor), unless auto chose it.
     floor_s = entry_bytes / disk.bytes_per_s if isinstance(disk, ThrottledDisk) else 0.0
-    restore_run = floor_s <= recompute_s or auto.kind == PLAN_RESTORE
+    restore_run = floor_s <= 2 * recompute_s or auto.kind == PLAN_RESTORE
     restore_s = (
         _median_of_short(lambda: _restore(model, tokens, n, path, disk), before=_warmer(tier, path))
         if restore_run
