@@ -89,3 +89,14 @@ class SharedObjectMissing(SharedStoreError):
 class SharedKeyTaken(SharedStoreError):
     """Raised when a conditional put (`If-None-Match: *`) finds the key already
     written (HTTP 412): another server committed this entry first."""
+
+
+class PrefillCancelled(KvCellarError):
+    """Raised on the engine thread, between two prefill chunks, when the
+    request's client has gone (issue 38): the prefill stops there. Nobody's
+    fault; the generation catches it, keeps the `tokens_done` prompt tokens its
+    caches hold in the tiers, and ends without a token."""
+
+    def __init__(self, message: str, *, tokens_done: int) -> None:
+        super().__init__(message)
+        self.tokens_done = tokens_done

@@ -58,7 +58,7 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
@@ -75,6 +75,12 @@ from kvcellar.http.parsing import (
     sampling_fields,
 )
 from kvcellar.http.refusals import refused_unread
+from kvcellar.http.streaming import (
+    ANTHROPIC_PING_KEEPALIVE,
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
@@ -148,8 +154,15 @@ def _key_ok(request: Request, secret: str | None) -> bool:
 # -- routes --------------------------------------------------------------------
 
 
-def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], str | None]) -> list[Route]:
-    """The two Messages API routes over a started system, parsing on `lane`."""
+def messages_routes(
+    system: System,
+    lane: TokenizerLane,
+    api_key: Callable[[], str | None],
+    *,
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
+) -> list[Route]:
+    """The two Messages API routes over a started system, parsing on `lane`;
+    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py)."""
     loaded = system.loaded
     model_id = loaded.model_dir.name
 
@@ -169,11 +182,20 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(_stream(system, job, lane, model_id), media_type="text/event-stream")
-        try:
-            return JSONResponse(await _complete(system, job, lane, model_id))
-        except Exception as e:
-            return _failure_response(e)
+            return KeepAliveStreamingResponse(
+                _stream(system, job, lane, model_id),
+                keepalive=ANTHROPIC_PING_KEEPALIVE,
+                interval_s=keepalive_interval_s,
+                media_type="text/event-stream",
+            )
+
+        async def reply() -> Response:
+            try:
+                return JSONResponse(await _complete(system, job, lane, model_id))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
     async def count_tokens(request: Request) -> Response:
         if not _key_ok(request, api_key()):

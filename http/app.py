@@ -39,7 +39,7 @@ import attrs
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
@@ -53,6 +53,12 @@ from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
 from kvcellar.http.refusals import refused_unread
 from kvcellar.http.responses import ResponsesRoute
+from kvcellar.http.streaming import (
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    SSE_COMMENT_KEEPALIVE,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 log = logging.getLogger("kvcellar.http")
@@ -65,6 +71,8 @@ class HttpSettings:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
     # `--tool-call-grammar`: constrain tool calls to the offered tools (http/tool_grammar.py).
     tool_call_grammar: bool = True
+    # `--keepalive-interval`: a stream silent this long gets a keep-alive (http/streaming.py).
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT
 
 
 def error_body(
@@ -219,11 +227,20 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(_sse(system, job, model_id), media_type="text/event-stream")
-        try:
-            return JSONResponse(await _complete(system, job, model_id))
-        except Exception as e:
-            return _failure_response(e)
+            return KeepAliveStreamingResponse(
+                _sse(system, job, model_id),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=settings.keepalive_interval_s,
+                media_type="text/event-stream",
+            )
+
+        async def reply() -> Response:
+            try:
+                return JSONResponse(await _complete(system, job, model_id))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, chat=True)
@@ -243,13 +260,14 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         model_id=model_id,
         max_tokens_default=settings.max_tokens_default,
         failure_body=failure_body,
+        keepalive_interval_s=settings.keepalive_interval_s,
     )
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(api_key, chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
-        *messages_routes(system, tokenizer_lane, api_key),
+        *messages_routes(system, tokenizer_lane, api_key, keepalive_interval_s=settings.keepalive_interval_s),
         Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
         Route(
             "/v1/responses/{response_id:path}",

@@ -51,12 +51,18 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.http.parsing import MAX_TOKENS_LIMIT, BadRequest, CompletionJob, TokenizerLane, parse_job
+from kvcellar.http.streaming import (
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    SSE_COMMENT_KEEPALIVE,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import TOOL_CHOICES, ContentText, Piece, ReasoningText, ReplySplitter, ToolCall
 
@@ -607,9 +613,18 @@ class ResponsesRoute:
     maps an error to its status and OpenAI error body (http/app.py's)."""
 
     def __init__(
-        self, system: System, lane: TokenizerLane, *, model_id: str, max_tokens_default: int, failure_body: FailureBody
+        self,
+        system: System,
+        lane: TokenizerLane,
+        *,
+        model_id: str,
+        max_tokens_default: int,
+        failure_body: FailureBody,
+        keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
     ) -> None:
         self._system = system
+        # A stream silent this long gets an SSE comment (http/streaming.py).
+        self._keepalive_interval_s = keepalive_interval_s
         self._lane = lane
         self._model_id = model_id
         self._max_tokens_default = max_tokens_default
@@ -646,7 +661,16 @@ class ResponsesRoute:
             return self._failure(e)
         shaper = ResponseShaper(self._system.loaded.tokenizer, job, self._model_id)
         if job.job.stream:
-            return StreamingResponse(self._events(job, shaper), media_type="text/event-stream")
+            return KeepAliveStreamingResponse(
+                self._events(job, shaper),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=self._keepalive_interval_s,
+                media_type="text/event-stream",
+            )
+        return await unless_client_leaves(request, partial(self._reply, job, shaper))
+
+    async def _reply(self, job: ResponsesJob, shaper: ResponseShaper) -> Response:
+        """The whole response at once (not streamed)."""
         try:
             async for item in self._system.generate(job.job.request):
                 if isinstance(item, GenerationDone):

@@ -287,6 +287,16 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "tool's JSON schema, then the end marker; the rest of the reply stays free. off leaves the model's "
     "own output as-is (a tool with strict: true still turns it on for its request).",
 )
+@click.option(
+    "--keepalive-interval",
+    "keepalive_interval_s",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0.01, max=3600),
+    help="Seconds a stream may stay silent (a long prefill, a wait for the lane) before it gets a keep-alive: "
+    "an Anthropic ping event, an SSE comment on the OpenAI APIs. Agents give up on a stream silent for "
+    "minutes; keep it well under their idle timeout.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -318,6 +328,7 @@ def serve_command(
     paged_kv: bool,
     paged_kv_block_size: int,
     tool_call_grammar: str,
+    keepalive_interval_s: float,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -371,6 +382,7 @@ def serve_command(
         admin_token=admin_token,
         max_tokens_default=max_tokens,
         tool_call_grammar=tool_call_grammar == "on",
+        keepalive_interval_s=keepalive_interval_s,
     )
     try:
         trio.run(serve_forever, config, host, port, settings)
