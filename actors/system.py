@@ -64,7 +64,7 @@ from kvcellar.actors.system_wiring import (
 from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
-from kvcellar.engine.engine import EngineThread, LoadedModel
+from kvcellar.engine.engine import EngineStopped, EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
     MemoryGuard,
@@ -382,6 +382,11 @@ class System:
                 if self.scheduler is not None:
                     await self.scheduler.drain()
                 await self.gateway.drain()
+                # A request whose client left is over for the lanes at once, but its engine
+                # job still ends its chunk and puts its prefix (issue 38): the lanes' jobs run
+                # in order, so one more job returns after that put is recorded, within a chunk.
+                with contextlib.suppress(EngineStopped):
+                    await self.engine.call(lambda _: None, needs_model=False, label="drain")
             verdict = await self.flush(timeout_s=max(0.0, deadline - trio.current_time()))
             if self.queue is not None and self._pending_spills():
                 # Spills queued after the flush's drain (an idle demotion) or left by a timeout.

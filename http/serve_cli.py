@@ -290,6 +290,7 @@ def shutdown_timeout_s(environ=os.environ) -> float:
 @click.option(
     "--keepalive-interval",
     "keepalive_interval_s",
+    # http/streaming.py's KEEPALIVE_INTERVAL_S_DEFAULT (the CLI imports nothing heavy before a command runs).
     default=5.0,
     show_default=True,
     type=click.FloatRange(min=0.01, max=3600),

@@ -1,0 +1,215 @@
+"""Issue 38, items 3 and 4: a long prefill never looks dead, and a client that
+leaves stops its work. A real hypercorn server on 127.0.0.1 over a real
+system and a tiny MLX model, on both lanes. The prefill is made long
+deterministically through the system's `prefill_chunk_hook` seam, which holds
+the engine thread between two prefill chunks until the test lets it go:
+every order below is read from observable state (`/stats`, the seam's own
+record), never from the wall clock."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import anthropic
+import httpx
+import pytest
+import trio
+from polling import wait_until, wait_until_sync
+from test_http_errors import InProcessServer
+
+from kvcellar.actors.system import SystemConfig, SystemSeams
+from kvcellar.http.app import HttpSettings
+
+STEP_TOKENS = 16
+PROMPT = "The cellar keeps every prefix it has computed, row after row. " * 30
+# Keep-alives come this often in these tests, so several arrive while a prefill is held.
+KEEPALIVE_S = 0.02
+
+
+class PrefillGate:
+    """The `prefill_chunk_hook` seam: records every progress report and holds
+    the engine thread at the `hold_at`-th report of the first prefill of at
+    least `tokens_min` tokens, until `release()`."""
+
+    def __init__(self, hold_at: int, tokens_min: int = 200) -> None:
+        self.hold_at = hold_at
+        self.tokens_min = tokens_min
+        self.reports: list[tuple[int, int]] = []
+        self.held_at: tuple[int, int] | None = None
+        self.held = threading.Event()
+        self._released = threading.Event()
+
+    def __call__(self, tokens_done: int, tokens_total: int) -> None:
+        if tokens_total < self.tokens_min:
+            return
+        self.reports.append((tokens_done, tokens_total))
+        if len(self.reports) == self.hold_at and not self.held.is_set():
+            self.held_at = (tokens_done, tokens_total)
+            self.held.set()
+            assert self._released.wait(120), "the test never released the prefill"
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def _server(rows: int, gate: PrefillGate, **config: object) -> InProcessServer:
+    system_config = SystemConfig(
+        model_dir=config.pop("model_dir"), batch_rows_max=rows, prefill_step_tokens=STEP_TOKENS, **config
+    )
+    settings = HttpSettings(keepalive_interval_s=KEEPALIVE_S)
+    return InProcessServer(system_config, SystemSeams(prefill_chunk_hook=gate), settings)
+
+
+def _stats(server: InProcessServer) -> dict:
+    return httpx.get(f"{server.base}/stats", timeout=30).json()
+
+
+def _in_flight(server: InProcessServer) -> list[dict]:
+    return _stats(server)["prefill"]["in_flight"]
+
+
+LANES = pytest.mark.parametrize("rows", [1, 4], ids=["serial", "batch"])
+
+# Each API's route, body fields, keep-alive line and the line that ends its stream.
+STREAMS = {
+    "chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4},
+        ": keep-alive",
+        "data: [DONE]",
+    ),
+    "completions": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, ": keep-alive", "data: [DONE]"),
+    "responses": (
+        "/v1/responses",
+        {"input": PROMPT, "max_output_tokens": 4},
+        ": keep-alive",
+        "event: response.incomplete",
+    ),
+    "messages": (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4},
+        "event: ping",
+        "event: message_stop",
+    ),
+}
+
+
+@pytest.mark.parametrize("api", sorted(STREAMS))
+def test_keepalives_arrive_while_a_long_prefill_runs_and_progress_shows(model_dir_factory, api):
+    path, fields, keepalive, end = STREAMS[api]
+    gate = PrefillGate(hold_at=3)
+    with _server(1, gate, model_dir=model_dir_factory("llama")) as server:
+        body = {"model": server.config.model_dir.name, "temperature": 0, "stream": True, **fields}
+        with httpx.stream("POST", f"{server.base}{path}", json=body, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            lines = response.iter_lines()
+            keepalives = 0
+            for line in lines:
+                keepalives += line == keepalive
+                if keepalives >= 3 and gate.held.is_set():
+                    break
+            # The prefill is held between two chunks: its progress is in /stats.
+            (row,) = _in_flight(server)
+            assert row["tokens_done"] == gate.held_at[0] > 0
+            assert row["tokens_total"] == gate.held_at[1] > row["tokens_done"]
+            gate.release()
+            rest = [line for line in lines if line]
+        assert end in rest, rest[-3:]
+        assert _in_flight(server) == []
+        assert _stats(server)["prefill"]["cancelled"] == 0
+
+
+def _send_raw(port: int, path: str, body: dict) -> socket.socket:
+    """A request on a plain socket, so the test decides when the client leaves."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"x-api-key: unused\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    connection = socket.create_connection(("127.0.0.1", port), timeout=60)
+    connection.sendall(head + payload)
+    return connection
+
+
+def _leave_mid_prefill(server: InProcessServer, gate: PrefillGate, path: str, body: dict) -> None:
+    """Send `body`, wait until its prefill is held, leave, and wait until the
+    server saw the departure (the request's progress row is gone)."""
+    connection = _send_raw(server.port, path, body)
+    assert gate.held.wait(60), "the prefill never reached the held chunk"
+    assert len(_in_flight(server)) == 1
+    connection.close()
+    wait_until_sync(lambda: _in_flight(server) == [], what="the server saw the client leave")
+
+
+@LANES
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "not-streaming"])
+def test_a_client_leaving_mid_prefill_stops_it_and_its_retry_reads_the_prefix(model_dir_factory, rows, stream):
+    gate = PrefillGate(hold_at=4)
+    with _server(rows, gate, model_dir=model_dir_factory("llama")) as server:
+        model = server.config.model_dir.name
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
+        _leave_mid_prefill(server, gate, "/v1/completions", body)
+        reports_at_release = len(gate.reports)
+        gate.release()
+        wait_until_sync(lambda: _stats(server)["prefill"]["cancelled"] == 1, what="the prefill was stopped")
+        prefill = _stats(server)["prefill"]
+        done, total = gate.held_at
+        if rows == 1:
+            # The serial lane checks before every chunk: the held one never ran.
+            assert prefill["kept_tokens"] == done
+            assert len(gate.reports) == reports_at_release
+        else:
+            # The batch lane sees the cancel at its next turn: at most a chunk more, far from the end.
+            assert done <= prefill["kept_tokens"] <= done + STEP_TOKENS
+        assert prefill["kept_tokens"] < total
+        retry = httpx.post(f"{server.base}/v1/completions", json={**body, "stream": False}, timeout=60).json()
+        assert retry["usage"]["prompt_tokens"] == total
+        assert retry["usage"]["prompt_tokens_details"]["cached_tokens"] == prefill["kept_tokens"]
+
+
+def test_a_messages_client_leaving_mid_prefill_gets_its_prefix_on_the_sdk_retry(model_dir_factory):
+    """Claude Code's case: a non-streaming Messages request abandoned mid-prefill, then sent again."""
+    gate = PrefillGate(hold_at=3)
+    with _server(4, gate, model_dir=model_dir_factory("llama")) as server:
+        messages = [{"role": "user", "content": PROMPT}]
+        body = {"model": server.config.model_dir.name, "max_tokens": 4, "messages": messages}
+        _leave_mid_prefill(server, gate, "/v1/messages", body)
+        gate.release()
+        wait_until_sync(lambda: _stats(server)["prefill"]["cancelled"] == 1, what="the prefill was stopped")
+        kept = _stats(server)["prefill"]["kept_tokens"]
+        assert kept >= gate.held_at[0] > 0
+        client = anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0, timeout=120)
+        reply = client.messages.create(model=server.config.model_dir.name, max_tokens=4, messages=messages)
+        assert reply.usage.cache_read_input_tokens == kept
+
+
+def test_shutdown_does_not_wait_on_an_orphan_and_makes_its_prefix_durable(model_dir_factory, tmp_path):
+    gate = PrefillGate(hold_at=3)
+    config = {"model_dir": model_dir_factory("llama"), "ssd_dir": tmp_path / "ssd", "shutdown_timeout_s": 600.0}
+    with _server(1, gate, **config) as server:
+        model = server.config.model_dir.name
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}
+        _leave_mid_prefill(server, gate, "/v1/completions", body)
+        reports_at_release = len(gate.reports)
+
+        async def shutdown_with_the_prefill_held(system):
+            async with trio.open_nursery() as nursery:
+                verdicts = []
+
+                async def shut_down() -> None:
+                    verdicts.append(await system.shutdown())
+
+                nursery.start_soon(shut_down)
+                # Admission is stopped and the drain waits on the held orphan: let it go.
+                await wait_until(lambda: not system.admitting, what="the shutdown stopped admission")
+                gate.release()
+            return verdicts[0]
+
+        verdict = server.run(shutdown_with_the_prefill_held)
+        assert (verdict.durable, verdict.reason) == (True, "")
+        assert len(gate.reports) == reports_at_release
+        prefill = server.system.prefill_progress
+        assert (prefill.cancelled, prefill.kept_tokens) == (1, gate.held_at[0])
+        assert server.system.store.longest_entry_tokens() == gate.held_at[0]
