@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import anthropic
 import httpx
+import httpx2
+import openai
 import pytest
 import trio
 from polling import wait_until, wait_until_sync
@@ -213,3 +217,71 @@ def test_shutdown_does_not_wait_on_an_orphan_and_makes_its_prefix_durable(model_
         prefill = server.system.prefill_progress
         assert (prefill.cancelled, prefill.kept_tokens) == (1, gate.held_at[0])
         assert server.system.store.longest_entry_tokens() == gate.held_at[0]
+
+
+def counting_client(http: Any, marker: bytes, seen: Callable[[int], None]) -> Any:
+    """An `http.Client` (httpx for the openai SDK, httpx2 for the anthropic
+    one) over a real transport whose response bodies are counted for `marker`
+    as the SDK reads them; `seen(count)` hears every chunk."""
+
+    class CountingStream(http.SyncByteStream):
+        def __init__(self, stream: Any) -> None:
+            self._stream, self._count = stream, 0
+
+        def __iter__(self):
+            for chunk in self._stream:
+                self._count += chunk.count(marker)
+                seen(self._count)
+                yield chunk
+
+        def close(self) -> None:
+            self._stream.close()
+
+    class CountingTransport(http.HTTPTransport):
+        def handle_request(self, request: Any) -> Any:
+            response = super().handle_request(request)
+            response.stream = CountingStream(response.stream)
+            return response
+
+    return http.Client(transport=CountingTransport(), timeout=120)
+
+
+def _sdk_text(api: str, server: InProcessServer, seen: Callable[[int], None] | None = None) -> str:
+    """The reply's text through the API's official SDK, streamed; `seen` counts the keep-alives on the wire."""
+    model = server.config.model_dir.name
+    messages = [{"role": "user", "content": PROMPT}]
+    marker = b"event: ping" if api == "messages" else b": keep-alive"
+    http = httpx2 if api == "messages" else httpx
+    http_client = counting_client(http, marker, seen or (lambda _: None))
+    if api == "messages":
+        claude = anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0, http_client=http_client)
+        events = claude.messages.create(
+            model=model, max_tokens=4, messages=messages, stream=True, extra_body={"temperature": 0}
+        )
+        return "".join(getattr(event.delta, "text", "") for event in events if event.type == "content_block_delta")
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, http_client=http_client)
+    if api == "chat":
+        chunks = client.chat.completions.create(
+            model=model, max_tokens=4, temperature=0, messages=messages, stream=True
+        )
+        return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    events = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=PROMPT, stream=True)
+    return "".join(event.delta for event in events if event.type == "response.output_text.delta")
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_the_official_sdks_read_through_keepalives(model_dir_factory, api):
+    """The SDK reads a stream that had keep-alives in it during the held
+    prefill (counted on the wire) and gets the reply the same request gets
+    without them."""
+    gate = PrefillGate(hold_at=2)
+
+    def seen(count: int) -> None:
+        if count >= 3 and gate.held.is_set():
+            gate.release()
+
+    with _server(1, gate, model_dir=model_dir_factory("llama")) as server:
+        text = _sdk_text(api, server, seen)
+        assert gate.held.is_set()
+        # The prefix is cached now: the same request again has no prefill to hold, no keep-alives to skip.
+        assert _sdk_text(api, server) == text
