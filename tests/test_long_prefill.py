@@ -22,6 +22,7 @@ import pytest
 import trio
 from polling import wait_until, wait_until_sync
 from test_http_errors import InProcessServer
+from test_serve import Server
 
 from kvcellar.actors.system import SystemConfig, SystemSeams
 from kvcellar.http.app import HttpSettings
@@ -285,3 +286,34 @@ def test_the_official_sdks_read_through_keepalives(model_dir_factory, api):
         assert gate.held.is_set()
         # The prefix is cached now: the same request again has no prefill to hold, no keep-alives to skip.
         assert _sdk_text(api, server) == text
+
+
+def test_sigterm_with_an_orphan_mid_prefill_exits_cleanly_and_durable(model_dir_factory, tmp_path):
+    """`kvcellar serve` itself, a real SIGTERM: a client leaves a long prefill
+    (one-token chunks), the server is told to stop; it exits 0 and its
+    shutdown flush says durable, not timeout."""
+    running = Server(
+        model_dir_factory("llama"),
+        *("--ssd-cache", str(tmp_path), "--prefill-step-size", "1", "--batch", "1"),
+        env={"KVCELLAR_SHUTDOWN_TIMEOUT_S": "600"},
+    )
+    try:
+        body = {"model": running.model_id, "prompt": PROMPT * 6, "max_tokens": 64, "temperature": 0}
+        connection = _send_raw(running.port, "/v1/completions", body)
+
+        def prefilling() -> bool:
+            rows = httpx.get(f"{running.base}/stats", timeout=30).json()["prefill"]["in_flight"]
+            return any(row["tokens_done"] > 0 for row in rows)
+
+        wait_until_sync(prefilling, what="the prefill began")
+        connection.close()
+        wait_until_sync(
+            lambda: httpx.get(f"{running.base}/stats", timeout=30).json()["prefill"]["in_flight"] == [],
+            what="the server saw the client leave",
+        )
+        status, output = running.stop()
+        assert status == 0, output
+        assert "shutdown flush: {'durable': True, 'reason': ''" in output, output
+        assert "not made durable" not in output, output
+    finally:
+        running.kill()
