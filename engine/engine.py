@@ -70,7 +70,8 @@ class PrefillObserver(Protocol):
     long prefill never looks dead). `progress` comes at least once per chunk
     with the prompt tokens the caches hold and the prompt's length; `cancelled`
     once, when the client left mid-prefill, with the tokens kept in the tiers.
-    It must return quickly: hand the news to another thread, never block."""
+    It runs on the lane's time: hand the news to another thread and return (a
+    test's seam may hold it there, to hold the prefill between two chunks)."""
 
     def progress(self, tokens_done: int, tokens_total: int) -> None: ...
 
