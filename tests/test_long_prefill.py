@@ -59,12 +59,24 @@ class PrefillGate:
         self._released.set()
 
 
-def _server(rows: int, gate: PrefillGate, **config: object) -> InProcessServer:
+class GatedServer(InProcessServer):
+    """An in-process server whose exit releases the gate first (a failed test
+    leaves no engine thread held)."""
+
+    def __init__(self, config: SystemConfig, gate: PrefillGate) -> None:
+        super().__init__(config, SystemSeams(prefill_chunk_hook=gate), HttpSettings(keepalive_interval_s=KEEPALIVE_S))
+        self.gate = gate
+
+    def __exit__(self, *exc: object) -> None:
+        self.gate.release()
+        super().__exit__(*exc)
+
+
+def _server(rows: int, gate: PrefillGate, **config: Any) -> GatedServer:
     system_config = SystemConfig(
         model_dir=config.pop("model_dir"), batch_rows_max=rows, prefill_step_tokens=STEP_TOKENS, **config
     )
-    settings = HttpSettings(keepalive_interval_s=KEEPALIVE_S)
-    return InProcessServer(system_config, SystemSeams(prefill_chunk_hook=gate), settings)
+    return GatedServer(system_config, gate)
 
 
 def _stats(server: InProcessServer) -> dict:
@@ -317,3 +329,23 @@ def test_sigterm_with_an_orphan_mid_prefill_exits_cleanly_and_durable(model_dir_
         assert "not made durable" not in output, output
     finally:
         running.kill()
+
+
+def test_a_client_leaving_while_queued_for_the_serial_lane_leaves_no_orphan(model_dir_factory):
+    """A request waiting behind a held prefill whose client leaves is taken off
+    the queue: the lane goes on to the next request, and shutdown drains."""
+    gate = PrefillGate(hold_at=2)
+    with _server(1, gate, model_dir=model_dir_factory("llama")) as server:
+        model = server.config.model_dir.name
+        first = _send_raw(server.port, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2})
+        assert gate.held.wait(60), "the first prefill never reached the held chunk"
+        queued = _send_raw(server.port, "/v1/completions", {"model": model, "prompt": "queued", "max_tokens": 2})
+        wait_until_sync(lambda: _stats(server)["gateway"]["waiting"] == 1, what="the second request queued")
+        queued.close()
+        wait_until_sync(lambda: _stats(server)["gateway"]["waiting"] == 0, what="the queued request was withdrawn")
+        gate.release()
+        assert first.recv(12) == b"HTTP/1.1 200"
+        first.close()
+        body = {"model": model, "prompt": "after the orphan", "max_tokens": 2}
+        assert httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).status_code == 200
+        assert _stats(server)["requests"]["cancelled"] == 1
