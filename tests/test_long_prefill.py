@@ -87,8 +87,6 @@ def _in_flight(server: InProcessServer) -> list[dict]:
     return _stats(server)["prefill"]["in_flight"]
 
 
-LANES = pytest.mark.parametrize("rows", [1, 4], ids=["serial", "batch"])
-
 # Each API's route, body fields, keep-alive line and the line that ends its stream.
 STREAMS = {
     "chat": (
@@ -160,11 +158,22 @@ def _leave_mid_prefill(server: InProcessServer, gate: PrefillGate, path: str, bo
     wait_until_sync(lambda: _in_flight(server) == [], what="the server saw the client leave")
 
 
-@LANES
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "not-streaming"])
-def test_a_client_leaving_mid_prefill_stops_it_and_its_retry_reads_the_prefix(model_dir_factory, rows, stream):
+# Lane rows, streamed or not, and the KV the engine holds: as the model makes it, or quantized (a kept
+# prefix is converted as any put is; the medium llama's 64-wide heads fit KV8's groups, the tiny one's do not).
+DEPARTURES = [
+    pytest.param(rows, stream, kv_quant, size, id=f"{lane}-{'streaming' if stream else 'not-streaming'}-{kv_id}")
+    for rows, lane in ((1, "serial"), (4, "batch"))
+    for stream, kv_quant, size, kv_id in ((True, "bf16", "tiny", "kv-model"), (False, "bf16", "tiny", "kv-model"))
+    + ((False, "8", "medium", "kv8"),)
+]
+
+
+@pytest.mark.parametrize("rows, stream, kv_quant, size", DEPARTURES)
+def test_a_client_leaving_mid_prefill_stops_it_and_its_retry_reads_the_prefix(
+    model_dir_factory, rows, stream, kv_quant, size
+):
     gate = PrefillGate(hold_at=4)
-    with _server(rows, gate, model_dir=model_dir_factory("llama")) as server:
+    with _server(rows, gate, model_dir=model_dir_factory("llama", size), kv_quant=kv_quant) as server:
         model = server.config.model_dir.name
         body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
         _leave_mid_prefill(server, gate, "/v1/completions", body)
