@@ -42,7 +42,7 @@ from __future__ import annotations
 import io
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
@@ -190,7 +190,7 @@ class StagedTensorLoad:
             )
         window = TensorWindow(self._disk, self._handle, record, self._hasher)
         self._windows.append(window)
-        array = mx.load(window, format="npy")
+        array = mx.load(cast(BinaryIO, window), format="npy")
         assert isinstance(array, mx.array)
         if capacity_rows is not None and len(shape) >= 2 and capacity_rows > shape[-2]:
             widths = [(0, 0)] * (len(shape) - 2) + [(0, capacity_rows - shape[-2]), (0, 0)]
