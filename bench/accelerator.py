@@ -41,6 +41,7 @@ store (xxhash, attrs, cattrs, cbor2): nothing else a bare GPU machine lacks.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
 import importlib.metadata
@@ -238,8 +239,11 @@ def raw_read_hot_s(path: Path) -> float:
     return raw_read_s(path, cold=False)
 
 
-def measure_restore(model: Any, path: Path, *, staged: bool, cold: bool) -> dict[str, float]:
-    """`kvfile.load` (checksums on) plus the first decode step, then three normal steps."""
+def measure_restore(
+    model: Any, path: Path, *, staged: bool, cold: bool, prefetch: Callable[[list[Any]], None] | None = None
+) -> dict[str, float]:
+    """`kvfile.load` (checksums on) plus the first decode step, then three normal steps.
+    `prefetch`, timed with the load, runs on the restored caches before the first step."""
     from kvcellar.store import kvfile
 
     if cold:
@@ -248,11 +252,55 @@ def measure_restore(model: Any, path: Path, *, staged: bool, cold: bool) -> dict
         _warm_page_cache(path)
     started = time.perf_counter()
     entry = kvfile.load(path, staged=staged)
+    if prefetch is not None:
+        prefetch(entry.caches)
     load_s = time.perf_counter() - started
     first, normal = first_and_normal_steps(model, entry.caches)
     del entry
     _free()
     return {"load_s": load_s, "ttft_s": load_s + first, "first_step_s": first, "normal_step_s": normal}
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+def cuda_prefetcher() -> Callable[[list[Any]], None]:
+    """An experiment, not kvcellar's path: move restored arrays that the direct
+    path left in host-written managed memory into the GPU with
+    `cudaMemPrefetchAsync` (CUDA 13's signature, a `cudaMemLocation` by value;
+    CUDA 12 names it `_v2`), called through ctypes on the CUDA runtime MLX
+    loaded. Raises where there is no CUDA runtime."""
+    runtime = None
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            runtime = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if runtime is None:
+        spec = importlib.util.find_spec("nvidia")
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+        found = [p for root in roots for p in Path(root).rglob("libcudart.so*")]
+        if not found:
+            raise OSError("no CUDA runtime library (libcudart) found")
+        runtime = ctypes.CDLL(str(found[0]))
+    prefetch = getattr(runtime, "cudaMemPrefetchAsync_v2", None) or runtime.cudaMemPrefetchAsync
+    prefetch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _MemLocation, ctypes.c_uint, ctypes.c_void_p]
+    device = ctypes.c_int(0)
+    runtime.cudaGetDevice(ctypes.byref(device))
+
+    def run(caches: list[Any]) -> None:
+        for cache in caches:
+            for array in (cache.keys, cache.values):  # the whole buffers: `state` slices them
+                host = np.asarray(memoryview(array))
+                code = prefetch(host.ctypes.data, host.nbytes, _MemLocation(1, device.value), 0, None)
+                if code != 0:
+                    raise OSError(f"cudaMemPrefetchAsync returned {code}")
+        if runtime.cudaDeviceSynchronize() != 0:
+            raise OSError("cudaDeviceSynchronize failed")
+
+    return run
 
 
 def measure_mlx_lm_load(model: Any, path: Path, cache_module: Any) -> dict[str, float]:
@@ -408,6 +456,11 @@ def measure_cell(shape: str, n: int, model: Any, workdir: Path, cache_module: An
         for tier, cold in (("hot", False), ("cold", True)):
             name = f"{prefix}_{tier}"
             cell[name] = _attempt(cell, name, functools.partial(measure_restore, model, path, staged=staged, cold=cold))
+    if mx.cuda.is_available():
+        prefetcher = _attempt(cell, "find cudaMemPrefetchAsync", cuda_prefetcher)
+        if prefetcher is not None:
+            measure = functools.partial(measure_restore, model, path, staged=False, cold=False, prefetch=prefetcher)
+            cell["direct_prefetch_hot"] = _attempt(cell, "direct_prefetch_hot", measure)
     st_path = workdir / "entry.safetensors"
     if st_path.exists():
         cell["mlx_lm_load"] = _attempt(cell, "mlx-lm load", lambda: measure_mlx_lm_load(model, st_path, cache_module))
@@ -533,7 +586,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 def table(report: dict[str, Any]) -> str:
     head = (
         "| shape, tokens | KV MiB | prefill s | restore hot s | restore cold s | other path hot s | mlx-lm hot s "
-        "| split s (k) | raw hot GB/s | raw cold GB/s | hot load/raw | first step ratio (other path) |"
+        "| split s (k) | raw hot GB/s | raw cold GB/s | hot load/raw | first step ratio (other path) "
+        "| direct+prefetch hot s (first step ratio) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for cell in report["cells"]:
@@ -550,12 +604,15 @@ def table(report: dict[str, Any]) -> str:
             return "-" if not seconds or not kv_bytes else f"{kv_bytes / seconds / 1e9:.2f}"
 
         split = cell.get("split") or {}
+        prefetched = cell.get("direct_prefetch_hot") or {}
+        prefetch_ratio = _ratio(prefetched.get("first_step_s"), prefetched.get("normal_step_s"))
         lines.append(
             f"| {label} | {_fmt(kv and kv / (1 << 20), 0)} | {_fmt(cell.get('prefill_s'))} | {ttft('restore_hot')} "
             f"| {ttft('restore_cold')} | {ttft('alt_restore_hot')} | {ttft('mlx_lm_load')} "
             f"| {_fmt(split.get('ttft_s'))} ({split.get('k', '-')}) | {rate(cell.get('raw_hot_s'))} "
             f"| {rate(cell.get('raw_cold_s'))} | {_fmt(cell.get('hot_load_vs_raw'), 2)} "
-            f"| {_fmt(cell.get('first_step_ratio'), 2)} ({_fmt(cell.get('alt_first_step_ratio'), 2)}) |"
+            f"| {_fmt(cell.get('first_step_ratio'), 2)} ({_fmt(cell.get('alt_first_step_ratio'), 2)}) "
+            f"| {ttft('direct_prefetch_hot')} ({_fmt(prefetch_ratio, 2)}) |"
         )
     return "\n".join(lines)
 
