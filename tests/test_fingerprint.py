@@ -106,6 +106,24 @@ def test_device_architecture_names_the_cpu_model_or_the_gpu(tmp_path):
     assert queried == [gpu]
 
 
+def test_device_architecture_names_a_cuda_gpu_by_name_and_compute_capability_not_its_free_memory():
+    # What MLX 0.32's CUDA backend returns (mlx/backend/cuda/device_info.cpp); free memory changes at every call.
+    h200 = {
+        "device_name": "NVIDIA H200",
+        "architecture": "sm_90",
+        "uuid": "GPU-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0",
+        "pci_bus_id": "0000:19:00.0",
+        "compute_capability_major": 9,
+        "compute_capability_minor": 0,
+        "total_memory": 150_000_000_000,
+        "free_memory": 149_000_000_000,
+    }
+    gpu = mx.Device(mx.DeviceType.gpu)
+    assert describe_device_architecture(gpu, device_info=lambda _: h200) == "NVIDIA H200 (sm_90)"
+    busier = h200 | {"free_memory": 1}
+    assert describe_device_architecture(gpu, device_info=lambda _: busier) == "NVIDIA H200 (sm_90)"
+
+
 def test_config_key_order_and_whitespace_do_not_change_the_digest(model_dir):
     before = compute_fingerprint(model_dir).digest
     config = json.loads((model_dir / "config.json").read_text())
