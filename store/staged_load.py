@@ -25,10 +25,11 @@ short read is recorded in the window and answered with zeros, never raised
 into MLX's reader (an exception there would surface as MLX's own error);
 `finish()` raises it as `CorruptEntry` / `DiskError` after the evaluation.
 
-Capacity: a tensor restored into step-rounded capacity is padded with zeros
-by an MLX op (device memory to device memory on a GPU); arrays are evaluated
-in groups of `EVAL_GROUP_BYTES`, so the transient beyond the entry is one
-group's unpadded copy. The entry's file pages are dropped from the page cache
+Capacity: a tensor restored into step-rounded capacity is loaded at that
+capacity, the window answering zeros for each slot's slack rows, so there is
+no zero-fill pass and no padding copy. Arrays are evaluated in groups of
+`EVAL_GROUP_BYTES` (on CUDA, MLX's host staging buffer of each is freed once
+its copy is done). The entry's file pages are dropped from the page cache
 once, after the last read (the host's transient is the entry's page-cache
 copy; the GPU holds the arrays).
 
@@ -86,15 +87,33 @@ def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
 
 
 class TensorWindow(io.RawIOBase):
-    """One tensor of an entry file seen as a `.npy` file (see the module docstring)."""
+    """One tensor of an entry file seen as a `.npy` file (see the module
+    docstring). With `capacity_rows` past the persisted rows, the array it
+    describes has that many rows: each leading slot's persisted rows come from
+    the file (they are contiguous there) and its slack rows are zeros, so the
+    restored array needs neither a zero-fill pass nor a padding copy."""
 
-    def __init__(self, disk: Disk, handle: Any, record: TensorRecord, hasher: ThreadPoolExecutor | None) -> None:
+    def __init__(
+        self,
+        disk: Disk,
+        handle: Any,
+        record: TensorRecord,
+        hasher: ThreadPoolExecutor | None,
+        capacity_rows: int | None = None,
+    ) -> None:
         super().__init__()
         self._disk = disk
         self._handle = handle
         self.record = record
-        self._header = npy_header(record.dtype, tuple(record.shape))
-        self._size = len(self._header) + record.length
+        shape = tuple(record.shape)
+        padded = capacity_rows is not None and len(shape) >= 2 and capacity_rows > shape[-2]
+        full_shape = (*shape[:-2], capacity_rows, shape[-1]) if padded and capacity_rows else shape
+        # Bytes of one leading slot in the array and, of those, the ones the file holds.
+        self._kept_bytes = record.length // max(1, int(np.prod(shape[:-2], dtype=np.int64))) if padded else 0
+        self._slot_bytes = self._kept_bytes * full_shape[-2] // shape[-2] if padded else 0
+        self._header = npy_header(record.dtype, full_shape)
+        data_bytes = record.length + (record.length // shape[-2] * (full_shape[-2] - shape[-2]) if padded else 0)
+        self._size = len(self._header) + data_bytes
         self._position = 0
         self._hasher = hasher
         self._hash = xxhash.xxh3_64()
@@ -123,20 +142,43 @@ class TensorWindow(io.RawIOBase):
             target[:header_part] = self._header[self._position : self._position + header_part]
         if count > header_part:
             data_start = self._position + header_part - len(self._header)
-            self._read_data(target[header_part:count], data_start)
+            self._fill(target[header_part:count], data_start)
         self._position += count
         return count
 
-    def _read_data(self, target: memoryview, data_start: int) -> None:
-        """Read `target` from the tensor's bytes at `data_start`, hashing chunk i while reading chunk i+1."""
+    def _pieces(self, data_start: int, length: int) -> list[tuple[int, int, int | None]]:
+        """(target offset, length, file offset or None for slack zeros) covering the array's bytes
+        [data_start, data_start + length), each file piece at most `CHUNK_BYTES`."""
+        pieces: list[tuple[int, int, int | None]] = []
+        position, end = data_start, data_start + length
+        while position < end:
+            if not self._slot_bytes:
+                file_at: int | None = position
+                size = min(CHUNK_BYTES, end - position)
+            else:
+                slot, within = divmod(position, self._slot_bytes)
+                if within < self._kept_bytes:
+                    file_at = slot * self._kept_bytes + within
+                    size = min(CHUNK_BYTES, self._kept_bytes - within, end - position)
+                else:
+                    file_at, size = None, min(self._slot_bytes - within, end - position)
+            pieces.append((position - data_start, size, file_at))
+            position += size
+        return pieces
+
+    def _fill(self, target: memoryview, data_start: int) -> None:
+        """Fill `target` with the array's bytes from `data_start`, hashing file piece i while reading piece i+1."""
         pending: Future[None] | None = None
         try:
-            for begin in range(0, len(target), CHUNK_BYTES):
-                chunk = target[begin : begin + CHUNK_BYTES]
+            for at, size, file_at in self._pieces(data_start, len(target)):
+                chunk = target[at : at + size]
+                if file_at is None:
+                    chunk[:] = bytes(size)
+                    continue
                 if self.error is None:
-                    self._read_chunk(chunk, data_start + begin)
+                    self._read_chunk(chunk, file_at)
                 else:
-                    chunk[:] = bytes(len(chunk))
+                    chunk[:] = bytes(size)
                 if pending is not None:
                     pending.result()
                 pending = self._hash_chunk(chunk)
@@ -188,13 +230,10 @@ class StagedTensorLoad:
             raise CorruptEntry(
                 f"{self._path}: {part} shape {shape} does not match its {record.length} bytes", part="header"
             )
-        window = TensorWindow(self._disk, self._handle, record, self._hasher)
+        window = TensorWindow(self._disk, self._handle, record, self._hasher, capacity_rows)
         self._windows.append(window)
         array = mx.load(cast(BinaryIO, window), format="npy")
         assert isinstance(array, mx.array)
-        if capacity_rows is not None and len(shape) >= 2 and capacity_rows > shape[-2]:
-            widths = [(0, 0)] * (len(shape) - 2) + [(0, capacity_rows - shape[-2]), (0, 0)]
-            array = mx.pad(array, widths)
         self._pending.append(array)
         self._pending_bytes += record.length
         if self._pending_bytes >= EVAL_GROUP_BYTES:
