@@ -526,14 +526,21 @@ def describe_machine() -> dict[str, Any]:
     return info
 
 
-def run(plan_name: str, budget_s: float, workdir: Path) -> dict[str, Any]:
+def run(
+    plan_name: str, budget_s: float, workdir: Path, after_cell: Callable[[dict[str, Any]], None] = lambda _: None
+) -> dict[str, Any]:
+    """Every cell of the plan that fits; `after_cell(report so far)` runs after each one, so a process
+    that dies in a later cell (a CUDA abort is not an exception) still leaves the earlier figures."""
     llama, cache_module = _import_mlx_lm()
     machine = describe_machine()
     _say(f"machine: {machine}")
-    cells: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"machine": machine, "plan": plan_name, "cells": []}
+    cells: list[dict[str, Any]] = report["cells"]
     model_shape, model = None, None
+    build_s: dict[str, float] = {}
     for shape, n in PLANS[plan_name]:
-        elapsed = time.perf_counter() - _START
+        rebuild_s = build_s.get(shape, 0.0) if model_shape != shape else 0.0
+        elapsed = time.perf_counter() - _START + rebuild_s
         reason = _fits(shape, n, cells, elapsed, budget_s, workdir)
         if reason:
             _say(f"{shape} {n}: skipped ({reason})")
@@ -546,7 +553,8 @@ def run(plan_name: str, budget_s: float, workdir: Path) -> dict[str, Any]:
             if built is None:
                 cells.append({"shape": shape, "tokens": n, "skipped": "model build failed"})
                 continue
-            model_shape, model = shape, built[1]
+            build_s[shape], model = built
+            model_shape = shape
         _say(f"{shape} {n}: start")
         started = time.perf_counter()
         try:
@@ -559,7 +567,8 @@ def run(plan_name: str, budget_s: float, workdir: Path) -> dict[str, Any]:
         cells.append(cell)
         for leftover in workdir.iterdir():
             leftover.unlink()
-    return {"machine": machine, "plan": plan_name, "cells": cells}
+        after_cell(report)
+    return report
 
 
 def key_figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -638,13 +647,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = "tiny" if args.smoke else args.shapes
     base = args.dir if args.dir is not None else Path(tempfile.gettempdir())
+    out_dirs = [d for d in (os.environ.get("OUT"), args.out) if d]
+
+    def save_so_far(report: dict[str, Any]) -> None:
+        report["figures"] = key_figures(report)
+        _write_outputs(report, table(report), out_dirs)
+        _say(f"figures so far: {json.dumps(report['figures'])}")
+
     with tempfile.TemporaryDirectory(prefix="kvc-accel-", dir=base) as scratch:
-        report = run(plan, args.budget_s, Path(scratch))
+        report = run(plan, args.budget_s, Path(scratch), save_so_far)
     figures = key_figures(report)
     report["figures"] = figures
     text = table(report)
     print(text, flush=True)
-    _write_outputs(report, text, [d for d in (os.environ.get("OUT"), args.out) if d])
+    _write_outputs(report, text, out_dirs)
     if args.json:
         print(json.dumps(figures), flush=True)
     else:
