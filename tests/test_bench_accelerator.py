@@ -33,3 +33,12 @@ def test_split_point_balances_prefill_and_restore_in_whole_steps():
     assert accelerator.split_point(32768, prefill_s=3.0, restore_s=1.0) == 8192
     assert accelerator.split_point(1024, prefill_s=1.0, restore_s=100.0) == 768
     assert accelerator.split_point(1024, prefill_s=100.0, restore_s=1.0) == 256
+
+
+def test_a_cell_is_skipped_when_the_rate_of_the_cells_done_says_it_would_end_past_the_budget(tmp_path):
+    done = [{"shape": "8b", "tokens": 32768, "seconds": 60.0, "kv_bytes": 4 << 30}]
+    # 8B at 8k holds a quarter of the 32k cell's KV: about 20 s at the measured rate.
+    assert accelerator._fits("8b", 8192, done, elapsed_s=100, budget_s=330, workdir=tmp_path) == ""
+    reason = accelerator._fits("8b", 8192, done, elapsed_s=320, budget_s=330, workdir=tmp_path)
+    assert reason.startswith("estimated")
+    assert accelerator._fits("tiny", 256, [], elapsed_s=10**6, budget_s=1, workdir=tmp_path) == ""  # the first runs
