@@ -47,6 +47,7 @@ from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageErr
 from kvcellar.serialization import DecodeError, from_cbor, to_cbor
 from kvcellar.store import codecs, staged_load, tensor_io
 from kvcellar.store.disk import Disk, RealDisk
+from kvcellar.store.image_disk import ImageDisk
 from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, HeaderSummary, TensorRecord
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
@@ -460,6 +461,21 @@ def load(
     finally:
         disk.close(handle)
     return Entry(caches=caches, tokens=header.tokens, header=header)
+
+
+def load_image(
+    image: bytes | bytearray | memoryview,
+    verify: bool = True,
+    *,
+    name: str = "<received entry>",
+    safeguards: Safeguards = SAFEGUARDS,
+    staged: bool | None = None,
+) -> Entry:
+    """`load` of a `.kvc` file's bytes held in memory (a shared-tier
+    download, restored before its SSD copy lands): the same checks and the
+    same restore paths, through `image_disk.ImageDisk`; `name` only labels
+    errors. The caller keeps `image` unchanged until this returns."""
+    return load(Path(name), verify, disk=ImageDisk(image), safeguards=safeguards, staged=staged)
 
 
 def staged_load_wanted(device: Any = None, cuda_available: Callable[[], bool] | None = None) -> bool:
