@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
 import attrs
@@ -131,17 +132,20 @@ def receive_entry(objects: ObjectStore, manifest: SharedManifest) -> ReceivedEnt
     view = memoryview(image)
     hasher = hashlib.sha256()
     received = 0
+    # sha256 runs on a helper thread while the next chunk arrives (hashlib and socket reads release the GIL);
+    # one worker keeps the chunks in order.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-sha256") as hashing:
 
-    def sink(chunk: bytes) -> None:
-        nonlocal received
-        end = received + len(chunk)
-        if end > manifest.object_bytes:
-            raise CorruptEntry(f"{manifest.object_key}: longer than its manifest says", part="object")
-        view[received:end] = chunk
-        hasher.update(chunk)
-        received = end
+        def sink(chunk: bytes) -> None:
+            nonlocal received
+            end = received + len(chunk)
+            if end > manifest.object_bytes:
+                raise CorruptEntry(f"{manifest.object_key}: longer than its manifest says", part="object")
+            view[received:end] = chunk
+            hashing.submit(hasher.update, chunk)
+            received = end
 
-    objects.get_into(manifest.object_key, sink)
+        objects.get_into(manifest.object_key, sink)
     if received != manifest.object_bytes:
         raise CorruptEntry(
             f"{manifest.object_key}: {received} bytes, its manifest says {manifest.object_bytes}", part="object"
