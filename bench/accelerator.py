@@ -124,7 +124,9 @@ def _import_mlx_lm() -> tuple[Any, Any]:
     does not use: then the subpackages are imported under an empty parent."""
     try:
         from mlx_lm.models import cache, llama
-    except ImportError as e:
+    except Exception as e:  # ImportError, or whatever an incompatible transformers raises while importing
+        for name in [m for m in sys.modules if m == "mlx_lm" or m.startswith("mlx_lm.")]:
+            del sys.modules[name]
         spec = importlib.util.find_spec("mlx_lm")
         if spec is None or spec.submodule_search_locations is None:
             raise
