@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mlx_lm.models.cache import KVCache
 
 from kvcellar.cli import cli, main
-from kvcellar.store import journal_cli
+from kvcellar.cli import journal as journal_cli
 from kvcellar.store.journal import JOURNAL_FILE_NAME, SCHEMA_VERSION
 from kvcellar.store.ssd import SsdStore, namespace_dir_name
 
