@@ -24,11 +24,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvcellar.cli.kv import header_as_json
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
+from kvcellar.errors import CorruptEntry, DiskError, JournalError, UnsupportedFormat, UsageError
 from kvcellar.serialization import converter
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
-from kvcellar.store.journal import ENTRY_COLUMNS, JOURNAL_FILE_NAME, Journal, JournalError, JournalEvent
+from kvcellar.store.journal import ENTRY_COLUMNS, JOURNAL_FILE_NAME, Journal, JournalEvent
 from kvcellar.store.write_wear import fold_journal
 
 QUARANTINE_DIR_NAME = "quarantine"

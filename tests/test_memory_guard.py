@@ -26,13 +26,8 @@ from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.engine.demo_models import model_size_bytes
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
-from kvcellar.engine.memory import (
-    Footprint,
-    InsufficientMemory,
-    MemoryGuard,
-    WorkspaceModel,
-    default_memory_budget_bytes,
-)
+from kvcellar.engine.memory import Footprint, MemoryGuard, WorkspaceModel, default_memory_budget_bytes
+from kvcellar.errors import InsufficientMemory
 from kvcellar.http.anthropic import failure_event_body
 from kvcellar.http.app import failure_body
 from kvcellar.store.actor_events import MemoryRelieved
