@@ -197,6 +197,15 @@ def test_stats_counts_kinds_and_traffic(cache_dir):
     assert table.exit_code == 0 and "write amplification" in table.output and "entry.superseded" in table.output
 
 
+def test_stats_counts_the_quarantined_files_and_their_bytes(cache_dir):
+    root, _store, _ids = cache_dir
+    quarantine = root / FINGERPRINT / "quarantine"
+    quarantine.mkdir(exist_ok=True)
+    (quarantine / "damaged.kvc").write_bytes(b"\0" * 1234)
+    stats = _json("stats", str(root))
+    assert stats["quarantine_files"] == 1 and stats["quarantine_bytes"] == 1234
+
+
 def test_timeline_follows_an_entry_through_its_life(cache_dir):
     root, _, ids = cache_dir
     short = _json("timeline", str(root), ids["short"])
