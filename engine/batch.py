@@ -77,11 +77,12 @@ from kvcellar.engine.generation import (
     delta_logprob,
     take_reuse,
 )
-from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
+from kvcellar.engine.memory import DECODE_CHECK_TOKENS, MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv, blocks_for
 from kvcellar.engine.quant_batch import PREFILL_ROWS, QuantizedRows, quantized_batch_refusal
 from kvcellar.engine.sampling import build_processors
 from kvcellar.engine.scalars import item_int
+from kvcellar.errors import InsufficientMemory
 from kvcellar.store import signature as sig
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import snapshot_caches

@@ -44,7 +44,7 @@ import attrs
 import mlx.core as mx
 
 from kvcellar.engine.engine import BeforeChunk, BufferCache, MlxBufferCache
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import InsufficientMemory, KvCellarError
 from kvcellar.store.actor_events import MemoryRelieved
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, held_bytes
@@ -60,26 +60,6 @@ KV_GROWTH_TOKENS = 256
 # Element size assumed for activations and attention scores (float32 on the
 # CPU backend, and an upper bound for half-precision models).
 _WORKSPACE_ELEMENT_BYTES = 4
-
-
-class InsufficientMemory(KvCellarError):
-    """Raised when a request cannot fit the memory budget even after every
-    reclaimable cache entry is released (at admission, or at a relief check
-    mid-generation). Nobody's fault: the request is too large for this
-    server's budget now; the server and the other requests go on."""
-
-    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, budget_bytes: int) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
-        self.budget_bytes = budget_bytes
-
-    def details(self) -> dict[str, int]:
-        return {
-            "needed_bytes": self.needed_bytes,
-            "available_bytes": self.available_bytes,
-            "budget_bytes": self.budget_bytes,
-        }
 
 
 class MemoryMeter(BufferCache, Protocol):

@@ -49,7 +49,8 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask
 
 from kvcellar.engine.scalars import item_int
-from kvcellar.engine.structured import GrammarError, masked_logits, matcher_allowed_tokens, token_table
+from kvcellar.engine.structured import masked_logits, matcher_allowed_tokens, token_table
+from kvcellar.errors import GrammarError
 
 log = logging.getLogger("kvcellar.engine.tool_grammar")
 

@@ -65,21 +65,14 @@ from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.engine.tool_calls import offered_tool_names
+from kvcellar.errors import BadRequest, PromptRefused
 from kvcellar.http.failures import classify_failure
-from kvcellar.http.parsing import (
-    MAX_TOKENS_LIMIT,
-    BadRequest,
-    TokenizerLane,
-    _number,
-    reply_processors,
-    sampling_fields,
-)
+from kvcellar.http.parsing import MAX_TOKENS_LIMIT, TokenizerLane, _number, reply_processors, sampling_fields
 from kvcellar.http.refusals import refused_unread
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
     Piece,
-    PromptRefused,
     ReasoningText,
     RenderedPrompt,
     ReplySplitter,

@@ -45,12 +45,13 @@ from starlette.routing import Route
 from kvcellar.actors.system import System
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
+from kvcellar.errors import BadRequest
 from kvcellar.http.anthropic import messages_routes
 from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.dashboard import dashboard_routes
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.metrics import metrics_registry, render_metrics
-from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
+from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, CompletionJob, TokenizerLane
 from kvcellar.http.refusals import refused_unread
 from kvcellar.http.responses import ResponsesRoute
 from kvcellar.http.tool_grammar import ToolGrammarPolicy

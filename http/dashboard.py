@@ -30,6 +30,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
+from kvcellar.errors import BadQuery
 from kvcellar.serialization import converter
 
 DASHBOARD_PATH = Path(__file__).parent / "static" / "dashboard.html"
@@ -40,12 +41,6 @@ _LIST_ITEMS_SHOWN = 8
 
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorResponse = Callable[..., Response]
-
-
-class BadQuery(ValueError):
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def query_count(raw: str | None, *, param: str, default: int, lowest: int, highest: int) -> int:
@@ -154,7 +149,6 @@ __all__ = [
     "DASHBOARD_PATH",
     "JOURNAL_EVENTS_DEFAULT",
     "JOURNAL_EVENTS_MAX",
-    "BadQuery",
     "dashboard_routes",
     "journal_event_json",
     "json_safe",

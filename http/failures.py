@@ -20,12 +20,16 @@ from typing import Literal
 
 import attrs
 
-from kvcellar.actors.gateway import AdmissionClosed
-from kvcellar.actors.scheduler import BatchAborted
-from kvcellar.engine.engine import EngineStopped
-from kvcellar.engine.memory import InsufficientMemory
-from kvcellar.errors import KvCellarError, StoreError, UsageError
-from kvcellar.http.parsing import BadRequest
+from kvcellar.errors import (
+    AdmissionClosed,
+    BadRequest,
+    BatchAborted,
+    EngineStopped,
+    InsufficientMemory,
+    KvCellarError,
+    StoreError,
+    UsageError,
+)
 
 log = logging.getLogger("kvcellar.http")
 

@@ -27,25 +27,16 @@ import trio
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.engine.generation import GenerationRequest
-from kvcellar.engine.structured import GrammarError, compile_response_grammar
+from kvcellar.engine.structured import compile_response_grammar
 from kvcellar.engine.tool_calls import offered_tool_names
-from kvcellar.errors import KvCellarError
-from kvcellar.http.tool_grammar import StrictToolsRefused, ToolGrammarPolicy
-from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, PromptRefused, RenderedPrompt, ToolPlan, render_prompt
+from kvcellar.errors import BadRequest, GrammarError, PromptRefused, StrictToolsRefused
+from kvcellar.http.tool_grammar import ToolGrammarPolicy
+from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, RenderedPrompt, ToolPlan, render_prompt
 
 T = TypeVar("T")
 
 MAX_TOKENS_DEFAULT = 256
 MAX_TOKENS_LIMIT = 32768
-
-
-class BadRequest(KvCellarError):
-    """Raised for a request body the API cannot serve. The client's fault; it
-    becomes a 400 naming the offending field."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @attrs.frozen(kw_only=True)

@@ -56,7 +56,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.generation import GenerationDone, TokenDelta
-from kvcellar.http.parsing import MAX_TOKENS_LIMIT, BadRequest, CompletionJob, TokenizerLane, parse_job
+from kvcellar.errors import BadRequest
+from kvcellar.http.parsing import MAX_TOKENS_LIMIT, CompletionJob, TokenizerLane, parse_job
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import TOOL_CHOICES, ContentText, Piece, ReasoningText, ReplySplitter, ToolCall
 

@@ -25,13 +25,13 @@ import time
 from functools import partial
 from typing import Any
 
-from kvcellar.engine.structured import GrammarError
 from kvcellar.engine.tool_grammar import (
     ToolCallGrammar,
     ToolCallGrammarMask,
     compile_tool_call_grammar,
     uses_json_tools,
 )
+from kvcellar.errors import GrammarError, StrictToolsRefused
 from kvcellar.http.tools import ToolPlan
 
 log = logging.getLogger("kvcellar.http.tool_grammar")
@@ -69,10 +69,6 @@ class ToolGrammarCounts:
                 "fallbacks": self._fallbacks,
                 "compile_ms_last": self._compile_ms_last,
             }
-
-
-class StrictToolsRefused(GrammarError):
-    """A `strict: true` tool whose schema llguidance cannot compile (the client asked for the guarantee)."""
 
 
 class ToolGrammarPolicy:

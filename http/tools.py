@@ -53,7 +53,7 @@ import attrs
 from mlx_lm.generate import TextStateMachine
 
 from kvcellar.engine.tool_calls import offered_tool_names, parse_tool_calls
-from kvcellar.errors import UsageError
+from kvcellar.errors import PromptRefused
 from kvcellar.http.prompt_tokens import common_length, prompt_encoder
 
 log = logging.getLogger("kvcellar.http.tools")
@@ -86,17 +86,6 @@ class ToolPlan:
 
 
 NO_TOOLS = ToolPlan()
-
-
-class PromptRefused(UsageError):
-    """Raised when the messages or tools cannot be rendered for this model:
-    tools for a model without tool calling, or a chat template that refuses
-    the messages. The client's fault; each API answers it as a 400 naming
-    `param`."""
-
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @attrs.frozen(kw_only=True)

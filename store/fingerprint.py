@@ -42,8 +42,8 @@ import attrs
 import mlx.core as mx
 
 from kvcellar.cpuinfo import CPUINFO_PATH, cpuinfo_field
-from kvcellar.errors import ModelError
-from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.errors import DecodeError, ModelError
+from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store.disk import fsync_path
 
 log = logging.getLogger(__name__)

@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
-from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.errors import CorruptEntry, DecodeError, DiskError, UnsupportedFormat, UsageError
+from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store import codecs, staged_load, tensor_io
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.image_disk import ImageDisk

@@ -419,7 +419,7 @@ def test_a_second_system_start_hashes_no_byte_and_entries_carry_the_tokenizer_ha
 def test_serve_keeps_the_memo_under_the_kvcellar_cache_directory(tmp_path):
     import platformdirs
 
-    from kvcellar.http.serve_cli import shard_digest_memo_dir
+    from kvcellar.cli.serve import shard_digest_memo_dir
 
     assert shard_digest_memo_dir({"KVCELLAR_CACHE_DIR": str(tmp_path)}) == tmp_path / "shard-digests"
     assert shard_digest_memo_dir({}) == platformdirs.user_cache_path("kvcellar") / "shard-digests"

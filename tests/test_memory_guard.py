@@ -28,12 +28,12 @@ from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.engine.memory import (
     Footprint,
-    InsufficientMemory,
     MemoryGuard,
     WorkspaceModel,
     cuda_memory_bytes,
     default_memory_budget_bytes,
 )
+from kvcellar.errors import InsufficientMemory
 from kvcellar.http.anthropic import failure_event_body
 from kvcellar.http.app import failure_body
 from kvcellar.store.actor_events import MemoryRelieved

@@ -28,6 +28,7 @@ from mlx_lm.utils import load
 from test_http_errors import InProcessServer
 
 from kvcellar.actors.system import SystemConfig
+from kvcellar.cli.serve import serve_command
 from kvcellar.engine.demo_models import EOS_TOKEN_ID
 from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.structured import token_table
@@ -41,7 +42,6 @@ from kvcellar.http.anthropic import parse_messages_body
 from kvcellar.http.app import HttpSettings
 from kvcellar.http.parsing import parse_body
 from kvcellar.http.responses import parse_responses_body
-from kvcellar.http.serve_cli import serve_command
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 WEATHER = {
