@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from kvcellar.engine.generation import GenerationDone, TokenDelta
+from kvcellar.engine.generation import NO_NOTES, GenerationDone, RequestNotes, TokenDelta
 from kvcellar.errors import UsageError
 
 RECENT_REQUESTS_MAX_DEFAULT = 256
@@ -51,6 +51,8 @@ class RequestRecord:
     decode_tokens_per_s: float | None
     duration_s: float
     finish_reason: str
+    # What the HTTP side changed of the request on its way in (clamps, tools left out, rewrites).
+    notes: RequestNotes = NO_NOTES
 
 
 @attrs.define
@@ -137,6 +139,7 @@ async def recorded(
     prompt_tokens: int,
     clock_s: Callable[[], float],
     wall_clock_s: Callable[[], float],
+    notes: RequestNotes = NO_NOTES,
 ) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
     """Pass `items` through, timing the first token and the end, and record
     the request in `ring` when it ends: done, cancelled (the consumer closed
@@ -160,7 +163,7 @@ async def recorded(
     finally:
         ended_s = clock_s()
         record = _request_record(done, finish_reason, prompt_tokens, started_s, first_token_s, ended_s, wall_clock_s())
-        ring.record(record)
+        ring.record(attrs.evolve(record, notes=notes))
 
 
 def _request_record(

@@ -66,6 +66,26 @@ def tier_form(cache: list, paged_kv: PagedKv | None) -> list:
 
 
 @attrs.frozen(kw_only=True)
+class RequestNotes:
+    """What the HTTP side changed of a request on its way in (docs/agents.md),
+    carried to its `/stats/requests` record; the engine never reads it.
+    `max_tokens_requested` is set only when the reply bound was clamped (to
+    `params.max_tokens`); `hosted_tools_left_out` names the hosted or server
+    tools left out of the prompt; `schema_keywords_relaxed` the JSON-schema
+    keywords dropped from the tool-call grammar's copy of the tools;
+    `prompt_rewrites` the prompt-normalisation rules that rewrote the prompt."""
+
+    api: str = ""
+    max_tokens_requested: int | None = None
+    hosted_tools_left_out: tuple[str, ...] = ()
+    schema_keywords_relaxed: tuple[str, ...] = ()
+    prompt_rewrites: tuple[str, ...] = ()
+
+
+NO_NOTES = RequestNotes()
+
+
+@attrs.frozen(kw_only=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
@@ -81,6 +101,7 @@ class GenerationRequest:
     # tokens the next turn's rendering keeps, strictly inside the prompt; the
     # prompt-boundary snapshot goes there. None: no boundary known.
     snapshot_at_tokens: int | None = None
+    notes: RequestNotes = attrs.field(default=NO_NOTES, eq=False)
 
     def __attrs_post_init__(self) -> None:
         boundary = self.snapshot_at_tokens

@@ -257,7 +257,14 @@ SPECS += (
         name="kvcellar_tool_call_grammar",
     ),
     _counter(_TOOL_GRAMMAR, "requests", "Requests generated with the tool-call grammar attached."),
-    _counter(_TOOL_GRAMMAR, "fallbacks", "Requests whose tools' schemas llguidance could not compile: unconstrained."),
+    _counter(
+        _TOOL_GRAMMAR,
+        "fallbacks",
+        "Requests whose tools' schemas did not compile even relaxed: unconstrained.",
+    ),
+    _counter(
+        _TOOL_GRAMMAR, "relaxed", "Requests whose tools' schemas were relaxed for the grammar (keywords dropped)."
+    ),
     _gauge(
         _TOOL_GRAMMAR,
         "compile_ms_last",
@@ -265,6 +272,12 @@ SPECS += (
         name="kvcellar_tool_call_grammar_compile_last_seconds",
         scale=0.001,
     ),
+)
+
+
+# What requests had clamped on the way in (http/inbound.py).
+SPECS += (
+    _counter("inbound", "max_tokens_clamped", "Requests whose reply bound was clamped to the context's room."),
 )
 
 
