@@ -144,6 +144,7 @@ class System:
             clock_s=trio.current_time,
             wall_clock_s=self.seams.wall_clock_s,
             notes=request.notes,
+            prompt_ids=request.prompt_ids,
         )
         async with aclosing(items) as stream:
             async for item in stream:

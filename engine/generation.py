@@ -52,7 +52,7 @@ from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import lend_caches, snapshot_caches
-from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.prompt_cache import CacheDivergence, PromptCache
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 
@@ -123,6 +123,8 @@ class Reuse:
     tier: str
     # The tier's entry the caches were lent from ("" on a miss): the request's own, never a relief victim.
     entry_id: str = ""
+    # Where the prompt left the longest prefix a tier shares with it (before this take); None without tiers.
+    divergence: CacheDivergence | None = None
 
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
@@ -146,13 +148,16 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
     """Take the longest usable prefix of the request's prompt from the tiers, when it uses them."""
     if not request.use_prompt_cache or prompt_cache is None or not prompt_cache.enabled:
         return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
-    taken = prompt_cache.take(list(request.prompt_ids), request.namespace)
+    prompt = list(request.prompt_ids)
+    divergence = prompt_cache.divergence(prompt, request.namespace)
+    taken = prompt_cache.take(prompt, request.namespace)
     return Reuse(
         use_cache=True,
         caches=taken.caches,
         cached_tokens=taken.reused_tokens,
         tier=taken.tier,
         entry_id=taken.entry_id,
+        divergence=divergence,
     )
 
 
@@ -183,6 +188,8 @@ class GenerationDone:
     cache_tier: str
     # Emitted tokens a resumed generation took from its checkpoint (spec §5.7), replayed, not generated.
     resumed_tokens: int = 0
+    # Where the prompt left the longest prefix a tier shared with it (`/stats/requests`); None without tiers.
+    divergence: CacheDivergence | None = None
 
 
 def _prefill_boundary_snapshot(
@@ -435,4 +442,5 @@ def run_generation(
         cached_tokens=start.reuse.cached_tokens,
         cache_tier=start.reuse.tier,
         resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
+        divergence=start.reuse.divergence,
     )

@@ -66,6 +66,7 @@ from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.engine.tool_calls import offered_tool_names
 from kvcellar.errors import PromptTooLong
+from kvcellar.http.cache_header import cache_header, stream_cache_header
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.inbound import InboundPolicy, Intake
 from kvcellar.http.parsing import (
@@ -175,9 +176,14 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(_stream(system, job, lane, model_id), media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(system, job, lane, model_id),
+                media_type="text/event-stream",
+                headers=stream_cache_header(job.prompt_tokens),
+            )
         try:
-            return JSONResponse(await _complete(system, job, lane, model_id))
+            body, done = await _complete(system, job, lane, model_id)
+            return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
         except Exception as e:
             return _failure_response(e)
 
@@ -695,7 +701,10 @@ def _message(
     }
 
 
-async def _complete(system: System, job: MessagesJob, lane: TokenizerLane, model_id: str) -> dict[str, Any]:
+async def _complete(
+    system: System, job: MessagesJob, lane: TokenizerLane, model_id: str
+) -> tuple[dict[str, Any], GenerationDone | None]:
+    """The reply's body, and how its generation ended (None: no end came)."""
     tokenizer = system.loaded.tokenizer
     blocks = MessageBlocks(tokenizer, job.tools, in_reasoning=job.reply_in_reasoning)
     outcome = _Outcome()
@@ -703,7 +712,7 @@ async def _complete(system: System, job: MessagesJob, lane: TokenizerLane, model
         blocks.feed(outcome.add(item))
     blocks.finish()
     stop = await _stop(outcome, job, blocks, tokenizer, lane)
-    return _message(_message_id(), model_id, blocks.content, _usage(job, outcome.done), stop)
+    return _message(_message_id(), model_id, blocks.content, _usage(job, outcome.done), stop), outcome.done
 
 
 def _message_id() -> str:

@@ -46,6 +46,7 @@ from kvcellar.actors.system import System
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
 from kvcellar.http.anthropic import messages_routes
+from kvcellar.http.cache_header import cache_header, stream_cache_header
 from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.dashboard import dashboard_routes
 from kvcellar.http.failures import classify_failure
@@ -241,9 +242,14 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(_sse(system, job, model_id), media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(system, job, model_id),
+                media_type="text/event-stream",
+                headers=stream_cache_header(job.prompt_tokens),
+            )
         try:
-            return JSONResponse(await _complete(system, job, model_id))
+            body, done = await _complete(system, job, model_id)
+            return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
         except Exception as e:
             return _failure_response(e)
 
@@ -346,7 +352,8 @@ def _choice_logprobs(job: CompletionJob, entries: list[TokenLogprob], text_offse
     return _completion_logprobs(entries, text_offset)
 
 
-async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[str, Any]:
+async def _complete(system: System, job: CompletionJob, model_id: str) -> tuple[dict[str, Any], GenerationDone | None]:
+    """The reply's body, and how its generation ended (None: no end came)."""
     text, done = "", None
     entries: list[TokenLogprob] = []
     async for item in system.generate(job.request):
@@ -375,7 +382,7 @@ async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[s
         "model": model_id,
         "choices": [choice],
         "usage": _usage(job, done, completion_tokens),
-    }
+    }, done
 
 
 async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterator[str]:

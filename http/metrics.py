@@ -276,9 +276,7 @@ SPECS += (
 
 
 # What requests had clamped on the way in (http/inbound.py).
-SPECS += (
-    _counter("inbound", "max_tokens_clamped", "Requests whose reply bound was clamped to the context's room."),
-)
+SPECS += (_counter("inbound", "max_tokens_clamped", "Requests whose reply bound was clamped to the context's room."),)
 
 
 class StatsCollector(Collector):

@@ -57,6 +57,7 @@ from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.errors import PromptTooLong
+from kvcellar.http.cache_header import cache_header, stream_cache_header
 from kvcellar.http.inbound import InboundPolicy, Intake
 from kvcellar.http.parsing import BadRequest, CompletionJob, TokenizerLane, parse_job, positive_bound
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
@@ -676,17 +677,22 @@ class ResponsesRoute:
         except Exception as e:
             return self._failure(e)
         shaper = ResponseShaper(self._system.loaded.tokenizer, job, self._model_id)
+        prompt_tokens = job.job.prompt_tokens
         if job.job.stream:
-            return StreamingResponse(self._events(job, shaper), media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(job, shaper), media_type="text/event-stream", headers=stream_cache_header(prompt_tokens)
+            )
+        done = None
         try:
             async for item in self._system.generate(job.job.request):
                 if isinstance(item, GenerationDone):
+                    done = item
                     shaper.finish(item)
                 else:
                     shaper.feed(item)
         except Exception as e:
             return self._failure(e)
-        return JSONResponse(shaper.response)
+        return JSONResponse(shaper.response, headers=cache_header(done, prompt_tokens))
 
     async def not_stored(self, request: Request) -> Response:
         """Every read of a stored response: none is stored."""

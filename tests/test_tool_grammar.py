@@ -12,7 +12,6 @@ The processor's phases (free, in a call, turn over) are checked directly.
 from __future__ import annotations
 
 import json
-import logging
 from functools import partial
 
 import httpx
