@@ -37,9 +37,9 @@ SYSTEM = "You are a careful coding agent. Read files before editing them. " * 6
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.{}; cc_entrypoint=sdk-cli;{}"
 
 
-@pytest.fixture(scope="module")
-def served(tools_model_dir):
-    with InProcessServer(SystemConfig(model_dir=tools_model_dir)) as server:
+@pytest.fixture(scope="module", params=[1, 2], ids=["serial", "batch"])
+def served(request, tools_model_dir):
+    with InProcessServer(SystemConfig(model_dir=tools_model_dir, batch_rows_max=request.param)) as server:
         yield server
 
 
@@ -252,3 +252,19 @@ def test_admins_see_the_excerpts_at_the_divergence_point(tools_model_dir):
         assert "Omega" in divergence["prompt_next"] and "Alpha" in divergence["cached_next"]
         assert divergence["shared_before"].strip()
         assert httpx.get(f"{server.base}/stats/requests", timeout=30).status_code == 401
+
+
+def test_hosted_tools_reject_keeps_the_400(tools_model_dir):
+    settings = HttpSettings(hosted_tools="reject")
+    with InProcessServer(SystemConfig(model_dir=tools_model_dir), settings=settings) as server:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            _claude(server).messages.create(
+                model=MODEL,
+                max_tokens=4,
+                tools=[{"type": "bash_20250124", "name": "bash"}],
+                messages=[{"role": "user", "content": "ls"}],
+            )
+        assert "tools[0].type is a 'bash_20250124' tool" in refused.value.body["error"]["message"]
+        with pytest.raises(openai.BadRequestError) as refused_openai:
+            _openai(server).responses.create(model="llama-tools", input="hi", tools=[{"type": "web_search"}])
+        assert refused_openai.value.param == "tools[0]"
