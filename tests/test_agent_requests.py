@@ -18,6 +18,7 @@ import attrs
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 from test_http_errors import InProcessServer
 
 from kvcellar.actors.system import SystemConfig
@@ -28,6 +29,7 @@ from kvcellar.http.app import HttpSettings
 from kvcellar.http.inbound import MAX_TOKENS_LIMIT, InboundPolicy
 from kvcellar.http.parsing import parse_body
 from kvcellar.http.responses import parse_responses_body
+from kvcellar.http.serve_cli import serve_command
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agent_requests"
@@ -268,3 +270,8 @@ def test_hosted_tools_reject_keeps_the_400(tools_model_dir):
         with pytest.raises(openai.BadRequestError) as refused_openai:
             _openai(server).responses.create(model="llama-tools", input="hi", tools=[{"type": "web_search"}])
         assert refused_openai.value.param == "tools[0]"
+
+
+def test_serve_names_the_two_switches():
+    text = CliRunner().invoke(serve_command, ["--help"], terminal_width=200).output
+    assert "--hosted-tools [omit|reject]" in text and "--prompt-normalize [on|off]" in text
