@@ -203,6 +203,9 @@ def test_two_sessions_differing_only_in_the_billing_header_share_the_cache(serve
     assert second.cache_read_input_tokens >= 0.9 * prompt_tokens
     rewrites = httpx.get(f"{served.base}/stats", timeout=30).json()["inbound"]["prompt_rewrites"]
     assert rewrites["claude_code_billing_header"] >= 2
+    metrics = httpx.get(f"{served.base}/metrics", timeout=30).text
+    counted = float(rewrites["claude_code_billing_header"])
+    assert f'kvcellar_inbound_prompt_rewrites_total{{rule="claude_code_billing_header"}} {counted}' in metrics
 
 
 def test_every_reply_carries_the_cache_header(served):
