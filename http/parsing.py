@@ -162,7 +162,8 @@ def parse_job(
         max_tokens_asked,
         prompt_tokens=len(prompt_ids),
         context_tokens_max=loaded.context_tokens_max,
-        field=max_tokens_field,
+        # The Responses API hands its `max_output_tokens` over as `max_tokens`.
+        field="max_output_tokens" if api == "responses" else max_tokens_field,
         prompt_param="messages" if chat else "prompt",
     )
     seed = body.get("seed")
