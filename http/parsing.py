@@ -143,7 +143,11 @@ def parse_job(
         raise BadRequest("the request body must be a JSON object")
     model_name = body.get("model")
     if model_name is not None and model_name not in model_names | _model_names(loaded):
-        raise BadRequest(f"model {model_name!r} is not served here; see GET /v1/models", param="model")
+        raise BadRequest(
+            f"model {model_name!r} is not served here: this server serves {loaded.model_dir.name!r} "
+            "(GET /v1/models); set your client's model to that name (Codex: model = ... in config.toml)",
+            param="model",
+        )
     if body.get("n", 1) != 1:
         raise BadRequest("only 'n' = 1 is supported", param="n")
     tokenizer = loaded.tokenizer
