@@ -24,6 +24,43 @@ class UsageError(KvCellarError):
     (an unknown architecture, a missing directory). The caller's fault."""
 
 
+class PromptTooLong(UsageError):
+    """Raised when a request's prompt alone fills the model's context, leaving
+    no room for one reply token. The client's fault: each API answers it as a
+    400 in its own words (Anthropic's `prompt is too long: N tokens > M
+    maximum`, which Claude Code answers by compacting; OpenAI's code
+    `context_length_exceeded`)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, *, prompt_tokens: int, context_tokens_max: int, param: str) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_tokens_max = context_tokens_max
+        # A reply needs one token, so the longest prompt served is one short of the context.
+        self.prompt_tokens_max = context_tokens_max - 1
+        self.param = param
+        super().__init__(
+            f"This model's maximum context length is {context_tokens_max} tokens, and the prompt alone is "
+            f"{prompt_tokens} tokens, which leaves no room for a reply: shorten the prompt to at most "
+            f"{self.prompt_tokens_max} tokens (or compact the conversation)"
+        )
+
+    @property
+    def anthropic_message(self) -> str:
+        """Anthropic's own wording, which Claude Code recognises and answers by compacting."""
+        return f"prompt is too long: {self.prompt_tokens} tokens > {self.prompt_tokens_max} maximum"
+
+
+class HostedToolRefused(UsageError):
+    """Raised under `kvcellar serve --hosted-tools reject` for a hosted or
+    server tool (OpenAI's `web_search`, Anthropic's `bash_…`) the server
+    cannot run. The client's fault; each API answers a 400 naming `param`."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class UnknownCacheKind(KvCellarError):
     """Raised when a cache object of a class kvcellar has no codec for reaches
     signature or persistence code. "Unknown is a bug, not a route": it is

@@ -143,6 +143,8 @@ class System:
             prompt_tokens=len(request.prompt_ids),
             clock_s=trio.current_time,
             wall_clock_s=self.seams.wall_clock_s,
+            notes=request.notes,
+            prompt_ids=request.prompt_ids,
         )
         async with aclosing(items) as stream:
             async for item in stream:
