@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from test_http_errors import InProcessServer
 
 from kvcellar.actors.system import SystemConfig
+from kvcellar.cli.serve import serve_command
 from kvcellar.engine.engine import _load
 from kvcellar.errors import HostedToolRefused
 from kvcellar.http.anthropic import parse_messages_body
@@ -29,7 +30,6 @@ from kvcellar.http.app import HttpSettings
 from kvcellar.http.inbound import MAX_TOKENS_LIMIT, InboundPolicy
 from kvcellar.http.parsing import parse_body
 from kvcellar.http.responses import parse_responses_body
-from kvcellar.http.serve_cli import serve_command
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agent_requests"
