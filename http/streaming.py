@@ -22,7 +22,7 @@ prefix computed so far.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 from starlette.requests import Request
@@ -42,8 +42,16 @@ class KeepAliveStreamingResponse(StreamingResponse):
     """A `StreamingResponse` that writes `keepalive` whenever its body has
     been silent for `interval_s` seconds."""
 
-    def __init__(self, content: object, *, keepalive: str, interval_s: float, media_type: str) -> None:
-        super().__init__(content, media_type=media_type)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        content: object,
+        *,
+        keepalive: str,
+        interval_s: float,
+        media_type: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)  # type: ignore[arg-type]
         self.keepalive = keepalive.encode()
         self.interval_s = interval_s
 

@@ -23,7 +23,7 @@ from kvcellar.actors.gateway import (
     StopAdmission,
     Withdraw,
 )
-from kvcellar.actors.runtime import IllegalTransition
+from kvcellar.errors import IllegalTransition
 
 
 def _starts(effects):
