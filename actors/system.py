@@ -64,7 +64,7 @@ from kvcellar.actors.system_wiring import (
 from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
-from kvcellar.engine.engine import EngineStopped, EngineThread, LoadedModel
+from kvcellar.engine.engine import EngineThread, LoadedModel
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
     MemoryGuard,
@@ -72,7 +72,7 @@ from kvcellar.engine.memory import (
     MlxMemoryMeter,
 )
 from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
-from kvcellar.errors import JournalError, UsageError
+from kvcellar.errors import EngineStopped, JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalEvent
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
