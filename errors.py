@@ -154,6 +154,17 @@ class EngineStopped(KvCellarError):
     server's fault (a request raced shutdown); the request fails cleanly."""
 
 
+class PrefillCancelled(KvCellarError):
+    """Raised on the engine thread, between two prefill chunks, when the
+    request's client has gone (issue 38): the prefill stops there. Nobody's
+    fault; the generation catches it, keeps the `tokens_done` prompt tokens its
+    caches hold in the tiers, and ends without a token."""
+
+    def __init__(self, message: str, *, tokens_done: int) -> None:
+        super().__init__(message)
+        self.tokens_done = tokens_done
+
+
 class InsufficientMemory(KvCellarError):
     """Raised when a request cannot fit the memory budget even after every
     reclaimable cache entry is released (at admission, or at a relief check

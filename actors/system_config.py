@@ -99,6 +99,9 @@ class SystemSeams:
     what the memory guard measures (None: MLX's allocator counters).
     `checkpoint_listeners`: see what generation checkpoints are offered and
     resumed, with their requests (the simulator's checkpoint invariants).
+    `prefill_chunk_hook(tokens_done, tokens_total)`: called on the engine
+    thread with each prefill progress report, before the prefill goes on (a
+    test holds a prefill between two chunks there); None: nothing.
     """
 
     engine: Any = None
@@ -116,6 +119,7 @@ class SystemSeams:
     shared_objects: ObjectStore | None = None
     # Listeners of generation checkpoints (`Checkpointing.listeners`: the simulator's checks).
     checkpoint_listeners: tuple[CheckpointListener, ...] = ()
+    prefill_chunk_hook: Callable[[int, int], None] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -307,6 +307,17 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "header line) into one fixed form before templating, so sessions share their cached prefix "
     "(rules: docs/agents.md).",
 )
+@click.option(
+    "--keepalive-interval",
+    "keepalive_interval_s",
+    # http/streaming.py's KEEPALIVE_INTERVAL_S_DEFAULT (the CLI imports nothing heavy before a command runs).
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0.01, max=3600),
+    help="Seconds a stream may stay silent (a long prefill, a wait for the lane) before it gets a keep-alive: "
+    "an Anthropic ping event, an SSE comment on the OpenAI APIs. Agents give up on a stream silent for "
+    "minutes; keep it well under their idle timeout.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -340,6 +351,7 @@ def serve_command(
     tool_call_grammar: str,
     hosted_tools: str,
     prompt_normalize: str,
+    keepalive_interval_s: float,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -395,6 +407,7 @@ def serve_command(
         tool_call_grammar=tool_call_grammar == "on",
         hosted_tools="reject" if hosted_tools == "reject" else "omit",
         prompt_normalize=prompt_normalize == "on",
+        keepalive_interval_s=keepalive_interval_s,
     )
     try:
         trio.run(serve_forever, config, host, port, settings)

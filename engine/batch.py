@@ -17,6 +17,13 @@ end), and when the first one ends the row's caches, extracted, hold exactly
 prompt-only caches after a cold prefill of `snapshot_prefill_tokens_min` or
 more.
 
+A client that leaves (issue 38): its row is cancelled at the next turn of
+the loop, so within one step (one prefill chunk or one decode step), and its
+caches, extracted as for any finished row, hold what the row computed so far
+(mid-prefill, the prompt's first tokens) and are put in the tiers, so the
+client's retry reuses them. Each prefilling row's `prefill_observer` hears
+its progress after every step and its cancellation.
+
 Generation checkpoints (spec §5.7, `engine/checkpointing.py`): mlx-lm's
 generation step feeds the token it sampled last step and samples the next,
 so right after a step each running row is at the checkpoint boundary: its
@@ -424,6 +431,8 @@ class BatchLoop:
             state.prefilled_tokens = state.cached_tokens + response.progress[0]
             if response.end_of_prompt:
                 state.prefilling = False
+            elif (observer := state.row.request.prefill_observer) is not None:
+                observer.progress(state.prefilled_tokens, len(state.prompt))
             if response.end_of_segment and state.boundary is not None:
                 if self._quantized is not None:
                     self._quantized.convert_prefilling(self._generator)
@@ -491,6 +500,10 @@ class BatchLoop:
                 # A row cancelled mid-prefill still holds unquantized KV: the chokepoint converts it, as serially.
                 caches = self._quantized.scheme.convert(list(caches))
             self.prompt_cache.put(list(tokens), caches, state.row.request.namespace)
+        observer = state.row.request.prefill_observer
+        if outcome == "cancelled" and state.prefilling and observer is not None:
+            kept_tokens = len(tokens) if state.use_cache and len(tokens) > state.cached_tokens else 0
+            observer.cancelled(kept_tokens, len(state.prompt))
         tail = state.assembler.closing_text() if outcome == "completed" else ""
         if tail:
             events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=-1, text=tail)))

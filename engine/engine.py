@@ -60,8 +60,22 @@ class LoadedModel:
 
 
 # Called before each prefill chunk with its token count, the tokens of
-# `tokens` already run and the caches (the memory guard's relief check).
+# `tokens` already run and the caches (the memory guard's relief check, the
+# client-gone check); raising stops the prefill before that chunk.
 BeforeChunk = Callable[[int, int, list[Any]], None]
+
+
+class PrefillObserver(Protocol):
+    """Told about one request's prefill, on the engine thread (issue 38: a
+    long prefill never looks dead). `progress` comes at least once per chunk
+    with the prompt tokens the caches hold and the prompt's length; `cancelled`
+    once, when the client left mid-prefill, with the tokens kept in the tiers.
+    It runs on the lane's time: hand the news to another thread and return (a
+    test's seam may hold it there, to hold the prefill between two chunks)."""
+
+    def progress(self, tokens_done: int, tokens_total: int) -> None: ...
+
+    def cancelled(self, tokens_kept: int, tokens_total: int) -> None: ...
 
 
 def prefill(

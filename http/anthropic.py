@@ -58,7 +58,7 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
@@ -71,6 +71,12 @@ from kvcellar.http.failures import classify_failure
 from kvcellar.http.inbound import InboundPolicy, Intake
 from kvcellar.http.parsing import TokenizerLane, _number, positive_bound, reply_processors, sampling_fields
 from kvcellar.http.refusals import refused_unread
+from kvcellar.http.streaming import (
+    ANTHROPIC_PING_KEEPALIVE,
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
@@ -145,8 +151,15 @@ def _key_ok(request: Request, secret: str | None) -> bool:
 # -- routes --------------------------------------------------------------------
 
 
-def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], str | None]) -> list[Route]:
-    """The two Messages API routes over a started system, parsing on `lane`."""
+def messages_routes(
+    system: System,
+    lane: TokenizerLane,
+    api_key: Callable[[], str | None],
+    *,
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
+) -> list[Route]:
+    """The two Messages API routes over a started system, parsing on `lane`;
+    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py)."""
     loaded = system.loaded
     model_id = loaded.model_dir.name
 
@@ -168,16 +181,22 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(
+            return KeepAliveStreamingResponse(
                 _stream(system, job, lane, model_id),
+                keepalive=ANTHROPIC_PING_KEEPALIVE,
+                interval_s=keepalive_interval_s,
                 media_type="text/event-stream",
                 headers=stream_cache_header(job.prompt_tokens),
             )
-        try:
-            body, done = await _complete(system, job, lane, model_id)
-            return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
-        except Exception as e:
-            return _failure_response(e)
+
+        async def reply() -> Response:
+            try:
+                body, done = await _complete(system, job, lane, model_id)
+                return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
     async def count_tokens(request: Request) -> Response:
         if not _key_ok(request, api_key()):

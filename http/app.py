@@ -39,7 +39,7 @@ import attrs
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
@@ -56,6 +56,12 @@ from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, CompletionJob, TokenizerLane
 from kvcellar.http.refusals import refused_unread
 from kvcellar.http.responses import ResponsesRoute
+from kvcellar.http.streaming import (
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    SSE_COMMENT_KEEPALIVE,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 log = logging.getLogger("kvcellar.http")
@@ -68,6 +74,8 @@ class HttpSettings:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
     # `--tool-call-grammar`: constrain tool calls to the offered tools (http/tool_grammar.py).
     tool_call_grammar: bool = True
+    # `--keepalive-interval`: a stream silent this long gets a keep-alive (http/streaming.py).
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT
     # `--hosted-tools`: leave out ("omit") or refuse ("reject") tools the server cannot run (http/inbound.py).
     hosted_tools: HostedTools = "omit"
     # `--prompt-normalize`: the prompt-normalisation rules (http/prompt_rules.py).
@@ -243,16 +251,22 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(
+            return KeepAliveStreamingResponse(
                 _sse(system, job, model_id),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=settings.keepalive_interval_s,
                 media_type="text/event-stream",
                 headers=stream_cache_header(job.prompt_tokens),
             )
-        try:
-            body, done = await _complete(system, job, model_id)
-            return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
-        except Exception as e:
-            return _failure_response(e)
+
+        async def reply() -> Response:
+            try:
+                body, done = await _complete(system, job, model_id)
+                return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, chat=True)
@@ -272,6 +286,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         model_id=model_id,
         max_tokens_default=settings.max_tokens_default,
         failure_body=failure_body,
+        keepalive_interval_s=settings.keepalive_interval_s,
     )
     routes = [
         Route("/", index, methods=["GET", "HEAD"]),
@@ -279,7 +294,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(api_key, chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
-        *messages_routes(system, tokenizer_lane, api_key),
+        *messages_routes(system, tokenizer_lane, api_key, keepalive_interval_s=settings.keepalive_interval_s),
         Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
         Route(
             "/v1/responses/{response_id:path}",

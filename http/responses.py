@@ -51,7 +51,7 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel
@@ -60,6 +60,12 @@ from kvcellar.errors import BadRequest, PromptTooLong
 from kvcellar.http.cache_header import cache_header, stream_cache_header
 from kvcellar.http.inbound import InboundPolicy, Intake
 from kvcellar.http.parsing import CompletionJob, TokenizerLane, parse_job, positive_bound
+from kvcellar.http.streaming import (
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    SSE_COMMENT_KEEPALIVE,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import TOOL_CHOICES, ContentText, Piece, ReasoningText, ReplySplitter, ToolCall
 
@@ -638,9 +644,18 @@ class ResponsesRoute:
     maps an error to its status and OpenAI error body (http/app.py's)."""
 
     def __init__(
-        self, system: System, lane: TokenizerLane, *, model_id: str, max_tokens_default: int, failure_body: FailureBody
+        self,
+        system: System,
+        lane: TokenizerLane,
+        *,
+        model_id: str,
+        max_tokens_default: int,
+        failure_body: FailureBody,
+        keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
     ) -> None:
         self._system = system
+        # A stream silent this long gets an SSE comment (http/streaming.py).
+        self._keepalive_interval_s = keepalive_interval_s
         self._lane = lane
         self._model_id = model_id
         self._max_tokens_default = max_tokens_default
@@ -679,9 +694,18 @@ class ResponsesRoute:
         shaper = ResponseShaper(self._system.loaded.tokenizer, job, self._model_id)
         prompt_tokens = job.job.prompt_tokens
         if job.job.stream:
-            return StreamingResponse(
-                self._events(job, shaper), media_type="text/event-stream", headers=stream_cache_header(prompt_tokens)
+            return KeepAliveStreamingResponse(
+                self._events(job, shaper),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=self._keepalive_interval_s,
+                media_type="text/event-stream",
+                headers=stream_cache_header(prompt_tokens),
             )
+        return await unless_client_leaves(request, partial(self._reply, job, shaper))
+
+    async def _reply(self, job: ResponsesJob, shaper: ResponseShaper) -> Response:
+        """The whole response at once (not streamed)."""
+        prompt_tokens = job.job.prompt_tokens
         done = None
         try:
             async for item in self._system.generate(job.job.request):
