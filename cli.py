@@ -41,12 +41,12 @@ _register_commands()
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 an error).
     `serve` from a real command line (not `argv` from a caller) first
-    re-executes itself with huge pages for its allocations (kvcellar.huge_pages), and
-    `model train` with OpenBLAS preloaded (kvcellar.blas_preload)."""
+    re-executes itself with huge pages for its allocations (kvcellar.huge_pages) and OpenBLAS
+    preloaded, and `model train` with OpenBLAS preloaded (kvcellar.blas_preload)."""
     if argv is None and sys.argv[1:2] == ["serve"]:
-        from kvcellar.huge_pages import reexec_with_huge_pages
+        from kvcellar.blas_preload import reexec_serve_with_openblas_and_huge_pages
 
-        reexec_with_huge_pages()
+        reexec_serve_with_openblas_and_huge_pages()
     if argv is None and sys.argv[1:3] == ["model", "train"]:
         from kvcellar.blas_preload import reexec_with_openblas
 
