@@ -97,17 +97,19 @@ def reexec_with_openblas() -> None:
     os.execve(sys.executable, sys.orig_argv, environment)
 
 
-def reexec_serve_with_openblas_and_huge_pages() -> None:
-    """`kvcellar serve`'s one re-execution: glibc's huge-page tunable (kvcellar.huge_pages) and
-    OpenBLAS preloaded, so the float32 compute `--compute-dtype auto` picks on the CPU runs in
-    OpenBLAS rather than the wheel's reference BLAS (~5x slower here). No kernel pin: serving
-    needs no bit-identical training. `LD_PRELOAD=` opts out of the preload, as for training.
-    Returns only when neither applies."""
-    from kvcellar.huge_pages import host_reexec_environment
+def serve_preload_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """`kvcellar serve`'s environment with OpenBLAS preloaded (None: nothing to change), so the
+    float32 compute `--compute-dtype auto` picks on the CPU runs in OpenBLAS rather than the
+    wheel's reference BLAS (~5x slower here). No kernel pin: serving needs no bit-identical
+    training. `LD_PRELOAD=` opts out, as for training. `kvcellar.cli` re-executes once with
+    this and the huge-page tunable together."""
+    return preload_environment(environ, system=platform.system(), library=find_openblas())
 
-    huge_pages = host_reexec_environment(os.environ)
-    with_blas = preload_environment(huge_pages or os.environ, system=platform.system(), library=find_openblas())
-    environment = with_blas or huge_pages
+
+def reexec_with_serve_openblas() -> None:
+    """Replace this process by itself with `serve_preload_environment` (a benchmark measuring
+    what `serve` computes with); returns only when it changes nothing."""
+    environment = serve_preload_environment(os.environ)
     if environment is None:
         return
     sys.stdout.flush()

@@ -294,7 +294,7 @@ def main(
 
 
 if __name__ == "__main__":
-    from kvcellar.blas_preload import reexec_serve_with_openblas_and_huge_pages
+    from kvcellar.blas_preload import reexec_with_serve_openblas
 
-    reexec_serve_with_openblas_and_huge_pages()
+    reexec_with_serve_openblas()
     main()
