@@ -112,7 +112,8 @@ def write_tokenizer_files(model_dir: Path, base_tokenizer: dict[str, Any] | None
     tokenizer_json = _tools_tokenizer_json(base_tokenizer)
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
     files = {
-        "tokenizer_config.json": _tokenizer_config("tools"),
+        # The tokenizer's own length limit follows the context (transformers warns past it).
+        "tokenizer_config.json": {**_tokenizer_config("tools"), "model_max_length": CONTEXT_TOKENS},
         "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     }
     for name, content in files.items():
