@@ -36,10 +36,10 @@ import attrs
 import outcome
 import trio
 
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
+from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
 from kvcellar.engine.engine import EngineThread
 from kvcellar.engine.generation import GenerationDone, TokenDelta
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import AdmissionClosed, IllegalTransition
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 
 # -- messages -------------------------------------------------------------------
@@ -282,11 +282,6 @@ def _completion_tokens(counted: int, item: Any) -> int:
     if isinstance(item, TokenDelta) and item.token_id >= 0:
         return counted + 1
     return counted
-
-
-class AdmissionClosed(KvCellarError):
-    """Raised to a request that arrives after shutdown began. Nobody's fault;
-    the client should retry elsewhere or later (HTTP 503)."""
 
 
 class Gateway:

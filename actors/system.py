@@ -72,9 +72,9 @@ from kvcellar.engine.memory import (
     MlxMemoryMeter,
 )
 from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
-from kvcellar.errors import UsageError
+from kvcellar.errors import JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
-from kvcellar.store.journal import JournalError, JournalEvent
+from kvcellar.store.journal import JournalEvent
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
@@ -144,6 +144,8 @@ class System:
             prompt_tokens=len(request.prompt_ids),
             clock_s=trio.current_time,
             wall_clock_s=self.seams.wall_clock_s,
+            notes=request.notes,
+            prompt_ids=request.prompt_ids,
         )
         async with aclosing(items) as stream:
             async for item in stream:

@@ -42,11 +42,11 @@ import numpy as np
 from rich.console import Console
 
 from kvcellar.bench.common import describe_machine, load_note, model_option, print_figures, publish, publish_options
-from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
+from kvcellar.demo.corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
+from kvcellar.demo.train import TRAINING_LOG_FILE_NAME, build_streams, fixed_windows, held_out_loss
+from kvcellar.demo.training_config import TrainingConfig
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
-from kvcellar.engine.demo_training_config import TrainingConfig
 from kvcellar.engine.tool_calls import offered_tool_names
-from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, build_streams, fixed_windows, held_out_loss
 
 DOCS_BEGIN, DOCS_END = "<!-- demo_model:begin -->", "<!-- demo_model:end -->"
 PRINTABLE_WORD_SHARE_MIN = 0.9

@@ -77,15 +77,16 @@ from kvcellar.engine.generation import (
     delta_logprob,
     take_reuse,
 )
-from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
+from kvcellar.engine.memory import DECODE_CHECK_TOKENS, MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv, blocks_for
 from kvcellar.engine.quant_batch import PREFILL_ROWS, QuantizedRows, quantized_batch_refusal
 from kvcellar.engine.sampling import build_processors
 from kvcellar.engine.scalars import item_int
+from kvcellar.errors import InsufficientMemory
 from kvcellar.store import signature as sig
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import snapshot_caches
-from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.prompt_cache import CacheDivergence, PromptCache
 from kvcellar.store.scheme import KvScheme
 
 _ROW_SIGNATURES = frozenset({sig.SIGNATURE_PLAIN, sig.SIGNATURE_ROTATING, sig.SIGNATURE_SSM})
@@ -178,6 +179,8 @@ class _Row:
     boundary: int | None
     assembler: TextAssembler
     produced: int = 0
+    # Where the prompt left the longest prefix a tier shared with it (`GenerationDone.divergence`).
+    divergence: CacheDivergence | None = None
     # Until its last prompt token ran: the memory guard reserves a prefill chunk for it.
     prefilling: bool = True
     # Prompt tokens its caches hold so far (the lent prefix, then each chunk run).
@@ -326,6 +329,7 @@ class BatchLoop:
             cached_tokens=cached_tokens,
             prefilled_tokens=cached_tokens,
             cache_tier=reuse.tier,
+            divergence=reuse.divergence,
             use_cache=reuse.use_cache,
             snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
             boundary=boundary,
@@ -497,6 +501,7 @@ class BatchLoop:
             cached_tokens=state.cached_tokens,
             cache_tier=state.cache_tier,
             resumed_tokens=state.checkpoints.resumed_tokens if state.checkpoints is not None else 0,
+            divergence=state.divergence,
         )
         events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done, error=error))
 

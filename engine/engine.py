@@ -26,7 +26,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from kvcellar.engine.compute_dtype import ComputeDtype, choose_compute_dtype, read_weights_facts
 from kvcellar.engine.reply import CrossThreadReply
 from kvcellar.engine.scalars import item_int
-from kvcellar.errors import KvCellarError, ModelError, UsageError
+from kvcellar.errors import EngineStopped, ModelError, UsageError
 
 PREFILL_STEP_TOKENS = 512
 # What an engine computes in when nobody resolved a policy for it: the weights' own dtype.
@@ -217,11 +217,6 @@ class MlxBufferCache:
 
     def clear_cache(self) -> None:
         mx.clear_cache()
-
-
-class EngineStopped(KvCellarError):
-    """Raised when a job is submitted to an engine that has shut down. The
-    server's fault (a request raced shutdown); the request fails cleanly."""
 
 
 class EngineThread:

@@ -52,7 +52,7 @@ from kvcellar.engine.scalars import item_int
 from kvcellar.errors import UsageError
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import lend_caches, snapshot_caches
-from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.prompt_cache import CacheDivergence, PromptCache
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 
@@ -63,6 +63,26 @@ def tier_form(cache: list, paged_kv: PagedKv | None) -> list:
     """The caches as the tiers and checkpoints take them: with paged KV, every
     paged layer converted to a plain copy (the tier boundary, spec §6.3)."""
     return cache if paged_kv is None else paged_kv.plain(cache)
+
+
+@attrs.frozen(kw_only=True)
+class RequestNotes:
+    """What the HTTP side changed of a request on its way in (docs/agents.md),
+    carried to its `/stats/requests` record; the engine never reads it.
+    `max_tokens_requested` is set only when the reply bound was clamped (to
+    `params.max_tokens`); `hosted_tools_left_out` names the hosted or server
+    tools left out of the prompt; `schema_keywords_relaxed` the JSON-schema
+    keywords dropped from the tool-call grammar's copy of the tools;
+    `prompt_rewrites` the prompt-normalisation rules that rewrote the prompt."""
+
+    api: str = ""
+    max_tokens_requested: int | None = None
+    hosted_tools_left_out: tuple[str, ...] = ()
+    schema_keywords_relaxed: tuple[str, ...] = ()
+    prompt_rewrites: tuple[str, ...] = ()
+
+
+NO_NOTES = RequestNotes()
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +101,7 @@ class GenerationRequest:
     # tokens the next turn's rendering keeps, strictly inside the prompt; the
     # prompt-boundary snapshot goes there. None: no boundary known.
     snapshot_at_tokens: int | None = None
+    notes: RequestNotes = attrs.field(default=NO_NOTES, eq=False)
 
     def __attrs_post_init__(self) -> None:
         boundary = self.snapshot_at_tokens
@@ -102,6 +123,8 @@ class Reuse:
     tier: str
     # The tier's entry the caches were lent from ("" on a miss): the request's own, never a relief victim.
     entry_id: str = ""
+    # Where the prompt left the longest prefix a tier shares with it (before this take); None without tiers.
+    divergence: CacheDivergence | None = None
 
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
@@ -125,13 +148,16 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
     """Take the longest usable prefix of the request's prompt from the tiers, when it uses them."""
     if not request.use_prompt_cache or prompt_cache is None or not prompt_cache.enabled:
         return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
-    taken = prompt_cache.take(list(request.prompt_ids), request.namespace)
+    prompt = list(request.prompt_ids)
+    divergence = prompt_cache.divergence(prompt, request.namespace)
+    taken = prompt_cache.take(prompt, request.namespace)
     return Reuse(
         use_cache=True,
         caches=taken.caches,
         cached_tokens=taken.reused_tokens,
         tier=taken.tier,
         entry_id=taken.entry_id,
+        divergence=divergence,
     )
 
 
@@ -162,6 +188,8 @@ class GenerationDone:
     cache_tier: str
     # Emitted tokens a resumed generation took from its checkpoint (spec §5.7), replayed, not generated.
     resumed_tokens: int = 0
+    # Where the prompt left the longest prefix a tier shared with it (`/stats/requests`); None without tiers.
+    divergence: CacheDivergence | None = None
 
 
 def _prefill_boundary_snapshot(
@@ -414,4 +442,5 @@ def run_generation(
         cached_tokens=start.reuse.cached_tokens,
         cache_tier=start.reuse.tier,
         resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
+        divergence=start.reuse.divergence,
     )

@@ -257,7 +257,14 @@ SPECS += (
         name="kvcellar_tool_call_grammar",
     ),
     _counter(_TOOL_GRAMMAR, "requests", "Requests generated with the tool-call grammar attached."),
-    _counter(_TOOL_GRAMMAR, "fallbacks", "Requests whose tools' schemas llguidance could not compile: unconstrained."),
+    _counter(
+        _TOOL_GRAMMAR,
+        "fallbacks",
+        "Requests whose tools' schemas did not compile even relaxed: unconstrained.",
+    ),
+    _counter(
+        _TOOL_GRAMMAR, "relaxed", "Requests whose tools' schemas were relaxed for the grammar (keywords dropped)."
+    ),
     _gauge(
         _TOOL_GRAMMAR,
         "compile_ms_last",
@@ -266,6 +273,11 @@ SPECS += (
         scale=0.001,
     ),
 )
+
+
+# What requests had clamped, left out and rewritten on the way in (http/inbound.py).
+SPECS += (_counter("inbound", "max_tokens_clamped", "Requests whose reply bound was clamped to the context's room."),)
+_STRUCTURED.update({("inbound", "hosted_tools_left_out"), ("inbound", "prompt_rewrites")})
 
 
 class StatsCollector(Collector):
@@ -284,6 +296,7 @@ class StatsCollector(Collector):
         yield from last_flush_families(_section(stats, "flush").get("last"))
         yield from ssd_wear_families(_section(stats, _SSD))
         yield checkpoints_skipped_family(_section(stats, _CHECKPOINTS).get("skipped"))
+        yield from inbound_families(_section(stats, "inbound"))
         yield from undescribed_families(stats)
 
 
@@ -330,6 +343,20 @@ def batch_decode_steps_family(history: Any) -> CounterMetricFamily:
         for rows, steps in sorted(history.items(), key=lambda item: int(item[0])):
             family.add_metric([str(rows)], float(steps))
     return family
+
+
+def inbound_families(inbound: Mapping[str, Any]) -> Iterator[CounterMetricFamily]:
+    """The hosted tools left out by kind and the prompt rewrites by rule, as labelled counters."""
+    for field, label, help in (
+        ("hosted_tools_left_out", "kind", "Hosted or server tools left out of prompts, by tool type."),
+        ("prompt_rewrites", "rule", "System texts a prompt-normalisation rule rewrote, by rule."),
+    ):
+        family = CounterMetricFamily(f"kvcellar_inbound_{field}", help, labels=[label])
+        counts = inbound.get(field)
+        if isinstance(counts, Mapping):
+            for name, count in sorted(counts.items()):
+                family.add_metric([str(name)], float(count))
+        yield family
 
 
 def _serving_info_family(stats: Mapping[str, Any]) -> InfoMetricFamily:

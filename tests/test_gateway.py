@@ -22,7 +22,7 @@ from kvcellar.actors.gateway import (
     StepFinished,
     StopAdmission,
 )
-from kvcellar.actors.runtime import IllegalTransition
+from kvcellar.errors import IllegalTransition
 
 
 def _starts(effects):

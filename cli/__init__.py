@@ -1,8 +1,10 @@
 """The `kvcellar` command line: serve, model, kv, journal and simulate.
 
-Subcommand groups live beside the code they drive; this module only assembles
-them and turns a `KvCellarError` into a clear message and exit status 2
-instead of a traceback.
+Each command group is one module of this room, a thin click layer over the
+library (`serve.py`, `model.py`, `kv.py`, `journal.py`, `simulate.py`); this
+module only assembles them and turns a `KvCellarError` into a clear message
+and exit status 2 instead of a traceback. `python -m kvcellar.cli` runs it
+(`__main__.py`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ def cli() -> None:
 
 
 def _register_commands() -> None:
-    from kvcellar.engine.model_cli import model_group
-    from kvcellar.http.serve_cli import serve_command
-    from kvcellar.simulations.cli import simulate_command
-    from kvcellar.store.journal_cli import journal_group
-    from kvcellar.store.kv_cli import kv_group
+    from kvcellar.cli.journal import journal_group
+    from kvcellar.cli.kv import kv_group
+    from kvcellar.cli.model import model_group
+    from kvcellar.cli.serve import serve_command
+    from kvcellar.cli.simulate import simulate_command
 
     cli.add_command(serve_command)
     cli.add_command(model_group)
@@ -78,7 +80,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # In non-standalone mode click returns `ctx.exit(code)` codes as the result.
     return result if isinstance(result, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Train the `demo-coder` model: a ~5M-parameter llama on offline text, with MLX on the CPU.
 
-`kvcellar model train OUT_DIR` runs it. The data (`kvcellar.engine.demo_corpus`)
+`kvcellar model train OUT_DIR` runs it. The data (`kvcellar.demo.corpus`)
 is the standard library's sources plus synthetic chats, rendered with the
 Qwen3-style tools template and tokenized with a byte-level BPE trained on that
 training text (`tokenizer_ids` ids, identifiers kept whole) extended by the
@@ -42,13 +42,16 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kvcellar.engine import demo_corpus
-from kvcellar.engine.demo_conversations import (
+from kvcellar.demo import corpus as demo_corpus
+from kvcellar.demo.conversations import (
     build_conversation_rows,
     conversation_batch,
     padded_tokens,
     tool_length_classes,
 )
+from kvcellar.demo.tool_validation import CheckpointScore, ToolCallScorer
+from kvcellar.demo.train_tokenizer import train_corpus_tokenizer
+from kvcellar.demo.training_config import EVALUATION_SETTINGS, SETTINGS_BEFORE_THEY_EXISTED, TrainingConfig
 from kvcellar.engine.demo_models import (
     EOS_TOKEN,
     EOS_TOKEN_ID,
@@ -61,10 +64,7 @@ from kvcellar.engine.demo_models import (
     _tools_tokenizer_json,
     write_safetensors,
 )
-from kvcellar.engine.demo_training_config import EVALUATION_SETTINGS, SETTINGS_BEFORE_THEY_EXISTED, TrainingConfig
 from kvcellar.engine.scalars import item_float
-from kvcellar.engine.tool_validation import CheckpointScore, ToolCallScorer
-from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 from kvcellar.store.fingerprint import mlx_version
 

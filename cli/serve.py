@@ -289,6 +289,26 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "own output as-is (a tool with strict: true still turns it on for its request).",
 )
 @click.option(
+    "--hosted-tools",
+    "hosted_tools",
+    default="omit",
+    show_default=True,
+    type=click.Choice(["omit", "reject"]),
+    help="Hosted or server tools this server cannot run (OpenAI Responses web_search, namespace; Anthropic "
+    "web_search_..., bash_..., text_editor_..., code_execution_...): omit leaves them out of the prompt (one "
+    "WARNING per kind, names in /stats/requests); reject answers such a request with a 400 naming the tool.",
+)
+@click.option(
+    "--prompt-normalize",
+    "prompt_normalize",
+    default="on",
+    show_default=True,
+    type=click.Choice(["on", "off"]),
+    help="Rewrite system text that varies per request without changing its meaning (Claude Code's billing "
+    "header line) into one fixed form before templating, so sessions share their cached prefix "
+    "(rules: docs/agents.md).",
+)
+@click.option(
     "--compute-dtype",
     "compute_dtype",
     default=COMPUTE_DTYPE_DEFAULT,
@@ -331,6 +351,8 @@ def serve_command(
     paged_kv: bool,
     paged_kv_block_size: int,
     tool_call_grammar: str,
+    hosted_tools: str,
+    prompt_normalize: str,
     compute_dtype: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
@@ -386,6 +408,8 @@ def serve_command(
         admin_token=admin_token,
         max_tokens_default=max_tokens,
         tool_call_grammar=tool_call_grammar == "on",
+        hosted_tools="reject" if hosted_tools == "reject" else "omit",
+        prompt_normalize=prompt_normalize == "on",
     )
     try:
         trio.run(serve_forever, config, host, port, settings)
