@@ -64,7 +64,8 @@ from kvcellar.actors.system_wiring import (
 from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
-from kvcellar.engine.engine import EngineThread, LoadedModel
+from kvcellar.engine.compute_dtype import ComputeDtype
+from kvcellar.engine.engine import MODEL_DTYPE, EngineThread, LoadedModel, resolve_compute_dtype
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
     MemoryGuard,
@@ -450,6 +451,7 @@ class System:
             "gateway": self.gateway.stats(),
             "ssd_cache": ssd,
             "kv_scheme": self.scheme.cache_key,
+            "compute_dtype": self.loaded.compute.as_stats(),
             "scheduler": self._scheduler_stats(),
             "shared_cache": self.shared.stats() if self.shared is not None else {},
             "memory": self.memory_stats(),
@@ -560,7 +562,14 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
     admission, drain, flush bounded by `shutdown_timeout_s`) and close.
     `seams`: what a test or the simulator replaces (None: the real world)."""
     seams = seams or SystemSeams()
-    engine = seams.engine or EngineThread(config.model_dir, turn_log=seams.turn_log)
+    engine = seams.engine or EngineThread(
+        config.model_dir,
+        turn_log=seams.turn_log,
+        compute=await seams.run_blocking(lambda: resolve_compute_dtype(config.compute_dtype, config.model_dir)),
+    )
+    # A seam's engine (tests, the simulator) loads as it was built: the weights' own dtype unless it says otherwise.
+    compute: ComputeDtype = getattr(engine, "compute", MODEL_DTYPE)
+    log.info("compute dtype: %s (%s)", compute.cast_to or "the weights' own", compute.reason)
     store: SsdStore | None = None
     try:
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
@@ -573,7 +582,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
         else:
             wear = monitor = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
             loaded, store, tokenizer_hash = await load_model_beside_store(
-                engine, lambda: open_store(config, seams, scheme, monitor)
+                engine, lambda: open_store(config, seams, scheme, monitor, compute)
             )
         paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
         async with trio.open_nursery() as nursery:

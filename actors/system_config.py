@@ -18,6 +18,7 @@ from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT
 from kvcellar.actors.uploader import SharedCacheConfig
 from kvcellar.engine.checkpointing import CheckpointListener
+from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_DEFAULT
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.memory import MemoryMeter
@@ -75,6 +76,8 @@ class SystemConfig:
     generation_checkpoint_tokens: int = 0
     # Paged KV (spec §6, engine/paged_kv.py): the block size in tokens; None: off (no paged code runs).
     paged_kv_block_size: int | None = None
+    # `serve --compute-dtype` (engine/compute_dtype.py): `auto` computes small 16-bit models in float32 on the CPU.
+    compute_dtype: str = COMPUTE_DTYPE_DEFAULT
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]

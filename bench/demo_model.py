@@ -265,7 +265,11 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
             "the same, one call of the tool asked for",
         ),
         ("plain prompts answered with a tool call", str(result["plain_replies_with_tool_calls"]), "grammar off"),
-        ("decode tokens/s, demo-coder (bfloat16)", f"{result['demo_tokens_per_s']:.0f}", ""),
+        (
+            "decode tokens/s, demo-coder (bfloat16 weights)",
+            f"{result['demo_tokens_per_s']:.0f}",
+            "serve's compute dtype: float32 on the CPU",
+        ),
         (
             "decode tokens/s, random small llama (float32)",
             f"{result['random_small_tokens_per_s']:.0f}",

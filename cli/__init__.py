@@ -9,6 +9,7 @@ and exit status 2 instead of a traceback. `python -m kvcellar.cli` runs it
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -40,15 +41,28 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def reexec_serve() -> None:
+    """Replace this process by itself once, with glibc's huge-page tunable (kvcellar.huge_pages)
+    and OpenBLAS preloaded (kvcellar.blas_preload), when either applies; else return."""
+    from kvcellar.blas_preload import serve_preload_environment
+    from kvcellar.huge_pages import host_reexec_environment
+
+    huge_pages = host_reexec_environment(os.environ)
+    environment = serve_preload_environment(huge_pages or os.environ) or huge_pages
+    if environment is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, environment)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 an error).
     `serve` from a real command line (not `argv` from a caller) first
-    re-executes itself with huge pages for its allocations (kvcellar.huge_pages), and
-    `model train` with OpenBLAS preloaded (kvcellar.blas_preload)."""
+    re-executes itself with huge pages for its allocations (kvcellar.huge_pages) and OpenBLAS
+    preloaded, and `model train` with OpenBLAS preloaded (kvcellar.blas_preload)."""
     if argv is None and sys.argv[1:2] == ["serve"]:
-        from kvcellar.huge_pages import reexec_with_huge_pages
-
-        reexec_with_huge_pages()
+        reexec_serve()
     if argv is None and sys.argv[1:3] == ["model", "train"]:
         from kvcellar.blas_preload import reexec_with_openblas
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_CHOICES, COMPUTE_DTYPE_DEFAULT
 from kvcellar.errors import UsageError
 
 if TYPE_CHECKING:
@@ -318,6 +319,18 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "an Anthropic ping event, an SSE comment on the OpenAI APIs. Agents give up on a stream silent for "
     "minutes; keep it well under their idle timeout.",
 )
+@click.option(
+    "--compute-dtype",
+    "compute_dtype",
+    default=COMPUTE_DTYPE_DEFAULT,
+    show_default=True,
+    type=click.Choice(list(COMPUTE_DTYPE_CHOICES)),
+    help="The dtype weights, activations and KV are computed in. auto: on the CPU, a 16-bit model whose "
+    "float32 weights fit in 1 GiB is cast to float32 at load (MLX's 16-bit CPU matmul is a slow generic "
+    "kernel; float32 runs in BLAS), otherwise the weights' own; model: always the weights' own; float32: "
+    "always cast. The choice shows in the start-up log and /stats (compute_dtype), and a cast is part of the "
+    "serving fingerprint.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -352,6 +365,7 @@ def serve_command(
     hosted_tools: str,
     prompt_normalize: str,
     keepalive_interval_s: float,
+    compute_dtype: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -399,6 +413,7 @@ def serve_command(
         generation_checkpoint_tokens=generation_checkpoint_tokens,
         ssd_verify=ssd_cache_verify == "on",
         paged_kv_block_size=paged_kv_block_size if paged_kv else None,
+        compute_dtype=compute_dtype,
     )
     settings = HttpSettings(
         api_key=api_key,

@@ -74,6 +74,13 @@ LOSS_CURVE_FILE_NAME = "loss-curve.png"
 ProgressCallback = Callable[[str], None]
 
 
+# The context kvcellar serves it with (what it reads as the context): 128k, so an agent's
+# ~28k-token first prompt fits. Training rows are at most 768 tokens, so past that the
+# model is out of its trained range (RoPE extrapolation); the point is that the server
+# takes the prompt, not the quality of the reply (docs/demo-model.md, "Context").
+CONTEXT_TOKENS = 131072
+
+
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
     """The model's `config.json` (an mlx-lm llama with tied embeddings)."""
     return {
@@ -87,7 +94,7 @@ def llama_config(config: TrainingConfig) -> dict[str, Any]:
         "rms_norm_eps": 1e-5,
         "vocab_size": (config.tokenizer_ids or VOCAB_SIZE) + len(TOOL_FORMAT_TOKENS),
         "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": CONTEXT_TOKENS,
         "tie_word_embeddings": True,
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": PAD_TOKEN_ID,
@@ -105,7 +112,8 @@ def write_tokenizer_files(model_dir: Path, base_tokenizer: dict[str, Any] | None
     tokenizer_json = _tools_tokenizer_json(base_tokenizer)
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
     files = {
-        "tokenizer_config.json": _tokenizer_config("tools"),
+        # The tokenizer's own length limit follows the context (transformers warns past it).
+        "tokenizer_config.json": {**_tokenizer_config("tools"), "model_max_length": CONTEXT_TOKENS},
         "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     }
     for name, content in files.items():

@@ -23,11 +23,14 @@ import trio
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
+from kvcellar.engine.compute_dtype import ComputeDtype, choose_compute_dtype, read_weights_facts
 from kvcellar.engine.reply import CrossThreadReply
 from kvcellar.engine.scalars import item_int
 from kvcellar.errors import EngineStopped, ModelError, UsageError
 
 PREFILL_STEP_TOKENS = 512
+# What an engine computes in when nobody resolved a policy for it: the weights' own dtype.
+MODEL_DTYPE = ComputeDtype(policy="model", cast_to=None, reason="the weights' own dtype")
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +60,8 @@ class LoadedModel:
     tokenizer: Any
     model_dir: Path
     context_tokens_max: int
+    # The dtype policy the weights were loaded under (engine/compute_dtype.py).
+    compute: ComputeDtype = MODEL_DTYPE
 
 
 # Called before each prefill chunk with its token count, the tokens of
@@ -241,8 +246,11 @@ class EngineThread:
         buffer_cache: BufferCache | None = None,
         release_idle_s: float = RELEASE_IDLE_S,
         release_at_once_bytes: int = RELEASE_AT_ONCE_BYTES,
+        compute: ComputeDtype = MODEL_DTYPE,
     ) -> None:
         self.model_dir = Path(model_dir)
+        # Resolved before the engine starts: the serving fingerprint names it too.
+        self.compute = compute
         # (label, start, end) of every job, in perf_counter seconds, when given: lets
         # tests prove what ran between what.
         self.turn_log = turn_log
@@ -278,7 +286,7 @@ class EngineThread:
 
     async def start(self) -> LoadedModel:
         self._thread.start()
-        self._loaded = await self.call(lambda _: _load(self.model_dir), needs_model=False)
+        self._loaded = await self.call(lambda _: _load(self.model_dir, self.compute), needs_model=False)
         return self._loaded
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -359,7 +367,13 @@ class EngineThread:
             cancelled.set()
 
 
-def _load(model_dir: Path) -> LoadedModel:
+def resolve_compute_dtype(policy: str, model_dir: Path) -> ComputeDtype:
+    """`--compute-dtype` for the model in `model_dir` on MLX's default device: reads
+    the safetensors headers (file I/O: call it off the Trio thread) and device metadata only."""
+    return choose_compute_dtype(policy, device=mx.default_device().type.name, facts=read_weights_facts(model_dir))
+
+
+def _load(model_dir: Path, compute: ComputeDtype = MODEL_DTYPE) -> LoadedModel:
     from mlx_lm import load
 
     try:
@@ -367,6 +381,13 @@ def _load(model_dir: Path) -> LoadedModel:
         model, tokenizer = loaded[0], loaded[1]
     except Exception as e:
         raise ModelError(f"cannot load the model in {model_dir}: {e}") from e
+    if compute.cast_to is not None:
+        # Floating parameters only (nn.Module.set_dtype's default predicate); evaluated
+        # here so the bfloat16 originals are freed before the first request.
+        model.set_dtype(getattr(mx, compute.cast_to))
+        mx.eval(model.parameters())
     config = getattr(model, "args", None)
     context = getattr(config, "max_position_embeddings", None) or 8192
-    return LoadedModel(model=model, tokenizer=tokenizer, model_dir=model_dir, context_tokens_max=int(context))
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_dir=model_dir, context_tokens_max=int(context), compute=compute
+    )
