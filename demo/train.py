@@ -52,6 +52,7 @@ from kvcellar.demo.conversations import (
 from kvcellar.demo.tool_validation import CheckpointScore, ToolCallScorer
 from kvcellar.demo.train_tokenizer import train_corpus_tokenizer
 from kvcellar.demo.training_config import EVALUATION_SETTINGS, SETTINGS_BEFORE_THEY_EXISTED, TrainingConfig
+from kvcellar.engine.attention_window import WINDOW_CONFIG_KEY
 from kvcellar.engine.demo_models import (
     EOS_TOKEN,
     EOS_TOKEN_ID,
@@ -80,6 +81,10 @@ ProgressCallback = Callable[[str], None]
 # takes the prompt, not the quality of the reply (docs/demo-model.md, "Context").
 CONTEXT_TOKENS = 131072
 
+# Each query reads the last 768 keys (engine/attention_window.py): the training rows' length,
+# so replies within it are full attention's, and a 28k prompt prefills in linear time on a CPU.
+ATTENTION_WINDOW_TOKENS = 768
+
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
     """The model's `config.json` (an mlx-lm llama with tied embeddings)."""
@@ -99,6 +104,7 @@ def llama_config(config: TrainingConfig) -> dict[str, Any]:
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": PAD_TOKEN_ID,
         "torch_dtype": "bfloat16",
+        WINDOW_CONFIG_KEY: ATTENTION_WINDOW_TOKENS,
     }
 
 

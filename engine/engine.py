@@ -374,11 +374,12 @@ def resolve_compute_dtype(policy: str, model_dir: Path) -> ComputeDtype:
 
 
 def _load(model_dir: Path, compute: ComputeDtype = MODEL_DTYPE) -> LoadedModel:
-    from mlx_lm import load
+    from kvcellar.engine.attention_window import load_model_and_tokenizer
 
     try:
-        loaded = load(str(model_dir))
-        model, tokenizer = loaded[0], loaded[1]
+        model, tokenizer = load_model_and_tokenizer(model_dir)
+    except ModelError:
+        raise
     except Exception as e:
         raise ModelError(f"cannot load the model in {model_dir}: {e}") from e
     if compute.cast_to is not None:
