@@ -28,6 +28,7 @@ import http.server
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -86,6 +87,16 @@ def installed_clients() -> dict[str, Path | None]:
 _BINARIES = {"claude": CLAUDE_BIN, "codex": CODEX_BIN, "aider": AIDER_BIN}
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    """A client that drops its kept-alive connection is normal here, not a traceback on stderr."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class RecordingProxy:
     """Passes every request through to `upstream` unchanged, the answer streamed back as it comes
     (SSE included), and records each one's method, path and status. The handler threads append to
@@ -96,8 +107,7 @@ class RecordingProxy:
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self._exchanges: list[Exchange] = []
         self._lock = threading.Lock()
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
         self._thread = threading.Thread(target=self._server.serve_forever, name="recording-proxy", daemon=True)
 
     @property
