@@ -23,6 +23,7 @@ server passes each request through unchanged and records its status, because the
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.client
 import http.server
 import json
@@ -49,11 +50,61 @@ DUMMY_KEY = "sk-kvcellar-dummy"
 CLAUDE_MAX_TURNS = 3
 SESSION_TIMEOUT_S = 900
 ERROR_EXCERPT_CHARS = 600
-# What the project directory the CLI agents work in holds (a small git repository).
+# The project the CLI agents work in (a git repository): calc.py, whose `add` has a bug, sized like a
+# real module (~3k tokens) so that what an agent puts after the user's words (aider repeats its edit-format
+# rules there, ~300 tokens) is a realistic share of a prompt, not most of it.
+HELPER_NAMES = (
+    "mean",
+    "median",
+    "spread",
+    "total",
+    "product",
+    "smallest",
+    "largest",
+    "count_positive",
+    "count_negative",
+    "clamp_all",
+    "scale",
+    "shift",
+    "normalise",
+    "running_total",
+    "differences",
+    "ratios",
+    "squares",
+    "cubes",
+    "absolute",
+    "rounded",
+    "halves",
+    "doubles",
+    "reciprocals",
+    "signs",
+    "even_only",
+    "odd_only",
+)
+
+
+def _helper(name: str) -> str:
+    return (
+        f"def {name}(values: list[float]) -> list[float] | float:\n"
+        f'    """The {name.replace("_", " ")} of `values`: see the module docstring for the rules\n'
+        f'    every helper here follows (empty input, integers kept as integers, no mutation)."""\n'
+        f"    if not values:\n"
+        f'        raise ValueError("{name} needs at least one value")\n'
+        f"    result = [value for value in values]\n"
+        f"    return result\n"
+    )
+
+
 PROJECT_FILES = {
-    "calc.py": "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n",
+    "calc.py": (
+        '"""Tiny arithmetic helpers. Every helper takes a list of numbers, raises ValueError on an empty\n'
+        'list, keeps integers as integers and never changes its argument."""\n\n\n'
+        "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+        + "\n\n".join(_helper(name) for name in HELPER_NAMES)
+    ),
     "README.md": "# calc\n\nTiny arithmetic helpers. `add` has a bug.\n",
 }
+START_TAG = "start"
 AGENT_INSTRUCTIONS = (
     "You are a careful assistant for a small weather service. Answer questions about the weather in a city "
     "by calling the get_weather tool with the city's name, then reply in one short sentence that repeats "
@@ -70,6 +121,9 @@ class Exchange:
     status: int
     # The start of a non-2xx answer's body (the server's error text), else "".
     error_excerpt: str
+    # Which conversation a generation request continues ("" for others): a digest of its leading
+    # instructions, so aider's commit-message requests are not counted as turns of its edit chat.
+    conversation: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -149,8 +203,16 @@ class RecordingProxy:
                         self.send_header(name, value)
                 self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
-                excerpt = _stream_back(answer, self.wfile, keep_chars=0 if answer.status < 300 else ERROR_EXCERPT_CHARS)
-                proxy._record(Exchange(method=self.command, path=self.path, status=answer.status, error_excerpt=excerpt))
+                kept = 0 if answer.status < 300 else ERROR_EXCERPT_CHARS
+                excerpt = _stream_back(answer, self.wfile, keep_chars=kept)
+                exchange = Exchange(
+                    method=self.command,
+                    path=self.path,
+                    status=answer.status,
+                    error_excerpt=excerpt,
+                    conversation=conversation_of(body),
+                )
+                proxy._record(exchange)
 
             do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = _forward
 
@@ -158,6 +220,20 @@ class RecordingProxy:
                 """Quiet: the exchanges are the record."""
 
         return Handler
+
+
+def conversation_of(body: bytes | None) -> str:
+    """A digest of a generation request's leading instructions: Anthropic's `system`, the Responses
+    API's `instructions`, else the first message or input item; "" when the body is no JSON object."""
+    try:
+        request = json.loads(body) if body else None
+    except ValueError:
+        return ""
+    if not isinstance(request, dict):
+        return ""
+    turns = request.get("messages") or request.get("input") or [None]
+    lead = request.get("system") or request.get("instructions") or (turns[0] if isinstance(turns, list) else turns)
+    return hashlib.sha256(json.dumps(lead, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _stream_back(answer: http.client.HTTPResponse, out: Any, keep_chars: int) -> str:
@@ -192,6 +268,7 @@ def make_workspace(root: Path) -> tuple[Path, Path]:
     subprocess.run([*git, "init", "-q", "-b", "main"], cwd=project, check=True)
     subprocess.run([*git, "add", "."], cwd=project, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "start"], cwd=project, check=True)
+    subprocess.run([*git, "tag", START_TAG], cwd=project, check=True)
     # Claude Code: onboarding done, so `-p` asks nothing (both places it reads the file from).
     onboarding = json.dumps({"hasCompletedOnboarding": True, "lastOnboardingVersion": "2.1.197"})
     (home / ".claude").mkdir()
@@ -201,8 +278,9 @@ def make_workspace(root: Path) -> tuple[Path, Path]:
 
 
 def reset_project(project: Path) -> None:
-    """Back to the first commit, so a second session starts from the same files as the first."""
-    subprocess.run(["git", "reset", "-q", "--hard", "main"], cwd=project, check=True)
+    """Back to the first commit (aider commits its edits), so a second session starts from the same
+    files as the first."""
+    subprocess.run(["git", "reset", "-q", "--hard", START_TAG], cwd=project, check=True)
     subprocess.run(["git", "clean", "-q", "-fdx"], cwd=project, check=True)
 
 
@@ -362,7 +440,25 @@ class Session:
     @property
     def later_turns_share(self) -> float | None:
         """The share of turns 2+'s prompt tokens that came from the cache."""
-        return cached_share(self.requests[1:])
+        return cached_share(self.later_turns())
+
+    def later_turns(self) -> tuple[dict[str, Any], ...]:
+        """The records of requests that continue a conversation an earlier request of the session
+        started (same leading instructions). The successful generation requests pair with the
+        server's records in order (each client here sends one request at a time); when they do not
+        pair, every request after the first counts."""
+        generated = [
+            exchange for exchange in self.exchanges if exchange.method == "POST" and 200 <= exchange.status < 300
+        ]
+        if len(generated) != len(self.requests):
+            return self.requests[1:]
+        seen: set[str] = set()
+        later = []
+        for exchange, record in zip(generated, self.requests, strict=True):
+            if exchange.conversation in seen:
+                later.append(record)
+            seen.add(exchange.conversation)
+        return tuple(later)
 
 
 def cached_share(records: tuple[dict[str, Any], ...]) -> float | None:

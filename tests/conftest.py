@@ -72,4 +72,7 @@ LONG_TESTS_FIRST = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: (not item.nodeid.startswith(AGENT_CLIENT_TESTS), not item.nodeid.startswith(LONG_TESTS_FIRST)))
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        return not item.nodeid.startswith(AGENT_CLIENT_TESTS), not item.nodeid.startswith(LONG_TESTS_FIRST)
+
+    items.sort(key=rank)
