@@ -23,16 +23,18 @@ server passes each request through unchanged and records its status, because the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import http.client
 import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,6 +51,7 @@ SERVED_MODEL = "demo-coder"
 DUMMY_KEY = "sk-kvcellar-dummy"
 CLAUDE_MAX_TURNS = 3
 SESSION_TIMEOUT_S = 900
+SERVER_START_TIMEOUT_S = 180
 ERROR_EXCERPT_CHARS = 600
 # The project the CLI agents work in (a git repository): calc.py, whose `add` has a bug, sized like a
 # real module (~3k tokens) so that what an agent puts after the user's words (aider repeats its edit-format
@@ -405,6 +408,43 @@ def agents_sdk_session(base_url: str, prompt: str, api: str) -> AgentsRun:
         )
 
     return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def served_stock(log_path: Path) -> Iterator[str]:
+    """`kvcellar serve` with its defaults (the demo model) on a free 127.0.0.1 port, its log in
+    `log_path`; yields its base URL. Only the port is set: the clients meet the server a user starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvcellar.cli", "serve", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        try:
+            _wait_healthy(process, base, log_path)
+            yield base
+        finally:
+            process.terminate()
+            process.wait(timeout=180)
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], base: str, log_path: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvcellar serve exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"kvcellar serve was not healthy in {SERVER_START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}")
 
 
 def last_request_seq(server_url: str) -> int:

@@ -41,7 +41,6 @@ from kvcellar.bench.common import (
     publish_figures,
     publish_options,
 )
-from kvcellar.bench.demo_model import served_demo_model
 
 NAME = "agents"
 DOCS_BEGIN, DOCS_END = "<!-- agents:begin -->", "<!-- agents:end -->"
@@ -83,14 +82,15 @@ def run_client(client: str, sessions: int, progress: Console) -> dict[str, Any]:
     started = time.perf_counter()
     runs: list[Session] = []
     with tempfile.TemporaryDirectory(prefix=f"kvcellar-agents-{client}-") as scratch:
-        home, project = agent_clients.make_workspace(Path(scratch))
-        with served_demo_model() as server, RecordingProxy(str(server.base_url).rstrip("/")) as proxy:
+        home, project = agent_clients.make_workspace(Path(scratch) / "agent")
+        scratch_dir = Path(scratch)
+        with agent_clients.served_stock(scratch_dir / "serve.log") as server_url, RecordingProxy(server_url) as proxy:
             for index in range(sessions):
                 prompt = PROMPTS[client][index % len(PROMPTS[client])]
                 agent_clients.reset_project(project)
                 session, _ = agent_clients.recorded_session(
                     proxy,
-                    str(server.base_url).rstrip("/"),
+                    server_url,
                     lambda prompt=prompt: DRIVERS[client](proxy.base_url, home, project, prompt),
                 )
                 progress.print(

@@ -20,7 +20,6 @@ import pytest
 
 from kvcellar.bench import agent_clients
 from kvcellar.bench.agent_clients import RecordingProxy, Session, describe, recorded_session
-from kvcellar.bench.demo_model import served_demo_model
 
 CROSS_SESSION_SHARE_MIN = 0.9
 
@@ -35,12 +34,10 @@ def require_client(name: str) -> None:
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[RecordingProxy, str]]:
-    """A real `kvcellar serve` of the demo model, and a recording proxy in front of it."""
-    with served_demo_model() as client:
-        server_url = str(client.base_url).rstrip("/")
-        with RecordingProxy(server_url) as proxy:
-            yield proxy, server_url
+def served(tmp_path) -> Iterator[tuple[RecordingProxy, str]]:
+    """A real `kvcellar serve` with its defaults (the demo model), and a recording proxy in front of it."""
+    with agent_clients.served_stock(tmp_path / "serve.log") as server_url, RecordingProxy(server_url) as proxy:
+        yield proxy, server_url
 
 
 def assert_session_passed(session: Session) -> None:
@@ -61,7 +58,7 @@ def assert_second_session_reused(second: Session) -> None:
 def test_claude_code_runs_two_sessions_and_the_second_reads_its_prompt_from_the_cache(served, tmp_path):
     require_client("claude")
     proxy, server_url = served
-    home, project = agent_clients.make_workspace(tmp_path)
+    home, project = agent_clients.make_workspace(tmp_path / "agent")
     sessions = []
     for prompt in ("List the files in this project.", "What does calc.py define? Answer in one sentence."):
         run = lambda prompt=prompt: agent_clients.claude_session(proxy.base_url, home, project, prompt)  # noqa: E731
@@ -74,7 +71,7 @@ def test_claude_code_runs_two_sessions_and_the_second_reads_its_prompt_from_the_
 def test_codex_runs_two_sessions_and_the_second_reads_its_prompt_from_the_cache(served, tmp_path):
     require_client("codex")
     proxy, server_url = served
-    home, project = agent_clients.make_workspace(tmp_path)
+    home, project = agent_clients.make_workspace(tmp_path / "agent")
     sessions = []
     for prompt in ("List the files in this directory.", "Show what calc.py contains."):
         run = lambda prompt=prompt: agent_clients.codex_session(proxy.base_url, home, project, prompt)  # noqa: E731
@@ -87,7 +84,7 @@ def test_codex_runs_two_sessions_and_the_second_reads_its_prompt_from_the_cache(
 def test_aider_edit_loop_completes_twice_and_the_second_reads_its_prompt_from_the_cache(served, tmp_path):
     require_client("aider")
     proxy, server_url = served
-    home, project = agent_clients.make_workspace(tmp_path)
+    home, project = agent_clients.make_workspace(tmp_path / "agent")
     sessions = []
     for prompt in ("Fix the bug in add in calc.py.", "Add a docstring to mul in calc.py."):
         agent_clients.reset_project(project)
