@@ -20,6 +20,7 @@ Usage: python -m kvcellar.bench.agents [--clients claude,codex,aider,agents_sdk_
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 import time
@@ -83,16 +84,12 @@ def run_client(client: str, sessions: int, progress: Console) -> dict[str, Any]:
     runs: list[Session] = []
     with tempfile.TemporaryDirectory(prefix=f"kvcellar-agents-{client}-") as scratch:
         home, project = agent_clients.make_workspace(Path(scratch) / "agent")
-        scratch_dir = Path(scratch)
-        with agent_clients.served_stock(scratch_dir / "serve.log") as server_url, RecordingProxy(server_url) as proxy:
+        with agent_clients.served_stock(Path(scratch) / "serve.log") as server_url, RecordingProxy(server_url) as proxy:
             for index in range(sessions):
                 prompt = PROMPTS[client][index % len(PROMPTS[client])]
                 agent_clients.reset_project(project)
-                session, _ = agent_clients.recorded_session(
-                    proxy,
-                    server_url,
-                    lambda prompt=prompt: DRIVERS[client](proxy.base_url, home, project, prompt),
-                )
+                drive = functools.partial(DRIVERS[client], proxy.base_url, home, project, prompt)
+                session, _ = agent_clients.recorded_session(proxy, server_url, drive)
                 progress.print(
                     f"{client} session {index + 1}: exit {session.exit_code}, {len(session.exchanges)} requests, "
                     f"{len(session.non_2xx)} not 2xx, {session.duration_s:.0f} s"
