@@ -50,8 +50,10 @@ AIDER_BIN = AGENTS_DIR / "aider-venv" / "bin" / "aider"
 SERVED_MODEL = "demo-coder"
 DUMMY_KEY = "sk-kvcellar-dummy"
 CLAUDE_MAX_TURNS = 3
-SESSION_TIMEOUT_S = 900
+SESSION_TIMEOUT_S = 600
 SERVER_START_TIMEOUT_S = 180
+# The server's own drain waits up to 120 s (KVCELLAR_SHUTDOWN_TIMEOUT_S) for work in flight.
+SERVER_STOP_TIMEOUT_S = 150
 ERROR_EXCERPT_CHARS = 600
 # The project the CLI agents work in (a git repository): calc.py, whose `add` has a bug, sized like a
 # real module (~3k tokens) so that what an agent puts after the user's words (aider repeats its edit-format
@@ -429,8 +431,19 @@ def served_stock(log_path: Path) -> Iterator[str]:
             _wait_healthy(process, base, log_path)
             yield base
         finally:
-            process.terminate()
-            process.wait(timeout=180)
+            stop_server(process)
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as a user's Ctrl-C; a server still running after SERVER_STOP_TIMEOUT_S is killed (so
+    no orphan outlives a test) and reported: shutdown must never wait that long."""
+    process.terminate()
+    try:
+        process.wait(timeout=SERVER_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"kvcellar serve did not stop within {SERVER_STOP_TIMEOUT_S} s of SIGTERM") from None
 
 
 def _wait_healthy(process: subprocess.Popen[bytes], base: str, log_path: Path) -> None:
