@@ -307,7 +307,8 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -
     return ClientRun(exit_code=done.returncode, output=done.stdout + done.stderr, duration_s=time.monotonic() - started)
 
 
-def claude_session(base_url: str, home: Path, project: Path, prompt: str) -> ClientRun:
+def claude_session(base_url: str, home: Path, project: Path, prompt: str, *, resume: bool = False) -> ClientRun:
+    """`claude -p PROMPT --max-turns 3`; `resume` continues the project's last conversation (`-c`)."""
     env = {
         **_base_env(home),
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
@@ -316,7 +317,7 @@ def claude_session(base_url: str, home: Path, project: Path, prompt: str) -> Cli
         "DISABLE_TELEMETRY": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    command = [str(CLAUDE_BIN), "-p", prompt, "--max-turns", str(CLAUDE_MAX_TURNS)]
+    command = [str(CLAUDE_BIN), *(["-c"] if resume else []), "-p", prompt, "--max-turns", str(CLAUDE_MAX_TURNS)]
     return _run(command, project, env, SESSION_TIMEOUT_S)
 
 
@@ -342,12 +343,13 @@ exporter = "none"
 """
 
 
-def codex_session(base_url: str, home: Path, project: Path, prompt: str) -> ClientRun:
+def codex_session(base_url: str, home: Path, project: Path, prompt: str, *, resume: bool = False) -> ClientRun:
+    """`codex exec PROMPT`; `resume` continues the last session (`codex exec resume --last PROMPT`)."""
     codex_home = home / ".codex"
     codex_home.mkdir(exist_ok=True)
     (codex_home / "config.toml").write_text(CODEX_CONFIG.format(model=SERVED_MODEL, base_url=base_url))
     env = {**_base_env(home), "CODEX_HOME": str(codex_home), "KVCELLAR_API_KEY": DUMMY_KEY}
-    command = [str(CODEX_BIN), "exec", "--skip-git-repo-check", prompt]
+    command = [str(CODEX_BIN), "exec", "--skip-git-repo-check", *(["resume", "--last"] if resume else []), prompt]
     return _run(command, project, env, SESSION_TIMEOUT_S)
 
 
@@ -377,8 +379,9 @@ class AgentsRun:
     duration_s: float
 
 
-def agents_sdk_session(base_url: str, prompt: str, api: str) -> AgentsRun:
-    """One Agents SDK run of a `get_weather` function-tool loop; `api` is "chat" or "responses"."""
+def agents_sdk_session(base_url: str, prompt: str, api: str, follow_up: str | None = None) -> AgentsRun:
+    """One Agents SDK run of a `get_weather` function-tool loop; `api` is "chat" or "responses".
+    `follow_up`: a second user turn on the same conversation (the first run's items, then it)."""
     from agents import (
         Agent,
         OpenAIChatCompletionsModel,
@@ -389,6 +392,7 @@ def agents_sdk_session(base_url: str, prompt: str, api: str) -> AgentsRun:
         set_tracing_disabled,
     )
     from openai import AsyncOpenAI
+    from openai.types.responses import EasyInputMessageParam
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -403,8 +407,13 @@ def agents_sdk_session(base_url: str, prompt: str, api: str) -> AgentsRun:
         model = model_class(model=SERVED_MODEL, openai_client=client)
         agent = Agent(name="weather", instructions=AGENT_INSTRUCTIONS, tools=[get_weather], model=model)
         result = await Runner.run(agent, prompt, max_turns=4)
-        await client.close()
         outputs = sum(isinstance(item, ToolCallOutputItem) for item in result.new_items)
+        if follow_up is not None:
+            turn: EasyInputMessageParam = {"role": "user", "content": follow_up}
+            history = [*result.to_input_list(), turn]
+            result = await Runner.run(agent, history, max_turns=4)
+            outputs += sum(isinstance(item, ToolCallOutputItem) for item in result.new_items)
+        await client.close()
         return AgentsRun(
             tool_calls=outputs, final_output=str(result.final_output), duration_s=time.monotonic() - started
         )

@@ -1,8 +1,9 @@
 """The real agent clients through a real `kvcellar serve` of the demo model: a scripted multi-session task
 per client (bench/agent_clients.py runs each with its stock settings, docs/agents.md gives the setup).
 
-Per client, on a server of its own (so its first turn is cold): `--sessions` sessions, each with its own
-prompt on the same project; the figures come from the server's /stats/requests and a recording proxy:
+Per client, on a server of its own (so its first turn is cold): `--sessions` sessions on the same project,
+each a first prompt and a follow-up on the same conversation (SCRIPT); the figures come from the server's
+/stats/requests and a recording proxy:
 
 * cold first-turn TTFT: the first session's first request (Claude Code's ~28k-token prompt: the cold
   prefill, target <= 60 s);
@@ -24,7 +25,6 @@ import functools
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,25 +47,51 @@ NAME = "agents"
 DOCS_BEGIN, DOCS_END = "<!-- agents:begin -->", "<!-- agents:end -->"
 SHARE_TARGET = 0.9
 COLD_PREFILL_TARGET_S = 60.0
-# Each session's prompt, by client (the n-th session takes the n-th, cycling).
-PROMPTS = {
-    "claude": ("List the files in this project.", "What does calc.py define? Answer in one sentence."),
-    "codex": ("List the files in this directory.", "Show what calc.py contains."),
-    "aider": ("Fix the bug in add in calc.py.", "Add a docstring to mul in calc.py."),
-    "agents_sdk_chat": ("What is the weather in Paris?", "How warm is it in Oslo right now?"),
-    "agents_sdk_responses": ("What is the weather in Lima?", "Is it cold in Cairo today?"),
-}
-CLIENTS = tuple(PROMPTS)
-SessionDriver = Callable[[str, Path, Path, str], ClientRun | AgentsRun]
-DRIVERS: dict[str, SessionDriver] = {
-    "claude": agent_clients.claude_session,
-    "codex": agent_clients.codex_session,
-    "aider": agent_clients.aider_session,
-    "agents_sdk_chat": lambda url, _home, _project, prompt: agent_clients.agents_sdk_session(url, prompt, "chat"),
-    "agents_sdk_responses": lambda url, _home, _project, prompt: agent_clients.agents_sdk_session(
-        url, prompt, "responses"
+# The scripted task: per client, each session's first prompt and a follow-up on the same conversation
+# (Claude Code `-c`, Codex `exec resume --last`, the Agents SDK's history plus a user turn); aider's own
+# edit loop (the model's edit, then its lint errors sent back) gives it later turns. The n-th session
+# takes the n-th pair, cycling.
+SCRIPT: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "claude": (
+        ("List the files in this project.", "Which of them is Python?"),
+        ("What does calc.py define? Answer in one sentence.", "And what is wrong with add?"),
+    ),
+    "codex": (
+        ("List the files in this directory.", "Which of them is Python?"),
+        ("Show what calc.py contains.", "What is wrong with add?"),
+    ),
+    "aider": (("Fix the bug in add in calc.py.", None), ("Add a docstring to mul in calc.py.", None)),
+    "agents_sdk_chat": (
+        ("What is the weather in Paris?", "And in Rome?"),
+        ("How warm is it in Oslo right now?", "And in Bergen?"),
+    ),
+    "agents_sdk_responses": (
+        ("What is the weather in Lima?", "And in Quito?"),
+        ("Is it cold in Cairo today?", "And in Tunis?"),
     ),
 }
+CLIENTS = tuple(SCRIPT)
+
+
+def run_script_session(
+    client: str, base_url: str, home: Path, project: Path, prompts: tuple[str, str | None]
+) -> ClientRun | AgentsRun:
+    """One session of `client`: its first prompt, then the follow-up on the same conversation."""
+    first, follow_up = prompts
+    if client.startswith("agents_sdk"):
+        api = client.removeprefix("agents_sdk_")
+        return agent_clients.agents_sdk_session(base_url, first, api, follow_up)
+    drive = {"claude": agent_clients.claude_session, "codex": agent_clients.codex_session}.get(client)
+    if drive is None:
+        return agent_clients.aider_session(base_url, home, project, first)
+    runs = [drive(base_url, home, project, first)]
+    if follow_up is not None and runs[0].exit_code == 0:
+        runs.append(drive(base_url, home, project, follow_up, resume=True))
+    return ClientRun(
+        exit_code=next((run.exit_code for run in runs if run.exit_code != 0), 0),
+        output="\n".join(run.output for run in runs),
+        duration_s=sum(run.duration_s for run in runs),
+    )
 
 
 def is_installed(client: str) -> bool:
@@ -86,9 +112,9 @@ def run_client(client: str, sessions: int, progress: Console) -> dict[str, Any]:
         home, project = agent_clients.make_workspace(Path(scratch) / "agent")
         with agent_clients.served_stock(Path(scratch) / "serve.log") as server_url, RecordingProxy(server_url) as proxy:
             for index in range(sessions):
-                prompt = PROMPTS[client][index % len(PROMPTS[client])]
+                prompts = SCRIPT[client][index % len(SCRIPT[client])]
                 agent_clients.reset_project(project)
-                drive = functools.partial(DRIVERS[client], proxy.base_url, home, project, prompt)
+                drive = functools.partial(run_script_session, client, proxy.base_url, home, project, prompts)
                 session, _ = agent_clients.recorded_session(proxy, server_url, drive)
                 progress.print(
                     f"{client} session {index + 1}: exit {session.exit_code}, {len(session.exchanges)} requests, "
