@@ -353,7 +353,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
         messages.append(
             {
                 "role": "tool",
-                "tool_call_id": _string(item, "call_id", param),
+                "tool_call_id": _output_call_id(messages, item, param),
                 "content": _call_output(item.get("output"), param),
             }
         )
@@ -394,9 +394,36 @@ def _string(item: dict[str, Any], name: str, param: str) -> str:
     return value
 
 
+def _call_id(item: dict[str, Any], param: str) -> str:
+    """A `function_call`'s `call_id`; one without (a client replaying its history may drop it)
+    gets its item `id`, else one named after its place, so the turn still renders."""
+    for name in ("call_id", "id"):
+        value = item.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return "call_" + "".join(ch if ch.isalnum() else "_" for ch in param).strip("_")
+
+
+def _output_call_id(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> str:
+    """A `function_call_output`'s `call_id`; one without answers the latest call no output answered yet."""
+    value = item.get("call_id")
+    if isinstance(value, str) and value:
+        return value
+    answered = {message.get("tool_call_id") for message in messages if message["role"] == "tool"}
+    for message in reversed(messages):
+        for call in reversed(message.get("tool_calls", [])):
+            if call["id"] not in answered:
+                return str(call["id"])
+    raise BadRequest(
+        f"{param} is a 'function_call_output' without a 'call_id', and no earlier function_call is left "
+        "for it to answer: send the call_id of the function_call it answers",
+        param=f"{param}.call_id",
+    )
+
+
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
     """A `function_call` item as a template tool call, its arguments an object (templates apply `tojson`)."""
-    call_id, name = _string(item, "call_id", param), _string(item, "name", param)
+    call_id, name = _call_id(item, param), _string(item, "name", param)
     arguments = item.get("arguments", "{}")
     try:
         parsed = json.loads(arguments or "{}") if isinstance(arguments, str) else None

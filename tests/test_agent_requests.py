@@ -278,3 +278,22 @@ def test_hosted_tools_reject_keeps_the_400(tools_model_dir):
 def test_serve_names_the_two_switches():
     text = CliRunner().invoke(serve_command, ["--help"], terminal_width=200).output
     assert "--hosted-tools [omit|reject]" in text and "--prompt-normalize [on|off]" in text
+
+
+def test_replayed_function_items_without_call_id_pair_up(large_context_model):
+    """Codex's `exec resume` replays its history; an item that lost its `call_id` still pairs
+    with its call (the output answers the latest unanswered call), as if the ids were sent."""
+
+    def parse(items: list[dict]) -> list[int]:
+        body = {"model": large_context_model.model_dir.name, "input": items}
+        raw = json.dumps(body).encode()
+        return parse_responses_body(raw, large_context_model, max_tokens_default=16).job.request.prompt_ids
+
+    question = {"role": "user", "content": "List the files."}
+    call = {"type": "function_call", "name": "exec_command", "arguments": '{"cmd": "ls"}'}
+    output = {"type": "function_call_output", "output": "notes.txt"}
+    with_ids = parse([question, {**call, "call_id": "call_input_1"}, {**output, "call_id": "call_input_1"}])
+    assert parse([question, call, output]) == with_ids
+    assert parse([question, {**call, "id": "fc_1"}, output]) == parse(
+        [question, {**call, "call_id": "fc_1"}, {**output, "call_id": "fc_1"}]
+    )
