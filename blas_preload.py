@@ -21,8 +21,11 @@ weights after 28 steps. With the kernels pinned, the same seed gives the same
 weights on either CPU (docs/demo-model.md). A value set in the environment is
 kept, and `model train` says how to get the committed weights (`blas_note`).
 
-Only training does this: `serve` keeps the wheel's libraries, so its figures
-compare like with like against `mlx_lm.server` run the same way.
+`serve` preloads OpenBLAS too (without the kernel pin), in the same single
+re-execution as its huge pages: on the CPU it computes small 16-bit models in
+float32 (engine/compute_dtype.py), and float32 matmuls are BLAS calls. A
+benchmark comparing it with `mlx_lm.server` runs that one with the same
+`LD_PRELOAD` to compare like with like.
 """
 
 from __future__ import annotations
@@ -87,6 +90,26 @@ def reexec_with_openblas() -> None:
     docstring); returns only when it does nothing. Call it first thing in a process's own
     entry point, never in-process (tests)."""
     environment = preload_environment(os.environ, system=platform.system(), library=find_openblas(), flags=cpu_flags())
+    if environment is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, environment)
+
+
+def serve_preload_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """`kvcellar serve`'s environment with OpenBLAS preloaded (None: nothing to change), so the
+    float32 compute `--compute-dtype auto` picks on the CPU runs in OpenBLAS rather than the
+    wheel's reference BLAS (~5x slower here). No kernel pin: serving needs no bit-identical
+    training. `LD_PRELOAD=` opts out, as for training. `kvcellar.cli` re-executes once with
+    this and the huge-page tunable together."""
+    return preload_environment(environ, system=platform.system(), library=find_openblas())
+
+
+def reexec_with_serve_openblas() -> None:
+    """Replace this process by itself with `serve_preload_environment` (a benchmark measuring
+    what `serve` computes with); returns only when it changes nothing."""
+    environment = serve_preload_environment(os.environ)
     if environment is None:
         return
     sys.stdout.flush()

@@ -15,7 +15,7 @@ import cattrs
 import cbor2
 from cattrs.preconf.cbor2 import make_converter
 
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import DecodeError
 
 T = TypeVar("T")
 
@@ -27,12 +27,6 @@ converter = make_converter(detailed_validation=False)
 # `tuple(...)`, not cattrs' per-element dispatch (hot in header scans).
 _PLAIN_TUPLES = frozenset({tuple[int, ...], tuple[str, ...]})
 converter.register_structure_hook_func(lambda type_: type_ in _PLAIN_TUPLES, lambda value, _: tuple(value))
-
-
-class DecodeError(KvCellarError):
-    """Raised when bytes are not valid CBOR for the expected type: a damaged
-    or foreign record. The data's fault; callers convert it to a more specific
-    error (`CorruptEntry` for a `.kvc` header)."""
 
 
 def to_cbor(obj: Any) -> bytes:

@@ -34,8 +34,8 @@ import attrs
 import trio
 
 from kvcellar.actors.one_in_flight import OneInFlight
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
-from kvcellar.errors import DiskError
+from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
+from kvcellar.errors import DiskError, IllegalTransition
 from kvcellar.store.actor_events import CheckpointNotWritten
 from kvcellar.store.checkpoints import CheckpointSnapshot, CheckpointStore
 

@@ -69,7 +69,8 @@ from typing import Any
 
 import attrs
 
-from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
+from kvcellar.actors.runtime import ArmTimer, CancelTimer, JournalEvent, TimerFired
+from kvcellar.errors import IllegalTransition
 from kvcellar.store.actor_events import (
     DurabilityAttempt,
     DurabilityDirty,

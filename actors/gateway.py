@@ -20,6 +20,12 @@ counts as waiting from its admission by the Scheduler (the busy probe), before
 its batch job reaches this lane and while it waits for the next batch as the
 last one ends, so no step starts in either gap; the Scheduler says when it
 has nothing left (`OtherLaneIdle`).
+
+A caller that stops waiting for its turn (a serial request whose client
+left while it was queued, issue 38) sends `Withdraw`: the request leaves the
+queue, or, when the lane was given to it as it left, the lane is released
+at once. Nothing is ever left queued or holding the lane for nobody, so the
+next request runs and a shutdown's drain never waits on such an orphan.
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ import attrs
 import outcome
 import trio
 
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
+from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
 from kvcellar.engine.engine import EngineThread
 from kvcellar.engine.generation import GenerationDone, TokenDelta
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import AdmissionClosed, IllegalTransition
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 
 # -- messages -------------------------------------------------------------------
@@ -61,6 +67,15 @@ class GenerationFinished:
     request_id: int
     completion_tokens: int
     outcome: str
+
+
+@attrs.frozen(kw_only=True)
+class Withdraw:
+    """The caller of `Generate` stopped waiting for its decision (its client
+    left): take the request off the queue, or release the lane it was given.
+    A no-op for a request the gateway no longer holds (rejected, finished)."""
+
+    request_id: int
 
 
 @attrs.frozen(kw_only=True)
@@ -90,7 +105,7 @@ class AwaitDrained:
 
 
 GatewayMessage = (
-    Generate | GenerationFinished | RunWhenIdle | StepFinished | OtherLaneIdle | StopAdmission | AwaitDrained
+    Generate | GenerationFinished | Withdraw | RunWhenIdle | StepFinished | OtherLaneIdle | StopAdmission | AwaitDrained
 )
 
 # -- effects --------------------------------------------------------------------
@@ -141,6 +156,7 @@ _ACCEPTS: dict[type, frozenset[Lane]] = {
     StopAdmission: _ANY_LANE,
     AwaitDrained: _ANY_LANE,
     GenerationFinished: frozenset({Lane.GENERATING, Lane.BATCHING}),
+    Withdraw: _ANY_LANE,
     StepFinished: frozenset({Lane.BACKGROUND}),
 }
 _MOVES = {
@@ -191,6 +207,8 @@ class GatewayCore:
                 effects = self._on_generate(msg)
             case GenerationFinished():
                 effects = self._on_generation_finished(msg)
+            case Withdraw():
+                effects = self._on_withdraw(msg)
             case RunWhenIdle():
                 self.steps.append(msg.step_id)
                 effects = []
@@ -239,6 +257,21 @@ class GatewayCore:
             )
         ]
 
+    def _on_withdraw(self, msg: Withdraw) -> list[GatewayEffect]:
+        holder_lane = self.holder_lanes.get(msg.request_id)
+        if holder_lane is None:
+            return []
+        if msg.request_id in self.waiting:
+            self.waiting.remove(msg.request_id)
+        else:
+            # Dispatched as its caller left: it holds the lane, which nobody will use.
+            self._release(_HOLDER_LANES[holder_lane], msg.request_id, msg)
+        del self.holder_lanes[msg.request_id]
+        if holder_lane != LANE_SERIAL:
+            return []
+        finished = RequestFinished(request_id=msg.request_id, completion_tokens=0, outcome="cancelled")
+        return [JournalEvent(event=finished)]
+
     def _release(self, expected: Lane, ident: int, msg: GatewayMessage) -> None:
         if self.lane is not expected or self.running != ident:
             raise IllegalTransition(
@@ -282,11 +315,6 @@ def _completion_tokens(counted: int, item: Any) -> int:
     if isinstance(item, TokenDelta) and item.token_id >= 0:
         return counted + 1
     return counted
-
-
-class AdmissionClosed(KvCellarError):
-    """Raised to a request that arrives after shutdown began. Nobody's fault;
-    the client should retry elsewhere or later (HTTP 503)."""
 
 
 class Gateway:
@@ -337,7 +365,9 @@ class Gateway:
     def _perform(self, effect: StartGeneration | RunStep | Rejected | Drained) -> None:
         match effect:
             case StartGeneration() | Rejected():
-                self._decisions.pop(effect.request_id).set(effect)
+                # A caller that withdrew is no longer waiting: its `Withdraw` follows in the mailbox.
+                if (decision := self._decisions.pop(effect.request_id, None)) is not None:
+                    decision.set(effect)
             case RunStep():
                 step, reply = self._steps.pop(effect.step_id)
                 self.shell.start_soon(self._run_step, effect.step_id, step, reply)
@@ -371,7 +401,15 @@ class Gateway:
         admission: Reply[StartGeneration | Rejected] = Reply()
         self._decisions[request_id] = admission
         await self.shell.send(Generate(request_id=request_id, prompt_tokens=prompt_tokens, lane=lane))
-        decision = await admission.wait()
+        try:
+            decision = await admission.wait()
+        except BaseException:
+            # The caller left while queued (its client went away): never leave the request
+            # queued, nor the lane held for nobody if it was given to it meanwhile.
+            self._decisions.pop(request_id, None)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                self.shell.send_nowait(Withdraw(request_id=request_id))
+            raise
         if isinstance(decision, Rejected):
             raise AdmissionClosed(decision.reason)
         produced, outcome = 0, "cancelled"

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from kvcellar.engine.generation import GenerationDone, TokenDelta
+from kvcellar.engine.generation import NO_NOTES, GenerationDone, RequestNotes, TokenDelta
 from kvcellar.errors import UsageError
 
 RECENT_REQUESTS_MAX_DEFAULT = 256
@@ -53,6 +53,24 @@ class RequestRecord:
     finish_reason: str
     # The restore policy's plan when the prefix was on a slow tier ("" when none; issue 44).
     restore_plan: str = ""
+    # What the HTTP side changed of the request on its way in (clamps, tools left out, rewrites).
+    notes: RequestNotes = NO_NOTES
+    # The cache diagnostic: where the prompt left the longest prefix a tier shared with it.
+    cache_divergence: CacheDivergenceRecord | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CacheDivergenceRecord:
+    """Where a request's prompt left the longest prefix any tier entry shared
+    with it (`at_tokens`, in `tier`), and token ids around that point: the
+    shared tokens just before it, the prompt's and the cached entry's just
+    after. `/stats/requests` shows them decoded to admins only."""
+
+    at_tokens: int
+    tier: str
+    shared_before_ids: tuple[int, ...]
+    prompt_next_ids: tuple[int, ...]
+    cached_next_ids: tuple[int, ...]
 
 
 @attrs.define
@@ -139,6 +157,8 @@ async def recorded(
     prompt_tokens: int,
     clock_s: Callable[[], float],
     wall_clock_s: Callable[[], float],
+    notes: RequestNotes = NO_NOTES,
+    prompt_ids: tuple[int, ...] = (),
 ) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
     """Pass `items` through, timing the first token and the end, and record
     the request in `ring` when it ends: done, cancelled (the consumer closed
@@ -162,7 +182,25 @@ async def recorded(
     finally:
         ended_s = clock_s()
         record = _request_record(done, finish_reason, prompt_tokens, started_s, first_token_s, ended_s, wall_clock_s())
-        ring.record(record)
+        divergence = _divergence_record(done, prompt_ids)
+        ring.record(attrs.evolve(record, notes=notes, cache_divergence=divergence))
+
+
+EXCERPT_TOKENS = 32
+
+
+def _divergence_record(done: GenerationDone | None, prompt_ids: tuple[int, ...]) -> CacheDivergenceRecord | None:
+    divergence = done.divergence if done is not None else None
+    if divergence is None:
+        return None
+    at = divergence.matched_tokens
+    return CacheDivergenceRecord(
+        at_tokens=at,
+        tier=divergence.tier,
+        shared_before_ids=tuple(prompt_ids[max(0, at - EXCERPT_TOKENS // 2) : at]),
+        prompt_next_ids=tuple(prompt_ids[at : at + EXCERPT_TOKENS]),
+        cached_next_ids=divergence.cached_next_ids[:EXCERPT_TOKENS],
+    )
 
 
 def _request_record(
@@ -197,6 +235,7 @@ __all__ = [
     "FINISH_ERROR",
     "RECENT_REQUESTS_MAX_DEFAULT",
     "TTFT_BUCKETS_S",
+    "CacheDivergenceRecord",
     "RecentRequests",
     "RequestRecord",
     "recorded",

@@ -38,7 +38,6 @@ import attrs
 import trio
 
 from kvcellar.engine.reply import CrossThreadReply, Reply
-from kvcellar.errors import KvCellarError
 
 __all__ = [
     "ActorShell",
@@ -46,7 +45,6 @@ __all__ = [
     "CancelTimer",
     "Core",
     "CrossThreadReply",
-    "IllegalTransition",
     "Journal",
     "JournalEvent",
     "Perform",
@@ -55,11 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcellar.actors")
-
-
-class IllegalTransition(KvCellarError):
-    """Raised by a core when a message arrives in a state that does not
-    accept it. kvcellar's fault (a protocol bug between actors)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -51,23 +51,15 @@ import attrs
 import trio
 
 # StopAdmission, AwaitDrained, Rejected and Drained mean for the Scheduler what they mean for the Gateway.
-from kvcellar.actors.gateway import (
-    LANE_BATCH,
-    AdmissionClosed,
-    AwaitDrained,
-    Drained,
-    Gateway,
-    Rejected,
-    StopAdmission,
-)
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
+from kvcellar.actors.gateway import LANE_BATCH, AwaitDrained, Drained, Gateway, Rejected, StopAdmission
+from kvcellar.actors.runtime import ActorShell, Journal, JournalEvent, Reply
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.engine.memory import MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv, blocks_for
-from kvcellar.errors import KvCellarError, UsageError
+from kvcellar.errors import AdmissionClosed, BatchAborted, IllegalTransition, UsageError
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
@@ -380,13 +372,6 @@ class SchedulerCore:
 
 
 # -- shell ----------------------------------------------------------------------
-
-
-class BatchAborted(KvCellarError):
-    """Raised to a batch row whose batch job ended before the row did: an MLX
-    error in the job (it fails every row of that batch) or the engine stopping.
-    kvcellar's or the environment's fault; the request fails, later requests
-    start a new batch."""
 
 
 @attrs.frozen

@@ -29,8 +29,8 @@ import attrs
 import trio
 
 from kvcellar.actors.one_in_flight import OneInFlight
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, Journal, JournalEvent, Reply
-from kvcellar.errors import UsageError
+from kvcellar.actors.runtime import ActorShell, Journal, JournalEvent, Reply
+from kvcellar.errors import IllegalTransition, UsageError
 from kvcellar.store.actor_events import SpillDispatched, SpillDropped, SpillEnqueued, SpillSettled
 from kvcellar.store.prompt_cache import SpillSnapshot
 

@@ -22,8 +22,8 @@ from typing import Any, assert_never
 import attrs
 import trio
 
-from kvcellar.actors.runtime import ActorShell, IllegalTransition, JournalEvent, Reply
-from kvcellar.errors import DiskError
+from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
+from kvcellar.errors import DiskError, IllegalTransition
 from kvcellar.store.actor_events import WriteStarted
 from kvcellar.store.prompt_cache import SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards

@@ -37,6 +37,7 @@ from kvcellar.actors.admission import AdmissionGate
 from kvcellar.actors.checkpoint_writer import SPILL_QUEUE_SHARE, CheckpointWriter
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.prefill_progress import PrefillProgress, TrioPrefillObserver
 from kvcellar.actors.recent_requests import RecentRequests, recorded
 from kvcellar.actors.scheduler import Scheduler, open_batch_lane
 from kvcellar.actors.spill_queue import SpillQueue, bytes_max_from_env
@@ -64,7 +65,8 @@ from kvcellar.actors.system_wiring import (
 from kvcellar.actors.uploader import SharedTier
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
-from kvcellar.engine.engine import EngineThread, LoadedModel
+from kvcellar.engine.compute_dtype import ComputeDtype
+from kvcellar.engine.engine import MODEL_DTYPE, EngineThread, LoadedModel, resolve_compute_dtype
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import (
     MemoryGuard,
@@ -73,9 +75,9 @@ from kvcellar.engine.memory import (
 )
 from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
 from kvcellar.engine.restore_policy import PolicyColdTier
-from kvcellar.errors import UsageError
+from kvcellar.errors import EngineStopped, JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
-from kvcellar.store.journal import JournalError, JournalEvent
+from kvcellar.store.journal import JournalEvent
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
@@ -130,6 +132,8 @@ class System:
         self._memory_refused_at_gate = 0
         # Owned by the Trio thread: fed by `generate` and `flush`, read by `stats` and the routes.
         self.recent_requests = RecentRequests(config.recent_requests_max)
+        # Owned by the Trio thread: the engine's reports reach it through `TrioPrefillObserver`.
+        self.prefill_progress = PrefillProgress(trio.current_time)
         self.flushes = 0
         self.last_flush: tuple[float, FlushResult] | None = None
 
@@ -140,17 +144,32 @@ class System:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | GenerationDone]:
         """Run one request as a batch row, or on the serial lane when the batch
         lane is off, streaming its tokens; when it ends (done, cancelled or
-        failed) it is recorded in `recent_requests`."""
+        failed) it is recorded in `recent_requests`. Until its first token its
+        prefill's progress shows in `prefill_progress`."""
+        progress_id = self.prefill_progress.begin(len(request.prompt_ids))
+        observer = TrioPrefillObserver(
+            table=self.prefill_progress,
+            row_id=progress_id,
+            trio_token=trio.lowlevel.current_trio_token(),
+            hook=self.seams.prefill_chunk_hook,
+        )
         items = recorded(
-            self._generate_measured(request),
+            self._generate_measured(attrs.evolve(request, prefill_observer=observer)),
             self.recent_requests,
             prompt_tokens=len(request.prompt_ids),
             clock_s=trio.current_time,
             wall_clock_s=self.seams.wall_clock_s,
+            notes=request.notes,
+            prompt_ids=request.prompt_ids,
         )
-        async with aclosing(items) as stream:
-            async for item in stream:
-                yield item
+        try:
+            async with aclosing(items) as stream:
+                async for item in stream:
+                    # The first item is the first token (or the end): the prefill is over.
+                    self.prefill_progress.end(progress_id)
+                    yield item
+        finally:
+            self.prefill_progress.end(progress_id)
 
     async def _generate_measured(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta | GenerationDone, None]:
         """The request on its lane; under the cost admission policy its cold
@@ -370,6 +389,11 @@ class System:
                 if self.scheduler is not None:
                     await self.scheduler.drain()
                 await self.gateway.drain()
+                # A request whose client left is over for the lanes at once, but its engine
+                # job still ends its chunk and puts its prefix (issue 38): the lanes' jobs run
+                # in order, so one more job returns after that put is recorded, within a chunk.
+                with contextlib.suppress(EngineStopped):
+                    await self.engine.call(lambda _: None, needs_model=False, label="drain")
             verdict = await self.flush(timeout_s=max(0.0, deadline - trio.current_time()))
             if self.queue is not None and self._pending_spills():
                 # Spills queued after the flush's drain (an idle demotion) or left by a timeout.
@@ -433,10 +457,12 @@ class System:
             "gateway": self.gateway.stats(),
             "ssd_cache": ssd,
             "kv_scheme": self.scheme.cache_key,
+            "compute_dtype": self.loaded.compute.as_stats(),
             "scheduler": self._scheduler_stats(),
             "shared_cache": self.shared.stats() if self.shared is not None else {},
             "memory": self.memory_stats(),
             "requests": self.recent_requests.stats(),
+            "prefill": self.prefill_progress.stats(),
             "flush": self._flush_stats(),
             "checkpoints": self._checkpoint_stats(),
             "paged_kv": self.paged_kv.stats() if self.paged_kv is not None else {},
@@ -543,7 +569,14 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
     admission, drain, flush bounded by `shutdown_timeout_s`) and close.
     `seams`: what a test or the simulator replaces (None: the real world)."""
     seams = seams or SystemSeams()
-    engine = seams.engine or EngineThread(config.model_dir, turn_log=seams.turn_log)
+    engine = seams.engine or EngineThread(
+        config.model_dir,
+        turn_log=seams.turn_log,
+        compute=await seams.run_blocking(lambda: resolve_compute_dtype(config.compute_dtype, config.model_dir)),
+    )
+    # A seam's engine (tests, the simulator) loads as it was built: the weights' own dtype unless it says otherwise.
+    compute: ComputeDtype = getattr(engine, "compute", MODEL_DTYPE)
+    log.info("compute dtype: %s (%s)", compute.cast_to or "the weights' own", compute.reason)
     store: SsdStore | None = None
     try:
         scheme = resolve_kv_scheme(config.kv_quant, config.model_dir)
@@ -556,7 +589,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
         else:
             wear = monitor = WearMonitor(bytes_per_day=config.ssd_write_budget_bytes_per_day, clock_ns=time.time_ns)
             loaded, store, tokenizer_hash = await load_model_beside_store(
-                engine, lambda: open_store(config, seams, scheme, monitor)
+                engine, lambda: open_store(config, seams, scheme, monitor, compute)
             )
         paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
         async with trio.open_nursery() as nursery:

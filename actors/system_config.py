@@ -18,6 +18,7 @@ from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT
 from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT
 from kvcellar.actors.uploader import SharedCacheConfig
 from kvcellar.engine.checkpointing import CheckpointListener
+from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_DEFAULT
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.memory import MemoryMeter
@@ -81,6 +82,8 @@ class SystemConfig:
     # rate; None: the disk as it is).
     restore_policy: str = "auto"
     disk_throttle_bytes_per_s: float | None = None
+    # `serve --compute-dtype` (engine/compute_dtype.py): `auto` computes small 16-bit models in float32 on the CPU.
+    compute_dtype: str = COMPUTE_DTYPE_DEFAULT
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]
@@ -105,6 +108,9 @@ class SystemSeams:
     what the memory guard measures (None: MLX's allocator counters).
     `checkpoint_listeners`: see what generation checkpoints are offered and
     resumed, with their requests (the simulator's checkpoint invariants).
+    `prefill_chunk_hook(tokens_done, tokens_total)`: called on the engine
+    thread with each prefill progress report, before the prefill goes on (a
+    test holds a prefill between two chunks there); None: nothing.
     """
 
     engine: Any = None
@@ -122,6 +128,7 @@ class SystemSeams:
     shared_objects: ObjectStore | None = None
     # Listeners of generation checkpoints (`Checkpointing.listeners`: the simulator's checks).
     checkpoint_listeners: tuple[CheckpointListener, ...] = ()
+    prefill_chunk_hook: Callable[[int, int], None] | None = None
 
 
 @attrs.frozen(kw_only=True)

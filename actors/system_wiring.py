@@ -17,7 +17,8 @@ from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.spill_queue import SpillQueue
 from kvcellar.actors.system_config import SystemConfig, SystemSeams
 from kvcellar.actors.uploader import SharedCacheConfig, SharedTier
-from kvcellar.engine.engine import LoadedModel
+from kvcellar.engine.compute_dtype import ComputeDtype, fingerprint_kv_key
+from kvcellar.engine.engine import MODEL_DTYPE, LoadedModel
 from kvcellar.engine.memory import (
     Footprint,
     MemoryGuard,
@@ -44,10 +45,11 @@ WEAR_SEED_COLUMNS = ("entry_id", "bytes", "restores")
 
 
 async def open_store(
-    config: SystemConfig, seams: SystemSeams, scheme: KvScheme, wear: WearMonitor
+    config: SystemConfig, seams: SystemSeams, scheme: KvScheme, wear: WearMonitor, compute: ComputeDtype = MODEL_DTYPE
 ) -> tuple[SsdStore | None, str]:
     """The SSD tier of this serving fingerprint and the tokenizer hash its
-    entries' headers carry; (None, "") without the tier."""
+    entries' headers carry; (None, "") without the tier. `compute`: the engine's
+    dtype policy, whose cast the fingerprint names (float32 KV never meets bfloat16 KV)."""
     if config.ssd_dir is None:
         return None, ""
     if config.prompt_cache_bytes <= 0:
@@ -57,7 +59,9 @@ async def open_store(
     # Hashing reads every weight byte on a cold memo: a worker thread's job, not the Trio thread's.
     run_blocking = seams.run_blocking
     fingerprint = await run_blocking(
-        lambda: compute_fingerprint(config.model_dir, kv_scheme_key=scheme.cache_key, memo=memo)
+        lambda: compute_fingerprint(
+            config.model_dir, kv_scheme_key=fingerprint_kv_key(scheme.cache_key, compute), memo=memo
+        )
     )
     log.info(
         "serving fingerprint %s in %.2f s: %d bytes hashed, the rest from the digest memo %s",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import signal
 import socket
 import statistics
@@ -49,6 +50,7 @@ from kvcellar.bench.common import (
     scratch_dir_option,
     scratch_with_model,
 )
+from kvcellar.blas_preload import find_openblas, preload_environment
 from kvcellar.engine.demo_models import DEMO_ARCH
 
 KVCELLAR, MLX_LM = "kvcellar", "mlx_lm"
@@ -119,6 +121,11 @@ class ServerProcess:
             if name == KVCELLAR
             else [sys.executable, "-m", "mlx_lm", "server"]
         )
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if name == MLX_LM:
+            # `kvcellar serve` preloads OpenBLAS itself (kvcellar.blas_preload): the same BLAS for both.
+            system = platform.system()
+            environment = preload_environment(environment, system=system, library=find_openblas()) or environment
         started = time.perf_counter()
         with log_path.open("w") as log:
             self.process = subprocess.Popen(
@@ -126,7 +133,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                env=environment,
             )
         self._wait_healthy()
         self.start_s = time.perf_counter() - started

@@ -42,11 +42,11 @@ import numpy as np
 from rich.console import Console
 
 from kvcellar.bench.common import describe_machine, load_note, model_option, print_figures, publish, publish_options
-from kvcellar.engine.demo_corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
+from kvcellar.demo.corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
+from kvcellar.demo.train import TRAINING_LOG_FILE_NAME, build_streams, fixed_windows, held_out_loss
+from kvcellar.demo.training_config import TrainingConfig
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, create_model
-from kvcellar.engine.demo_training_config import TrainingConfig
 from kvcellar.engine.tool_calls import offered_tool_names
-from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, build_streams, fixed_windows, held_out_loss
 
 DOCS_BEGIN, DOCS_END = "<!-- demo_model:begin -->", "<!-- demo_model:end -->"
 PRINTABLE_WORD_SHARE_MIN = 0.9
@@ -265,7 +265,11 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
             "the same, one call of the tool asked for",
         ),
         ("plain prompts answered with a tool call", str(result["plain_replies_with_tool_calls"]), "grammar off"),
-        ("decode tokens/s, demo-coder (bfloat16)", f"{result['demo_tokens_per_s']:.0f}", ""),
+        (
+            "decode tokens/s, demo-coder (bfloat16 weights)",
+            f"{result['demo_tokens_per_s']:.0f}",
+            "serve's compute dtype: float32 on the CPU",
+        ),
         (
             "decode tokens/s, random small llama (float32)",
             f"{result['random_small_tokens_per_s']:.0f}",

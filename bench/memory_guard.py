@@ -49,7 +49,7 @@ from kvcellar.bench.common import (
 )
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
-from kvcellar.engine.memory import InsufficientMemory
+from kvcellar.errors import InsufficientMemory
 
 DOCS_BEGIN, DOCS_END = docs_markers("memory_guard")
 OVERSUBSCRIPTION = 2

@@ -49,6 +49,7 @@ from kvcellar.bench.common import (
     scratch_dir_option,
     scratch_with_model,
 )
+from kvcellar.cli.serve import SHARD_DIGEST_MEMO_DIR_NAME
 from kvcellar.engine.demo_models import (
     CACHE_DIR_ENV_VAR,
     DEMO_ARCH,
@@ -59,7 +60,6 @@ from kvcellar.engine.demo_models import (
     model_size_bytes,
     write_safetensors,
 )
-from kvcellar.http.serve_cli import SHARD_DIGEST_MEMO_DIR_NAME
 
 MB_BYTES = 10**6
 FLOAT32_BYTES = 4

@@ -17,6 +17,13 @@ end), and when the first one ends the row's caches, extracted, hold exactly
 prompt-only caches after a cold prefill of `snapshot_prefill_tokens_min` or
 more.
 
+A client that leaves (issue 38): its row is cancelled at the next turn of
+the loop, so within one step (one prefill chunk or one decode step), and its
+caches, extracted as for any finished row, hold what the row computed so far
+(mid-prefill, the prompt's first tokens) and are put in the tiers, so the
+client's retry reuses them. Each prefilling row's `prefill_observer` hears
+its progress after every step and its cancellation.
+
 Generation checkpoints (spec §5.7, `engine/checkpointing.py`): mlx-lm's
 generation step feeds the token it sampled last step and samples the next,
 so right after a step each running row is at the checkpoint boundary: its
@@ -77,15 +84,16 @@ from kvcellar.engine.generation import (
     delta_logprob,
     take_reuse,
 )
-from kvcellar.engine.memory import DECODE_CHECK_TOKENS, InsufficientMemory, MemoryGuard
+from kvcellar.engine.memory import DECODE_CHECK_TOKENS, MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv, blocks_for
 from kvcellar.engine.quant_batch import PREFILL_ROWS, QuantizedRows, quantized_batch_refusal
 from kvcellar.engine.sampling import build_processors
 from kvcellar.engine.scalars import item_int
+from kvcellar.errors import InsufficientMemory
 from kvcellar.store import signature as sig
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import snapshot_caches
-from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.prompt_cache import CacheDivergence, PromptCache
 from kvcellar.store.scheme import KvScheme
 
 _ROW_SIGNATURES = frozenset({sig.SIGNATURE_PLAIN, sig.SIGNATURE_ROTATING, sig.SIGNATURE_SSM})
@@ -180,6 +188,8 @@ class _Row:
     boundary: int | None
     assembler: TextAssembler
     produced: int = 0
+    # Where the prompt left the longest prefix a tier shared with it (`GenerationDone.divergence`).
+    divergence: CacheDivergence | None = None
     # Until its last prompt token ran: the memory guard reserves a prefill chunk for it.
     prefilling: bool = True
     # Prompt tokens its caches hold so far (the lent prefix, then each chunk run).
@@ -329,6 +339,7 @@ class BatchLoop:
             prefilled_tokens=cached_tokens,
             cache_tier=reuse.tier,
             restore_plan=reuse.restore_plan,
+            divergence=reuse.divergence,
             use_cache=reuse.use_cache,
             snapshot=reuse.snapshot_due(request, self.snapshot_prefill_tokens_min),
             boundary=boundary,
@@ -424,6 +435,8 @@ class BatchLoop:
             state.prefilled_tokens = state.cached_tokens + response.progress[0]
             if response.end_of_prompt:
                 state.prefilling = False
+            elif (observer := state.row.request.prefill_observer) is not None:
+                observer.progress(state.prefilled_tokens, len(state.prompt))
             if response.end_of_segment and state.boundary is not None:
                 if self._quantized is not None:
                     self._quantized.convert_prefilling(self._generator)
@@ -491,6 +504,10 @@ class BatchLoop:
                 # A row cancelled mid-prefill still holds unquantized KV: the chokepoint converts it, as serially.
                 caches = self._quantized.scheme.convert(list(caches))
             self.prompt_cache.put(list(tokens), caches, state.row.request.namespace)
+        observer = state.row.request.prefill_observer
+        if outcome == "cancelled" and state.prefilling and observer is not None:
+            kept_tokens = len(tokens) if state.use_cache and len(tokens) > state.cached_tokens else 0
+            observer.cancelled(kept_tokens, len(state.prompt))
         tail = state.assembler.closing_text() if outcome == "completed" else ""
         if tail:
             events.append(RowToken(row_id=state.row.row_id, delta=TokenDelta(token_id=-1, text=tail)))
@@ -502,6 +519,7 @@ class BatchLoop:
             cache_tier=state.cache_tier,
             restore_plan=state.restore_plan,
             resumed_tokens=state.checkpoints.resumed_tokens if state.checkpoints is not None else 0,
+            divergence=state.divergence,
         )
         events.append(RowDone(row_id=state.row.row_id, outcome=outcome, done=done, error=error))
 

@@ -23,11 +23,14 @@ import trio
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
+from kvcellar.engine.compute_dtype import ComputeDtype, choose_compute_dtype, read_weights_facts
 from kvcellar.engine.reply import CrossThreadReply
 from kvcellar.engine.scalars import item_int
-from kvcellar.errors import KvCellarError, ModelError, UsageError
+from kvcellar.errors import EngineStopped, ModelError, UsageError
 
 PREFILL_STEP_TOKENS = 512
+# What an engine computes in when nobody resolved a policy for it: the weights' own dtype.
+MODEL_DTYPE = ComputeDtype(policy="model", cast_to=None, reason="the weights' own dtype")
 
 
 @attrs.frozen(kw_only=True)
@@ -57,11 +60,27 @@ class LoadedModel:
     tokenizer: Any
     model_dir: Path
     context_tokens_max: int
+    # The dtype policy the weights were loaded under (engine/compute_dtype.py).
+    compute: ComputeDtype = MODEL_DTYPE
 
 
 # Called before each prefill chunk with its token count, the tokens of
-# `tokens` already run and the caches (the memory guard's relief check).
+# `tokens` already run and the caches (the memory guard's relief check, the
+# client-gone check); raising stops the prefill before that chunk.
 BeforeChunk = Callable[[int, int, list[Any]], None]
+
+
+class PrefillObserver(Protocol):
+    """Told about one request's prefill, on the engine thread (issue 38: a
+    long prefill never looks dead). `progress` comes at least once per chunk
+    with the prompt tokens the caches hold and the prompt's length; `cancelled`
+    once, when the client left mid-prefill, with the tokens kept in the tiers.
+    It runs on the lane's time: hand the news to another thread and return (a
+    test's seam may hold it there, to hold the prefill between two chunks)."""
+
+    def progress(self, tokens_done: int, tokens_total: int) -> None: ...
+
+    def cancelled(self, tokens_kept: int, tokens_total: int) -> None: ...
 
 
 def prefill(
@@ -214,11 +233,6 @@ class MlxBufferCache:
         mx.clear_cache()
 
 
-class EngineStopped(KvCellarError):
-    """Raised when a job is submitted to an engine that has shut down. The
-    server's fault (a request raced shutdown); the request fails cleanly."""
-
-
 class EngineThread:
     """Owns the engine thread. `start()` loads the model on it; `call(job)`
     runs `job(loaded_model)` there; `stream(job, cancelled)` runs a generator
@@ -232,8 +246,11 @@ class EngineThread:
         buffer_cache: BufferCache | None = None,
         release_idle_s: float = RELEASE_IDLE_S,
         release_at_once_bytes: int = RELEASE_AT_ONCE_BYTES,
+        compute: ComputeDtype = MODEL_DTYPE,
     ) -> None:
         self.model_dir = Path(model_dir)
+        # Resolved before the engine starts: the serving fingerprint names it too.
+        self.compute = compute
         # (label, start, end) of every job, in perf_counter seconds, when given: lets
         # tests prove what ran between what.
         self.turn_log = turn_log
@@ -269,7 +286,7 @@ class EngineThread:
 
     async def start(self) -> LoadedModel:
         self._thread.start()
-        self._loaded = await self.call(lambda _: _load(self.model_dir), needs_model=False)
+        self._loaded = await self.call(lambda _: _load(self.model_dir, self.compute), needs_model=False)
         return self._loaded
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -350,14 +367,28 @@ class EngineThread:
             cancelled.set()
 
 
-def _load(model_dir: Path) -> LoadedModel:
-    from mlx_lm import load
+def resolve_compute_dtype(policy: str, model_dir: Path) -> ComputeDtype:
+    """`--compute-dtype` for the model in `model_dir` on MLX's default device: reads
+    the safetensors headers (file I/O: call it off the Trio thread) and device metadata only."""
+    return choose_compute_dtype(policy, device=mx.default_device().type.name, facts=read_weights_facts(model_dir))
+
+
+def _load(model_dir: Path, compute: ComputeDtype = MODEL_DTYPE) -> LoadedModel:
+    from kvcellar.engine.attention_window import load_model_and_tokenizer
 
     try:
-        loaded = load(str(model_dir))
-        model, tokenizer = loaded[0], loaded[1]
+        model, tokenizer = load_model_and_tokenizer(model_dir)
+    except ModelError:
+        raise
     except Exception as e:
         raise ModelError(f"cannot load the model in {model_dir}: {e}") from e
+    if compute.cast_to is not None:
+        # Floating parameters only (nn.Module.set_dtype's default predicate); evaluated
+        # here so the bfloat16 originals are freed before the first request.
+        model.set_dtype(getattr(mx, compute.cast_to))
+        mx.eval(model.parameters())
     config = getattr(model, "args", None)
     context = getattr(config, "max_position_embeddings", None) or 8192
-    return LoadedModel(model=model, tokenizer=tokenizer, model_dir=model_dir, context_tokens_max=int(context))
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_dir=model_dir, context_tokens_max=int(context), compute=compute
+    )

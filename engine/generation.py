@@ -6,6 +6,13 @@ the remainder in chunks, put a prompt-only snapshot (spec §4, "prompt-boundary
 snapshot"), decode with mlx-lm's samplers, and put the finished caches back,
 also when the client went away.
 
+A client that leaves (issue 38) is seen between two steps: between two
+decode steps, and before each prefill chunk (`PrefillCancelled`), so a long
+prefill stops within one chunk and its caches, which then hold the prompt's
+first tokens, are put in the tiers as any finished request's are (written
+behind to the SSD tier): the client's retry reuses them. The request's
+`prefill_observer` hears the prefill's progress before each chunk.
+
 Where the snapshot goes: a chat request carries the template probe's stable
 boundary (`GenerationRequest.snapshot_at_tokens`, spec §4 "template probe"),
 the leading prompt tokens the next turn's rendering keeps; the prefill is
@@ -41,7 +48,9 @@ from kvcellar.engine.checkpointing import Checkpointing, RequestCheckpoints
 from kvcellar.engine.detokenize import TextAssembler
 from kvcellar.engine.engine import (
     PREFILL_STEP_TOKENS,
+    BeforeChunk,
     LoadedModel,
+    PrefillObserver,
     SamplingParams,
     prefill,
 )
@@ -49,10 +58,10 @@ from kvcellar.engine.memory import GuardedRequest, MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
-from kvcellar.errors import UsageError
+from kvcellar.errors import PrefillCancelled, UsageError
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.lending import lend_caches, snapshot_caches
-from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.prompt_cache import CacheDivergence, PromptCache
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 
@@ -63,6 +72,26 @@ def tier_form(cache: list, paged_kv: PagedKv | None) -> list:
     """The caches as the tiers and checkpoints take them: with paged KV, every
     paged layer converted to a plain copy (the tier boundary, spec §6.3)."""
     return cache if paged_kv is None else paged_kv.plain(cache)
+
+
+@attrs.frozen(kw_only=True)
+class RequestNotes:
+    """What the HTTP side changed of a request on its way in (docs/agents.md),
+    carried to its `/stats/requests` record; the engine never reads it.
+    `max_tokens_requested` is set only when the reply bound was clamped (to
+    `params.max_tokens`); `hosted_tools_left_out` names the hosted or server
+    tools left out of the prompt; `schema_keywords_relaxed` the JSON-schema
+    keywords dropped from the tool-call grammar's copy of the tools;
+    `prompt_rewrites` the prompt-normalisation rules that rewrote the prompt."""
+
+    api: str = ""
+    max_tokens_requested: int | None = None
+    hosted_tools_left_out: tuple[str, ...] = ()
+    schema_keywords_relaxed: tuple[str, ...] = ()
+    prompt_rewrites: tuple[str, ...] = ()
+
+
+NO_NOTES = RequestNotes()
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +110,9 @@ class GenerationRequest:
     # tokens the next turn's rendering keeps, strictly inside the prompt; the
     # prompt-boundary snapshot goes there. None: no boundary known.
     snapshot_at_tokens: int | None = None
+    # Hears the prefill's progress and a cancellation mid-prefill (engine thread); None: nobody listens.
+    prefill_observer: PrefillObserver | None = attrs.field(default=None, eq=False)
+    notes: RequestNotes = attrs.field(default=NO_NOTES, eq=False)
 
     def __attrs_post_init__(self) -> None:
         boundary = self.snapshot_at_tokens
@@ -104,6 +136,8 @@ class Reuse:
     entry_id: str = ""
     # How a cold entry was served (store/prompt_cache.py `TakeResult.restore_plan`); "" when none was considered.
     restore_plan: str = ""
+    # Where the prompt left the longest prefix a tier shares with it (before this take); None without tiers.
+    divergence: CacheDivergence | None = None
 
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
@@ -127,7 +161,9 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
     """Take the longest usable prefix of the request's prompt from the tiers, when it uses them."""
     if not request.use_prompt_cache or prompt_cache is None or not prompt_cache.enabled:
         return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
-    taken = prompt_cache.take(list(request.prompt_ids), request.namespace)
+    prompt = list(request.prompt_ids)
+    divergence = prompt_cache.divergence(prompt, request.namespace)
+    taken = prompt_cache.take(prompt, request.namespace)
     return Reuse(
         use_cache=True,
         caches=taken.caches,
@@ -135,6 +171,7 @@ def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> 
         tier=taken.tier,
         entry_id=taken.entry_id,
         restore_plan=taken.restore_plan,
+        divergence=divergence,
     )
 
 
@@ -167,6 +204,53 @@ class GenerationDone:
     resumed_tokens: int = 0
     # The restore policy's plan for a prefix on a slow tier ("restore", "recompute", "split"; "" when none).
     restore_plan: str = ""
+    # Where the prompt left the longest prefix a tier shared with it (`/stats/requests`); None without tiers.
+    divergence: CacheDivergence | None = None
+
+
+def watched_prefill(
+    check: BeforeChunk | None, request: GenerationRequest, cancelled: threading.Event, base_tokens: int
+) -> BeforeChunk:
+    """What runs before each chunk of a prefill that starts at prompt token
+    `base_tokens`: report the progress, stop if the client left
+    (`PrefillCancelled` with the tokens the caches hold), then `check` (the
+    memory guard's relief)."""
+    observer, total = request.prefill_observer, len(request.prompt_ids)
+
+    def before_chunk(chunk_tokens: int, position: int, caches: list[Any]) -> None:
+        tokens_done = base_tokens + position
+        if observer is not None:
+            observer.progress(tokens_done, total)
+        if cancelled.is_set():
+            raise PrefillCancelled("the client left during the prefill", tokens_done=tokens_done)
+        if check is not None:
+            check(chunk_tokens, position, caches)
+
+    return before_chunk
+
+
+def _keep_cancelled_prefix(
+    tiers: PromptCache | None,
+    request: GenerationRequest,
+    reuse: Reuse,
+    cache: list,
+    tokens_done: int,
+    *,
+    scheme: KvScheme | None,
+    paged_kv: PagedKv | None,
+) -> None:
+    """A prefill stopped by a client that left: its caches hold the prompt's
+    first `tokens_done` tokens (every chunk run was evaluated); put them in
+    the tiers, as a finished request's, when they hold more than was lent."""
+    kept_tokens = 0
+    if tiers is not None and tokens_done > reuse.cached_tokens:
+        if scheme is not None:
+            # The chokepoint (spec §3); idempotent when the boundary snapshot already converted them.
+            cache = scheme.convert(cache)
+        tiers.put(list(request.prompt_ids[:tokens_done]), tier_form(cache, paged_kv), request.namespace)
+        kept_tokens = tokens_done
+    if request.prefill_observer is not None:
+        request.prefill_observer.cancelled(kept_tokens, len(request.prompt_ids))
 
 
 def _prefill_boundary_snapshot(
@@ -179,6 +263,7 @@ def _prefill_boundary_snapshot(
     scheme: KvScheme | None,
     prefill_step_tokens: int,
     memory: GuardedRequest,
+    cancelled: threading.Event,
     paged_kv: PagedKv | None = None,
 ) -> list:
     """Prefill from what the tiers served up to the stable boundary and put
@@ -186,7 +271,7 @@ def _prefill_boundary_snapshot(
     `prompt[:boundary]`; returns the (converted) caches to go on with."""
     boundary = request.snapshot_at_tokens
     assert boundary is not None
-    check = memory.prefill_check(reuse.cached_tokens)
+    check = watched_prefill(memory.prefill_check(reuse.cached_tokens), request, cancelled, reuse.cached_tokens)
     prefill(loaded.model, request.prompt_ids[reuse.cached_tokens : boundary], cache, prefill_step_tokens, check)
     if scheme is not None:
         # The snapshot is put in the form every entry has: converted.
@@ -215,6 +300,7 @@ def _cold_start(
     loaded: LoadedModel,
     prompt_cache: PromptCache | None,
     request: GenerationRequest,
+    cancelled: threading.Event,
     *,
     scheme: KvScheme | None,
     prefill_step_tokens: int,
@@ -223,7 +309,8 @@ def _cold_start(
     paged_kv: PagedKv | None = None,
 ) -> _Start:
     """Take what the tiers hold, admit the request against the memory budget,
-    prefill the rest (with the prompt-boundary snapshot)."""
+    prefill the rest (with the prompt-boundary snapshot). A client that
+    leaves mid-prefill raises `PrefillCancelled` once its prefix is kept."""
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request)
     memory = GuardedRequest(memory_guard, (reuse.entry_id,))
@@ -236,21 +323,26 @@ def _cold_start(
         cache = paged_kv.page(cache, len(prompt) + request.params.max_tokens)
     prefilled_tokens = reuse.cached_tokens
     boundary = reuse.boundary_snapshot_at(request)
-    if boundary is not None and tiers is not None:
-        cache = _prefill_boundary_snapshot(
-            loaded,
-            tiers,
-            request,
-            reuse,
-            cache,
-            scheme=scheme,
-            prefill_step_tokens=prefill_step_tokens,
-            memory=memory,
-            paged_kv=paged_kv,
-        )
-        prefilled_tokens = boundary
-    check = memory.prefill_check(prefilled_tokens)
-    logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens, check)
+    try:
+        if boundary is not None and tiers is not None:
+            cache = _prefill_boundary_snapshot(
+                loaded,
+                tiers,
+                request,
+                reuse,
+                cache,
+                scheme=scheme,
+                prefill_step_tokens=prefill_step_tokens,
+                memory=memory,
+                cancelled=cancelled,
+                paged_kv=paged_kv,
+            )
+            prefilled_tokens = boundary
+        check = watched_prefill(memory.prefill_check(prefilled_tokens), request, cancelled, prefilled_tokens)
+        logits = prefill(loaded.model, prompt[prefilled_tokens:], cache, prefill_step_tokens, check)
+    except PrefillCancelled as e:
+        _keep_cancelled_prefix(tiers, request, reuse, cache, e.tokens_done, scheme=scheme, paged_kv=paged_kv)
+        raise
     if scheme is not None:
         # The conversion chokepoint (spec §3): after the first prefill; idempotent on reused caches.
         cache = scheme.convert(cache)
@@ -303,6 +395,7 @@ def _start(
     prompt_cache: PromptCache | None,
     request: GenerationRequest,
     checkpoints: RequestCheckpoints | None,
+    cancelled: threading.Event,
     *,
     scheme: KvScheme | None,
     prefill_step_tokens: int,
@@ -328,6 +421,7 @@ def _start(
         loaded,
         prompt_cache,
         request,
+        cancelled,
         scheme=scheme,
         prefill_step_tokens=prefill_step_tokens,
         snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
@@ -356,22 +450,29 @@ def run_generation(
     this request alone. With `checkpointing`, an identical request's
     checkpoint is resumed (its emitted tokens replayed first) and new ones
     are offered every interval. With `paged_kv`, plain full-attention layers
-    are paged (engine/paged_kv.py) and converted back at the tier boundary."""
+    are paged (engine/paged_kv.py) and converted back at the tier boundary.
+    `cancelled` (the client left) ends it between two decode steps or before
+    a prefill chunk; a cancelled prefill yields nothing."""
     params = request.params
     prompt = list(request.prompt_ids)
     checkpoints = checkpointing.begin(request) if checkpointing is not None else None
-    start = _start(
-        loaded,
-        prompt_cache,
-        request,
-        checkpoints,
-        scheme=scheme,
-        prefill_step_tokens=prefill_step_tokens,
-        snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
-        memory_guard=memory_guard,
-        safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
-        paged_kv=paged_kv,
-    )
+    try:
+        start = _start(
+            loaded,
+            prompt_cache,
+            request,
+            checkpoints,
+            cancelled,
+            scheme=scheme,
+            prefill_step_tokens=prefill_step_tokens,
+            snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
+            memory_guard=memory_guard,
+            safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
+            paged_kv=paged_kv,
+        )
+    except PrefillCancelled:
+        # The client left mid-prefill and its prefix is kept: nobody waits for a token.
+        return
     tiers = prompt_cache if start.reuse.use_cache else None
     cache, sampling, logits, pending, memory = start.cache, start.sampling, start.logits, start.pending, start.memory
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
@@ -420,4 +521,5 @@ def run_generation(
         cache_tier=start.reuse.tier,
         resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
         restore_plan=start.reuse.restore_plan,
+        divergence=start.reuse.divergence,
     )

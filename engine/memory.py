@@ -44,7 +44,7 @@ import attrs
 import mlx.core as mx
 
 from kvcellar.engine.engine import BeforeChunk, BufferCache, MlxBufferCache
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import InsufficientMemory, KvCellarError
 from kvcellar.store.actor_events import MemoryRelieved
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
 from kvcellar.store.scheme import KvScheme, held_bytes
@@ -52,32 +52,14 @@ from kvcellar.store.scheme import KvScheme, held_bytes
 log = logging.getLogger("kvcellar.memory")
 
 BUDGET_FRACTION_OF_PHYSICAL = 0.75
+# cuBLAS/cuDNN workspaces and the CUDA context live outside MLX's allocator counters.
+BUDGET_FRACTION_OF_CUDA = 0.90
 DECODE_CHECK_TOKENS = 256
 # mlx-lm's KVCache grows its buffers by this many tokens (`KVCache.step`).
 KV_GROWTH_TOKENS = 256
 # Element size assumed for activations and attention scores (float32 on the
 # CPU backend, and an upper bound for half-precision models).
 _WORKSPACE_ELEMENT_BYTES = 4
-
-
-class InsufficientMemory(KvCellarError):
-    """Raised when a request cannot fit the memory budget even after every
-    reclaimable cache entry is released (at admission, or at a relief check
-    mid-generation). Nobody's fault: the request is too large for this
-    server's budget now; the server and the other requests go on."""
-
-    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, budget_bytes: int) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
-        self.budget_bytes = budget_bytes
-
-    def details(self) -> dict[str, int]:
-        return {
-            "needed_bytes": self.needed_bytes,
-            "available_bytes": self.available_bytes,
-            "budget_bytes": self.budget_bytes,
-        }
 
 
 class MemoryMeter(BufferCache, Protocol):
@@ -116,8 +98,47 @@ def metal_working_set_bytes() -> int | None:
     return int(size) if size else None
 
 
-def default_memory_budget_bytes(physical_bytes: int | None = None, working_set_bytes: int | None = None) -> int:
-    """75 % of physical memory, and at most Metal's recommended working set when there is one."""
+def cuda_memory_bytes(
+    device: Any = None,
+    *,
+    cuda_available: Callable[[], bool] | None = None,
+    device_info: Callable[[Any], Mapping[str, Any]] | None = None,
+) -> int | None:
+    """The CUDA GPU's total memory when the default device is one (MLX's
+    CUDA backend: `mx.device_info`'s `total_memory`), else None (the CPU,
+    or Metal, whose memory is the host's)."""
+    device = device if device is not None else mx.default_device()
+    try:
+        if device.type != mx.DeviceType.gpu or not (cuda_available or mx.cuda.is_available)():
+            return None
+        total = (device_info or mx.device_info)(device).get("total_memory")
+    except (AttributeError, RuntimeError):
+        return None
+    return int(total) if total else None
+
+
+def cuda_device_info() -> Mapping[str, Any]:
+    """`mx.device_info` of the default device when it is a CUDA GPU, else empty.
+    Reads driver counters only (NVML, or `cudaMemGetInfo`); runs no kernel."""
+    device = mx.default_device()
+    try:
+        if device.type != mx.DeviceType.gpu or not mx.cuda.is_available():
+            return {}
+        return dict(mx.device_info(device))
+    except (AttributeError, RuntimeError):
+        return {}
+
+
+def default_memory_budget_bytes(
+    physical_bytes: int | None = None, working_set_bytes: int | None = None, cuda_bytes: int | None = None
+) -> int:
+    """75 % of physical memory, and at most Metal's recommended working set when
+    there is one. On a CUDA GPU, where MLX's live arrays (what the guard
+    measures) are in the GPU's own memory, 90 % of that memory instead: the
+    host's size says nothing about it. Pass 0 to say "none" to either."""
+    gpu = cuda_memory_bytes() if cuda_bytes is None else cuda_bytes
+    if gpu:
+        return int(gpu * BUDGET_FRACTION_OF_CUDA)
     physical = physical_memory_bytes() if physical_bytes is None else physical_bytes
     budget = int(physical * BUDGET_FRACTION_OF_PHYSICAL)
     working_set = metal_working_set_bytes() if working_set_bytes is None else working_set_bytes
@@ -239,8 +260,10 @@ class MemoryGuard:
         persist: SyncPersist | None = None,
         journal: Any = None,
         spill_pinned_bytes: Callable[[], int] = lambda: 0,
+        device_info: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        self.device_info = device_info or cuda_device_info
         self.meter = meter
         self.footprint = footprint
         # What MLX held once the model was loaded: never reclaimable.
@@ -395,8 +418,11 @@ class MemoryGuard:
         self._published = MappingProxyType(attrs.asdict(self.counters))
 
     def stats(self) -> dict[str, Any]:
-        """/stats's `memory`: safe from any thread."""
+        """/stats's `memory`: safe from any thread. On a CUDA GPU it adds the
+        device's total and free memory (free as the driver counts it, other
+        processes included)."""
         return {
+            **self.device_memory(),
             "budget_bytes": self.budget_bytes,
             "weights_bytes": self.weights_bytes,
             "headroom_bytes": max(0, self.budget_bytes - self.weights_bytes) if self.enabled else 0,
@@ -405,6 +431,13 @@ class MemoryGuard:
             "cache_bytes": self.meter.cache_bytes(),
             "spill_pinned_bytes": self.spill_pinned_bytes(),
             **self._published,
+        }
+
+    def device_memory(self) -> dict[str, int]:
+        """The CUDA GPU's `total_memory` and `free_memory` (empty elsewhere)."""
+        info = self.device_info()
+        return {
+            f"device_{key}_bytes": int(info[f"{key}_memory"]) for key in ("total", "free") if f"{key}_memory" in info
         }
 
 

@@ -51,25 +51,13 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from kvcellar.errors import KvCellarError, UsageError
+from kvcellar.errors import PagedLayoutError, PagedPoolExhausted, UsageError
 from kvcellar.store.signature import BATCH_PAGED_PREFIX, PAGED_PREFIX
 
 BLOCK_SIZE_DEFAULT = 256  # = KVCache.step: v1's growth granularity, permuted into reusable slots
 _PAGEABLE = mlx_cache.KVCache
 # Kinds a paged model may keep beside its paged full-attention layers (they stay as they are).
 _KEPT_KINDS = (mlx_cache.RotatingKVCache, mlx_cache.ArraysCache)
-
-
-class PagedPoolExhausted(KvCellarError):
-    """Raised when a request's block pool has no free block for a write. A
-    tripwire: the pool is sized from the request's prompt plus `max_tokens`,
-    so this is kvcellar's accounting bug, never a truncation to route around."""
-
-
-class PagedLayoutError(KvCellarError):
-    """Raised when the batch lane asks a paged batch for a layout operation
-    mlx-lm's `BatchGenerator` never uses (left padding of an empty batch);
-    kvcellar's fault if it ever fires."""
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

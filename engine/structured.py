@@ -33,14 +33,9 @@ from kvcellar.engine.scalars import item_int
 if TYPE_CHECKING:
     # A TypedDict of the extension's stub only; not importable at run time.
     from llguidance._lib import JsonCompileOptions
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import GrammarError
 
 log = logging.getLogger("kvcellar.engine")
-
-
-class GrammarError(KvCellarError):
-    """A `response_format` llguidance cannot compile, or a grammar the
-    generation could not follow (the matcher reported an error)."""
 
 
 # Compact JSON: a random or small model given "any whitespace" spends its

@@ -1,6 +1,6 @@
 """A model's tool-call block read into calls: the one rule by which `serve`
 returns calls (http/tools.py) and the demo model's training validation scores
-replies (engine/tool_validation.py), so the training score and the server agree.
+replies (demo/tool_validation.py), so the training score and the server agree.
 
 The block is what sits between the tokenizer's tool-call markers; the parser is
 the tokenizer's own `tool_parser` (mlx-lm's `TokenizerWrapper`), a third-party

@@ -39,6 +39,7 @@ import enum
 import functools
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +50,8 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask
 
 from kvcellar.engine.scalars import item_int
-from kvcellar.engine.structured import GrammarError, masked_logits, matcher_allowed_tokens, token_table
+from kvcellar.engine.structured import masked_logits, matcher_allowed_tokens, token_table
+from kvcellar.errors import GrammarError
 
 log = logging.getLogger("kvcellar.engine.tool_grammar")
 
@@ -114,13 +116,120 @@ def compile_tool_call_grammar(tokenizer: Any, tools: Sequence[dict[str, Any]], f
     object, a newline, the end marker. Raises `GrammarError` saying why a
     schema cannot be compiled. Cached (bounded LRU)."""
     tools_json = json.dumps(list(tools), sort_keys=True)
-    return _compile_cached(tokenizer, tools_json, function_name)
+    return _compile_cached(tokenizer, tools_json, function_name, False)
+
+
+@attrs.frozen(kw_only=True)
+class RelaxedToolGrammar:
+    """A tool-call grammar and what was relaxed to compile it: the JSON-schema
+    keywords llguidance does not implement (dropped, the rest of each schema
+    kept), `pattern` for regexes it cannot take, and `parameters` for a tool
+    whose schema it could not take at all (its arguments then any JSON
+    object, its name still one of the offered ones). () when nothing was."""
+
+    grammar: str
+    relaxed: tuple[str, ...]
+
+
+def compile_relaxed_tool_call_grammar(
+    tokenizer: Any, tools: Sequence[dict[str, Any]], function_name: str | None = None
+) -> RelaxedToolGrammar:
+    """`compile_tool_call_grammar`, relaxing what llguidance cannot take
+    instead of failing (see `RelaxedToolGrammar`); raises `GrammarError` only
+    when even the relaxed grammar does not compile. Cached (bounded LRU)."""
+    tools_json = json.dumps(list(tools), sort_keys=True)
+    return _relaxed_cached(tokenizer, tools_json, function_name)
 
 
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_ENTRIES)
-def _compile_cached(tokenizer: Any, tools_json: str, function_name: str | None) -> str:
+def _relaxed_cached(tokenizer: Any, tools_json: str, function_name: str | None) -> RelaxedToolGrammar:
+    try:
+        return RelaxedToolGrammar(grammar=_compile_cached(tokenizer, tools_json, function_name, False), relaxed=())
+    except GrammarError as e:
+        strict_error = e
+    table = token_table(tokenizer)
+    relaxed_tools, relaxed = [], set()
+    for tool in json.loads(tools_json):
+        function = tool["function"]
+        parameters, dropped = _relaxed_parameters(table, function.get("parameters") or _NO_PARAMETERS)
+        relaxed.update(dropped)
+        relaxed_tools.append({**tool, "function": {**function, "parameters": parameters}})
+    grammar = _compile_cached(tokenizer, json.dumps(relaxed_tools, sort_keys=True), function_name, True)
+    log.warning(
+        "the tool-call grammar relaxed the tools' schemas (dropped: %s) because llguidance could not compile "
+        "them as sent (%s); the rest of each schema is still enforced",
+        ", ".join(sorted(relaxed)),
+        str(strict_error).splitlines()[0],
+    )
+    return RelaxedToolGrammar(grammar=grammar, relaxed=tuple(sorted(relaxed)))
+
+
+def _relaxed_parameters(table: llguidance.LLTokenizer, schema: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A tool's parameters as llguidance takes them in lenient mode, and what
+    was dropped: its unimplemented keywords (llguidance's warnings name
+    them), else its regex patterns too, else the whole schema."""
+    error, warnings = _check_schema(table, schema)
+    dropped = [key for warning in warnings for key in _unimplemented_keys(warning)]
+    if error is None:
+        return schema, dropped
+    without_patterns = _without_patterns(schema)
+    error, warnings = _check_schema(table, without_patterns)
+    if error is None:
+        return without_patterns, [*dropped, *(k for w in warnings for k in _unimplemented_keys(w)), "pattern"]
+    return {"type": "object"}, ["parameters"]
+
+
+def _check_schema(table: llguidance.LLTokenizer, schema: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """(the error or None, the warnings) of one schema under llguidance's lenient mode."""
+    lenient = {**schema, "x-guidance": {**_JSON_LAYOUT, "lenient": True}}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(lenient)}\n")
+    except (ValueError, TypeError) as e:
+        return str(e), []
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, table)
+    return (messages[0] if messages else "unknown") if is_error else None, list(messages)
+
+
+def _unimplemented_keys(warning: str) -> list[str]:
+    """The keywords in llguidance's `Unimplemented keys: ["propertyNames"]` warning."""
+    match = _UNIMPLEMENTED_KEYS.search(warning)
+    if match is None:
+        return []
+    try:
+        keys = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return []
+    return [key for key in keys if isinstance(key, str)]
+
+
+_UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+# Keywords whose value maps names (not keywords) to schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _without_patterns(schema: Any) -> Any:
+    """`schema` without its `pattern` keywords (regexes llguidance may not take, e.g. look-arounds)."""
+    if isinstance(schema, list):
+        return [_without_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept = {}
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            kept[key] = {name: _without_patterns(sub) for name, sub in value.items()}
+        else:
+            kept[key] = _without_patterns(value)
+    return kept
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_ENTRIES)
+def _compile_cached(tokenizer: Any, tools_json: str, function_name: str | None, lenient: bool) -> str:
     table = token_table(tokenizer)
     schema = call_schema(json.loads(tools_json), function_name)
+    if lenient:
+        schema["x-guidance"] = {**_JSON_LAYOUT, "lenient": True}
     end = _marker_terminal(tokenizer, table, tokenizer.tool_call_end)
     lark = f'start: "\\n" call "\\n" {end}\ncall: %json {json.dumps(schema)}\n'
     try:

@@ -58,28 +58,29 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.engine.tool_calls import offered_tool_names
+from kvcellar.errors import BadRequest, PromptRefused, PromptTooLong
+from kvcellar.http.cache_header import cache_header, stream_cache_header
 from kvcellar.http.failures import classify_failure
-from kvcellar.http.parsing import (
-    MAX_TOKENS_LIMIT,
-    BadRequest,
-    TokenizerLane,
-    _number,
-    reply_processors,
-    sampling_fields,
-)
+from kvcellar.http.inbound import InboundPolicy, Intake
+from kvcellar.http.parsing import TokenizerLane, _number, positive_bound, reply_processors, sampling_fields
 from kvcellar.http.refusals import refused_unread
+from kvcellar.http.streaming import (
+    ANTHROPIC_PING_KEEPALIVE,
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
     Piece,
-    PromptRefused,
     ReasoningText,
     RenderedPrompt,
     ReplySplitter,
@@ -124,7 +125,9 @@ def failure_event_body(error: Exception) -> tuple[int, dict[str, Any]]:
     status, error_type = _ERROR_TYPES[failure.kind]
     # Anthropic's errors have no `param`: the message names the field, as Anthropic's own do ("field: why").
     message = failure.message
-    if failure.param and failure.param not in message:
+    if isinstance(error, PromptTooLong):
+        message = error.anthropic_message
+    elif failure.param and failure.param not in message:
         message = f"{failure.param}: {message}"
     return status, {"type": "error", "error": {"type": error_type, "message": message, **failure.details}}
 
@@ -148,8 +151,15 @@ def _key_ok(request: Request, secret: str | None) -> bool:
 # -- routes --------------------------------------------------------------------
 
 
-def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], str | None]) -> list[Route]:
-    """The two Messages API routes over a started system, parsing on `lane`."""
+def messages_routes(
+    system: System,
+    lane: TokenizerLane,
+    api_key: Callable[[], str | None],
+    *,
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
+) -> list[Route]:
+    """The two Messages API routes over a started system, parsing on `lane`;
+    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py)."""
     loaded = system.loaded
     model_id = loaded.model_dir.name
 
@@ -157,7 +167,9 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
         if not _key_ok(request, api_key()):
             return refused_unread(anthropic_error(401, "authentication_error", "missing or wrong x-api-key"))
         try:
-            work = partial(parse_messages_body, await request.body(), loaded, tool_grammar=lane.tool_grammar)
+            work = partial(
+                parse_messages_body, await request.body(), loaded, tool_grammar=lane.tool_grammar, inbound=lane.inbound
+            )
             job = await lane.run(work)
         except Exception as e:
             return _failure_response(e)
@@ -169,17 +181,28 @@ def messages_routes(system: System, lane: TokenizerLane, api_key: Callable[[], s
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(_stream(system, job, lane, model_id), media_type="text/event-stream")
-        try:
-            return JSONResponse(await _complete(system, job, lane, model_id))
-        except Exception as e:
-            return _failure_response(e)
+            return KeepAliveStreamingResponse(
+                _stream(system, job, lane, model_id),
+                keepalive=ANTHROPIC_PING_KEEPALIVE,
+                interval_s=keepalive_interval_s,
+                media_type="text/event-stream",
+                headers=stream_cache_header(job.prompt_tokens),
+            )
+
+        async def reply() -> Response:
+            try:
+                body, done = await _complete(system, job, lane, model_id)
+                return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
     async def count_tokens(request: Request) -> Response:
         if not _key_ok(request, api_key()):
             return refused_unread(anthropic_error(401, "authentication_error", "missing or wrong x-api-key"))
         try:
-            rendered = await lane.run(partial(parse_count_body, await request.body(), loaded))
+            rendered = await lane.run(partial(parse_count_body, await request.body(), loaded, lane.inbound))
         except Exception as e:
             return _failure_response(e)
         return JSONResponse({"input_tokens": len(rendered.prompt_ids)})
@@ -205,30 +228,42 @@ def _decode_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_count_body(raw: bytes, loaded: LoadedModel) -> RenderedPrompt:
-    """A count_tokens body (the Messages body without its generation fields), rendered."""
+def parse_count_body(raw: bytes, loaded: LoadedModel, inbound: InboundPolicy | None = None) -> RenderedPrompt:
+    """A count_tokens body (the Messages body without its generation fields),
+    rendered as a Messages request with it would be (normalised, hosted tools left out)."""
     body = _decode_body(raw)
-    rendered, _ = _render(body, loaded.tokenizer)
+    rendered, _ = _render(body, loaded.tokenizer, (inbound or InboundPolicy()).intake())
     return rendered
 
 
 def parse_messages_body(
-    raw: bytes, loaded: LoadedModel, *, tool_grammar: ToolGrammarPolicy | None = None
+    raw: bytes,
+    loaded: LoadedModel,
+    *,
+    tool_grammar: ToolGrammarPolicy | None = None,
+    inbound: InboundPolicy | None = None,
 ) -> MessagesJob:
     """Validate a Messages body into a job; raises `BadRequest` naming the
-    field. `tool_grammar`: the server's tool-call grammar policy (None: none)."""
+    field. `tool_grammar`: the server's tool-call grammar policy (None: none);
+    `inbound`: what the server accepts, clamps and rewrites (http/inbound.py)."""
     body = _decode_body(raw)
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise BadRequest(f"'max_tokens' is required: an integer between 1 and {MAX_TOKENS_LIMIT}", param="max_tokens")
-    rendered, plan = _render(body, loaded.tokenizer, probe=True)
-    prompt_ids = rendered.prompt_ids
-    if len(prompt_ids) + max_tokens > loaded.context_tokens_max:
+    if body.get("max_tokens") is None:
         raise BadRequest(
-            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-            f"model's context of {loaded.context_tokens_max} tokens",
-            param="messages",
+            "'max_tokens' is required: a positive integer (an upper bound; the reply gets at most what the "
+            "context leaves after the prompt)",
+            param="max_tokens",
         )
+    max_tokens_asked = positive_bound(body["max_tokens"], "max_tokens")
+    intake = (inbound or InboundPolicy()).intake()
+    rendered, plan = _render(body, loaded.tokenizer, intake, probe=True)
+    prompt_ids = rendered.prompt_ids
+    max_tokens = intake.grant_max_tokens(
+        max_tokens_asked,
+        prompt_tokens=len(prompt_ids),
+        context_tokens_max=loaded.context_tokens_max,
+        field="max_tokens",
+        prompt_param="messages",
+    )
     _thinking(body.get("thinking"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -240,12 +275,14 @@ def parse_messages_body(
         stop_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
         **_sampling_fields(body, loaded),
     )
+    processors, relaxed = reply_processors(tool_grammar, loaded.tokenizer, plan, rendered)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         params=params,
         stop_strings=_stop_sequences(body),
-        logits_processors=reply_processors(tool_grammar, loaded.tokenizer, plan, rendered),
+        logits_processors=processors,
         snapshot_at_tokens=rendered.snapshot_at_tokens,
+        notes=intake.notes("messages", schema_keywords_relaxed=relaxed),
     )
     return MessagesJob(request=request, stream=stream, tools=plan, reply_in_reasoning=rendered.in_reasoning)
 
@@ -284,14 +321,16 @@ def _sampling_fields(body: dict[str, Any], loaded: LoadedModel) -> dict[str, Any
         ) from e
 
 
-def _render(body: dict[str, Any], tokenizer: Any, *, probe: bool = False) -> tuple[RenderedPrompt, ToolPlan]:
+def _render(
+    body: dict[str, Any], tokenizer: Any, intake: Intake, *, probe: bool = False
+) -> tuple[RenderedPrompt, ToolPlan]:
     """Render the body's messages and tools; `probe` also finds the stable
     boundary the prompt-boundary snapshot goes to (count_tokens needs none)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required: a string (any name; this server serves one model)", param="model")
-    plan = _tool_plan(body)
-    messages = _template_messages(body)
+    plan = _tool_plan(body, intake)
+    messages = _template_messages(body, intake)
     try:
         return render_prompt(tokenizer, messages, plan, probe=probe), plan
     except PromptRefused as e:
@@ -326,8 +365,8 @@ def _thinking(thinking: Any) -> None:
         raise BadRequest("'thinking.budget_tokens' must be a positive integer", param="thinking.budget_tokens")
 
 
-def _tool_plan(body: dict[str, Any]) -> ToolPlan:
-    tools = _function_tools(body.get("tools"))
+def _tool_plan(body: dict[str, Any], intake: Intake) -> ToolPlan:
+    tools = _function_tools(body.get("tools"), intake)
     choice = body.get("tool_choice")
     if choice is None:
         choice = {"type": "auto"}
@@ -356,8 +395,9 @@ def _tool_plan(body: dict[str, Any]) -> ToolPlan:
     return ToolPlan(tools=tools, choice=kind, function_name=name, parallel=not disable_parallel, strict=strict)
 
 
-def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
-    """Anthropic client tools as the template's function tools (OpenAI's shape)."""
+def _function_tools(tools: Any, intake: Intake) -> tuple[dict[str, Any], ...]:
+    """Anthropic client tools as the template's function tools (OpenAI's
+    shape); a server tool (`web_search_…`, `bash_…`, ...) goes to `intake.hosted_tool`."""
     if tools is None:
         return ()
     if not isinstance(tools, list):
@@ -367,12 +407,10 @@ def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         param = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise BadRequest(f"{param} must be an object", param=param)
-        if tool.get("type", "custom") != "custom":
-            raise BadRequest(
-                f"{param} is a {tool['type']!r} server tool; this server runs client tools only "
-                "(name, description, input_schema)",
-                param=f"{param}.type",
-            )
+        kind = tool.get("type") or "custom"
+        if kind != "custom":
+            intake.hosted_tool(str(kind), str(tool.get("name") or kind), param=f"{param}.type")
+            continue
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise BadRequest(f"{param} needs a non-empty string 'name'", param=f"{param}.name")
         if not isinstance(tool.get("input_schema"), dict):
@@ -385,12 +423,15 @@ def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return tuple(parsed)
 
 
-def _template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`system` and `messages` in the chat-template shape (http/tools.py)."""
+def _template_messages(body: dict[str, Any], intake: Intake) -> list[dict[str, Any]]:
+    """`system` and `messages` in the chat-template shape (http/tools.py).
+    System text is normalised block by block (http/prompt_rules.py); a
+    `system` message inside `messages` (Claude Code sends them) becomes a
+    system turn where it stands (render_prompt places it)."""
     template: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        text = system if isinstance(system, str) else _text_blocks(system, "system")
+        text = _system_text(system, "system", intake)
         if text:
             template.append({"role": "system", "content": text})
     messages = body.get("messages")
@@ -399,8 +440,13 @@ def _template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     tool_names: dict[str, str] = {}
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise BadRequest(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise BadRequest(f"{where}.role must be 'user', 'assistant' or 'system'", param=f"{where}.role")
+        if message["role"] == "system":
+            text = _system_text(message.get("content"), f"{where}.content", intake)
+            if text:
+                template.append({"role": "system", "content": text})
+            continue
         content = message.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -417,6 +463,21 @@ def _template_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             template.extend(_user_turns(content, where, tool_names))
     return template
+
+
+def _system_text(system: Any, where: str, intake: Intake) -> str:
+    """A system prompt (a string or text blocks), each block normalised before they are joined."""
+    if isinstance(system, str):
+        return intake.normalize_system(system)
+    if not isinstance(system, list):
+        raise BadRequest(f"'{where}' must be a string or a list of text blocks", param=where)
+    texts = []
+    for index, block in enumerate(system):
+        at = f"{where}[{index}]"
+        if _block(block, at) != "text":
+            raise BadRequest(f"{at} is a {block['type']!r} block; only 'text' blocks are accepted here", param=at)
+        texts.append(intake.normalize_system(_text_of(block, at)))
+    return "".join(texts)
 
 
 def _block(block: Any, where: str) -> str:
@@ -651,7 +712,10 @@ def _message(
     }
 
 
-async def _complete(system: System, job: MessagesJob, lane: TokenizerLane, model_id: str) -> dict[str, Any]:
+async def _complete(
+    system: System, job: MessagesJob, lane: TokenizerLane, model_id: str
+) -> tuple[dict[str, Any], GenerationDone | None]:
+    """The reply's body, and how its generation ended (None: no end came)."""
     tokenizer = system.loaded.tokenizer
     blocks = MessageBlocks(tokenizer, job.tools, in_reasoning=job.reply_in_reasoning)
     outcome = _Outcome()
@@ -659,7 +723,7 @@ async def _complete(system: System, job: MessagesJob, lane: TokenizerLane, model
         blocks.feed(outcome.add(item))
     blocks.finish()
     stop = await _stop(outcome, job, blocks, tokenizer, lane)
-    return _message(_message_id(), model_id, blocks.content, _usage(job, outcome.done), stop)
+    return _message(_message_id(), model_id, blocks.content, _usage(job, outcome.done), stop), outcome.done
 
 
 def _message_id() -> str:

@@ -39,20 +39,29 @@ import attrs
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
 from kvcellar.engine.generation import GenerationDone, TokenDelta
 from kvcellar.engine.sampling import TokenLogprob
+from kvcellar.errors import BadRequest
 from kvcellar.http.anthropic import messages_routes
+from kvcellar.http.cache_header import cache_header, stream_cache_header
 from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.dashboard import dashboard_routes
 from kvcellar.http.failures import classify_failure
+from kvcellar.http.inbound import HostedTools, InboundPolicy
 from kvcellar.http.metrics import metrics_registry, render_metrics
-from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, BadRequest, CompletionJob, TokenizerLane
+from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, CompletionJob, TokenizerLane
 from kvcellar.http.refusals import refused_unread
 from kvcellar.http.responses import ResponsesRoute
+from kvcellar.http.streaming import (
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    SSE_COMMENT_KEEPALIVE,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 
 log = logging.getLogger("kvcellar.http")
@@ -65,6 +74,12 @@ class HttpSettings:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
     # `--tool-call-grammar`: constrain tool calls to the offered tools (http/tool_grammar.py).
     tool_call_grammar: bool = True
+    # `--keepalive-interval`: a stream silent this long gets a keep-alive (http/streaming.py).
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT
+    # `--hosted-tools`: leave out ("omit") or refuse ("reject") tools the server cannot run (http/inbound.py).
+    hosted_tools: HostedTools = "omit"
+    # `--prompt-normalize`: the prompt-normalisation rules (http/prompt_rules.py).
+    prompt_normalize: bool = True
 
 
 def error_body(
@@ -72,8 +87,9 @@ def error_body(
     *,
     param: str | None = None,
     error_type: str = "invalid_request_error",
+    code: str | None = None,
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(
@@ -94,7 +110,9 @@ _OPENAI_ERROR_TYPES = {
 def failure_body(error: Exception) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI-style body for an error raised while serving."""
     failure = classify_failure(error)
-    body = error_body(failure.message, param=failure.param, error_type=_OPENAI_ERROR_TYPES[failure.kind])
+    body = error_body(
+        failure.message, param=failure.param, error_type=_OPENAI_ERROR_TYPES[failure.kind], code=failure.code
+    )
     if failure.details:
         body["error"].update(failure.details, code=failure.kind)
     return failure.status, body
@@ -168,12 +186,26 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     loaded = system.loaded
     model_id = loaded.model_dir.name
     tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
-    stats_snapshot = partial(http_stats, system, tool_grammar)
+    inbound = InboundPolicy(hosted_tools=settings.hosted_tools, prompt_normalize=settings.prompt_normalize)
+    stats_snapshot = partial(http_stats, system, tool_grammar, inbound)
 
     async def health(_: Request) -> Response:
         admitting = system.admitting
         return JSONResponse(
             {"status": "ok" if admitting else "shutting down", "model": model_id}, status_code=200 if admitting else 503
+        )
+
+    async def index(request: Request) -> Response:
+        # HEAD / and GET /: clients and proxies probe the root before their first request.
+        return JSONResponse(
+            {
+                "server": "kvcellar",
+                "model": model_id,
+                "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
+                "dashboard": "/dashboard",
+                "health": "/health",
+                "docs": "docs/agents.md (agents), docs/api.md (the APIs) in the kvcellar sources",
+            }
         )
 
     async def models(_: Request) -> Response:
@@ -200,7 +232,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
         return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
 
-    tokenizer_lane = TokenizerLane(tool_grammar)
+    tokenizer_lane = TokenizerLane(tool_grammar, inbound)
 
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
@@ -219,11 +251,22 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         except Exception as e:
             return _failure_response(e)
         if job.stream:
-            return StreamingResponse(_sse(system, job, model_id), media_type="text/event-stream")
-        try:
-            return JSONResponse(await _complete(system, job, model_id))
-        except Exception as e:
-            return _failure_response(e)
+            return KeepAliveStreamingResponse(
+                _sse(system, job, model_id),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=settings.keepalive_interval_s,
+                media_type="text/event-stream",
+                headers=stream_cache_header(job.prompt_tokens),
+            )
+
+        async def reply() -> Response:
+            try:
+                body, done = await _complete(system, job, model_id)
+                return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, chat=True)
@@ -243,13 +286,15 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         model_id=model_id,
         max_tokens_default=settings.max_tokens_default,
         failure_body=failure_body,
+        keepalive_interval_s=settings.keepalive_interval_s,
     )
     routes = [
+        Route("/", index, methods=["GET", "HEAD"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(api_key, chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
-        *messages_routes(system, tokenizer_lane, api_key),
+        *messages_routes(system, tokenizer_lane, api_key, keepalive_interval_s=settings.keepalive_interval_s),
         Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
         Route(
             "/v1/responses/{response_id:path}",
@@ -323,7 +368,8 @@ def _choice_logprobs(job: CompletionJob, entries: list[TokenLogprob], text_offse
     return _completion_logprobs(entries, text_offset)
 
 
-async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[str, Any]:
+async def _complete(system: System, job: CompletionJob, model_id: str) -> tuple[dict[str, Any], GenerationDone | None]:
+    """The reply's body, and how its generation ended (None: no end came)."""
     text, done = "", None
     entries: list[TokenLogprob] = []
     async for item in system.generate(job.request):
@@ -352,7 +398,7 @@ async def _complete(system: System, job: CompletionJob, model_id: str) -> dict[s
         "model": model_id,
         "choices": [choice],
         "usage": _usage(job, done, completion_tokens),
-    }
+    }, done
 
 
 async def _sse(system: System, job: CompletionJob, model_id: str) -> AsyncIterator[str]:
@@ -428,6 +474,11 @@ async def _shared_flush(system: System, timeout_s: float) -> Response:
     return JSONResponse(verdict, status_code=200 if local.durable and shared["durable"] else 503)
 
 
-def http_stats(system: System, tool_grammar: ToolGrammarPolicy) -> dict[str, Any]:
-    """`/stats`: the system's figures and the HTTP side's tool-call grammar counts."""
-    return {**system.stats(), "tool_call_grammar": tool_grammar.counts.snapshot()}
+def http_stats(system: System, tool_grammar: ToolGrammarPolicy, inbound: InboundPolicy) -> dict[str, Any]:
+    """`/stats`: the system's figures and the HTTP side's counts: the
+    tool-call grammar's, and what requests had clamped, left out and rewritten."""
+    return {
+        **system.stats(),
+        "tool_call_grammar": tool_grammar.counts.snapshot(),
+        "inbound": inbound.counts.snapshot(),
+    }

@@ -11,7 +11,12 @@
   page can ask before its first read instead of provoking a 401.
 - `GET /stats/requests` (admin token): the recent-requests ring,
   `System.recent_requests` (`actors/recent_requests.py`); `after_seq=N` keeps
-  only newer records.
+  only newer records. Each record's `cache_divergence` says where the prompt
+  left the longest cached prefix (`at_tokens`, `tier`); its excerpts (the
+  shared text just before, the prompt's and the cached entry's text just
+  after, decoded on a worker thread) are prompt text, so they are shown only
+  when the server has an admin token (which the caller then presented);
+  on a server without one the token ids are dropped and `excerpts` says why.
 - `GET /stats/journal` (admin token): the journal's last `limit` events
   (default 50, at most 1000), read on the journal's own thread behind the
   queued appends; `{"journal": "off"}` without an SSD tier.
@@ -30,6 +35,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from kvcellar.actors.system import System
+from kvcellar.errors import BadQuery
 from kvcellar.serialization import converter
 
 DASHBOARD_PATH = Path(__file__).parent / "static" / "dashboard.html"
@@ -40,12 +46,6 @@ _LIST_ITEMS_SHOWN = 8
 
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorResponse = Callable[..., Response]
-
-
-class BadQuery(ValueError):
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def query_count(raw: str | None, *, param: str, default: int, lowest: int, highest: int) -> int:
@@ -75,6 +75,32 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+_EXCERPT_IDS = {
+    "shared_before_ids": "shared_before",
+    "prompt_next_ids": "prompt_next",
+    "cached_next_ids": "cached_next",
+}
+
+
+def decode_excerpts(tokenizer: Any, records: list[dict[str, Any]]) -> None:
+    """Each record's divergence token ids replaced by their text, in place."""
+    for record in records:
+        divergence = record.get("cache_divergence")
+        if divergence is None:
+            continue
+        for ids_field, text_field in _EXCERPT_IDS.items():
+            divergence[text_field] = tokenizer.decode(list(divergence.pop(ids_field)))
+
+
+def withhold_excerpts(divergence: dict[str, Any] | None) -> None:
+    """The divergence's position kept, its prompt text (token ids) dropped, in place."""
+    if divergence is None:
+        return
+    for ids_field in _EXCERPT_IDS:
+        divergence.pop(ids_field, None)
+    divergence["excerpts"] = "prompt text: shown only on a server started with --admin-token"
 
 
 def journal_event_json(record: Any) -> dict[str, Any]:
@@ -120,7 +146,14 @@ def dashboard_routes(
             )
         except BadQuery as e:
             return error_response(400, str(e), param=e.param)
-        return JSONResponse(system.recent_requests.snapshot(after_seq=after_seq))
+        snapshot = system.recent_requests.snapshot(after_seq=after_seq)
+        if admin_token_required():
+            # A fast tokenizer's decode is safe beside the tokenizer lane's encodes (Rust, no shared state).
+            await trio.to_thread.run_sync(decode_excerpts, system.loaded.tokenizer, snapshot["requests"])
+        else:
+            for record in snapshot["requests"]:
+                withhold_excerpts(record.get("cache_divergence"))
+        return JSONResponse(snapshot)
 
     async def journal_events(request: Request) -> Response:
         try:
@@ -154,7 +187,6 @@ __all__ = [
     "DASHBOARD_PATH",
     "JOURNAL_EVENTS_DEFAULT",
     "JOURNAL_EVENTS_MAX",
-    "BadQuery",
     "dashboard_routes",
     "journal_event_json",
     "json_safe",

@@ -20,12 +20,16 @@ from typing import Literal
 
 import attrs
 
-from kvcellar.actors.gateway import AdmissionClosed
-from kvcellar.actors.scheduler import BatchAborted
-from kvcellar.engine.engine import EngineStopped
-from kvcellar.engine.memory import InsufficientMemory
-from kvcellar.errors import KvCellarError, StoreError, UsageError
-from kvcellar.http.parsing import BadRequest
+from kvcellar.errors import (
+    AdmissionClosed,
+    BadRequest,
+    BatchAborted,
+    EngineStopped,
+    InsufficientMemory,
+    KvCellarError,
+    StoreError,
+    UsageError,
+)
 
 log = logging.getLogger("kvcellar.http")
 
@@ -46,12 +50,20 @@ class Failure:
     param: str | None = None
     # Numbers the error body carries beside its message (insufficient_memory's bytes).
     details: dict[str, int] = attrs.field(factory=dict)
+    # A machine-readable code where the error has one (`context_length_exceeded`, as OpenAI's own).
+    code: str | None = None
 
 
 def classify_failure(error: Exception) -> Failure:
     """Whose fault `error` is; logs what is not the client's."""
     if isinstance(error, _CLIENT_ERRORS):
-        return Failure(kind="invalid_request", status=400, message=str(error), param=getattr(error, "param", None))
+        return Failure(
+            kind="invalid_request",
+            status=400,
+            message=str(error),
+            param=getattr(error, "param", None),
+            code=getattr(error, "code", None),
+        )
     if isinstance(error, InsufficientMemory):
         log.warning("request refused, answered 503: %s", error)
         return Failure(kind="insufficient_memory", status=503, message=str(error), details=error.details())

@@ -27,25 +27,16 @@ import trio
 from kvcellar.engine.engine import LoadedModel, SamplingParams
 from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.engine.generation import GenerationRequest
-from kvcellar.engine.structured import GrammarError, compile_response_grammar
+from kvcellar.engine.structured import compile_response_grammar
 from kvcellar.engine.tool_calls import offered_tool_names
-from kvcellar.errors import KvCellarError
-from kvcellar.http.tool_grammar import StrictToolsRefused, ToolGrammarPolicy
-from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, PromptRefused, RenderedPrompt, ToolPlan, render_prompt
+from kvcellar.errors import BadRequest, GrammarError, PromptRefused, StrictToolsRefused
+from kvcellar.http.inbound import MAX_TOKENS_LIMIT, InboundPolicy, Intake
+from kvcellar.http.tool_grammar import ToolGrammarPolicy
+from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, RenderedPrompt, ToolPlan, render_prompt
 
 T = TypeVar("T")
 
 MAX_TOKENS_DEFAULT = 256
-MAX_TOKENS_LIMIT = 32768
-
-
-class BadRequest(KvCellarError):
-    """Raised for a request body the API cannot serve. The client's fault; it
-    becomes a 400 naming the offending field."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @attrs.frozen(kw_only=True)
@@ -74,13 +65,23 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
-def _max_tokens(body: dict[str, Any], default: int) -> int:
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    value = body.get(name, default)
+def _max_tokens(body: dict[str, Any], default: int) -> tuple[int, str]:
+    """The reply's upper bound as asked (clamped later, `Intake.grant_max_tokens`), and its field's name."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name)
     if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise BadRequest(f"'{name}' must be an integer between 1 and {MAX_TOKENS_LIMIT}", param=name)
+        return default, name
+    return positive_bound(value, name), name
+
+
+def positive_bound(value: Any, name: str) -> int:
+    """A reply bound field: any positive integer (an upper bound, clamped to what the context leaves)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest(
+            f"'{name}' must be a positive integer (an upper bound: the reply gets at most what the context "
+            f"leaves after the prompt, and at most {MAX_TOKENS_LIMIT})",
+            param=name,
+        )
     return value
 
 
@@ -123,33 +124,43 @@ def parse_job(
     max_tokens_default: int = MAX_TOKENS_DEFAULT,
     model_names: frozenset[str] = frozenset(),
     tool_grammar: ToolGrammarPolicy | None = None,
+    intake: Intake | None = None,
+    api: str = "",
 ) -> CompletionJob:
     """Validate a request body into a job; raises `BadRequest` naming the field.
-    `tool_grammar`: the server's tool-call grammar policy (None: none)."""
+    `tool_grammar`: the server's tool-call grammar policy (None: none);
+    `intake`: what this request's parsing changed so far (http/inbound.py)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model_name = body.get("model")
     if model_name is not None and model_name not in model_names | _model_names(loaded):
-        raise BadRequest(f"model {model_name!r} is not served here; see GET /v1/models", param="model")
+        raise BadRequest(
+            f"model {model_name!r} is not served here: this server serves {loaded.model_dir.name!r} "
+            "(GET /v1/models); set your client's model to that name (Codex: model = ... in config.toml)",
+            param="model",
+        )
     if body.get("n", 1) != 1:
         raise BadRequest("only 'n' = 1 is supported", param="n")
     tokenizer = loaded.tokenizer
+    intake = intake or InboundPolicy().intake()
     rendered, tool_plan = None, NO_TOOLS
     if chat:
-        rendered, tool_plan = chat_prompt(body, tokenizer)
+        rendered, tool_plan = chat_prompt(body, tokenizer, intake)
         prompt_ids = rendered.prompt_ids
     else:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
             raise BadRequest("'prompt' must be a non-empty string", param="prompt")
         prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-    max_tokens = _max_tokens(body, max_tokens_default)
-    if len(prompt_ids) + max_tokens > loaded.context_tokens_max:
-        raise BadRequest(
-            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-            f"model's context of {loaded.context_tokens_max} tokens",
-            param="messages" if chat else "prompt",
-        )
+    max_tokens_asked, max_tokens_field = _max_tokens(body, max_tokens_default)
+    max_tokens = intake.grant_max_tokens(
+        max_tokens_asked,
+        prompt_tokens=len(prompt_ids),
+        context_tokens_max=loaded.context_tokens_max,
+        # The Responses API hands its `max_output_tokens` over as `max_tokens`.
+        field="max_output_tokens" if api == "responses" else max_tokens_field,
+        prompt_param="messages" if chat else "prompt",
+    )
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
@@ -167,12 +178,14 @@ def parse_job(
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
+    processors, relaxed = reply_processors(tool_grammar, tokenizer, tool_plan, rendered)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         params=params,
         stop_strings=_stop_strings(body),
-        logits_processors=reply_processors(tool_grammar, tokenizer, tool_plan, rendered),
+        logits_processors=processors,
         snapshot_at_tokens=rendered.snapshot_at_tokens if rendered else None,
+        notes=intake.notes(api or ("chat.completions" if chat else "completions"), schema_keywords_relaxed=relaxed),
     )
     return CompletionJob(
         request=request,
@@ -348,6 +361,7 @@ def parse_body(
     max_tokens_default: int = MAX_TOKENS_DEFAULT,
     model_names: frozenset[str] = frozenset(),
     tool_grammar: ToolGrammarPolicy | None = None,
+    inbound: InboundPolicy | None = None,
 ) -> CompletionJob:
     """Decode a raw request body and validate it into a job; raises `BadRequest`."""
     try:
@@ -363,17 +377,20 @@ def parse_body(
         max_tokens_default=max_tokens_default,
         model_names=model_names,
         tool_grammar=tool_grammar,
+        intake=(inbound or InboundPolicy()).intake(),
     )
 
 
 class TokenizerLane:
     """The worker-thread lane for `parse_body`. One at a time: the Hugging Face
     tokenizer is not documented as safe for concurrent encodes. `tool_grammar`
-    is the server's tool-call grammar policy, which every API's parser asks."""
+    is the server's tool-call grammar policy, which every API's parser asks;
+    `inbound` what the server accepts, clamps and rewrites (http/inbound.py)."""
 
-    def __init__(self, tool_grammar: ToolGrammarPolicy | None = None) -> None:
+    def __init__(self, tool_grammar: ToolGrammarPolicy | None = None, inbound: InboundPolicy | None = None) -> None:
         self._limiter = trio.CapacityLimiter(1)
         self.tool_grammar = tool_grammar
+        self.inbound = inbound or InboundPolicy()
 
     async def parse_body(
         self, raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT
@@ -387,6 +404,7 @@ class TokenizerLane:
                 chat=chat,
                 max_tokens_default=max_tokens_default,
                 tool_grammar=self.tool_grammar,
+                inbound=self.inbound,
             )
         )
 
@@ -403,13 +421,13 @@ def _model_names(loaded: LoadedModel) -> frozenset[str]:
 # -- chat messages and tools (http/tools.py renders and parses) -------------------
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: Any) -> tuple[RenderedPrompt, ToolPlan]:
+def chat_prompt(body: dict[str, Any], tokenizer: Any, intake: Intake) -> tuple[RenderedPrompt, ToolPlan]:
     """The chat's messages and tools rendered through the model's template,
     and the tool plan the reply is parsed with; raises `BadRequest`."""
-    plan = tool_plan(body)
+    plan = tool_plan(body, intake)
     try:
         # The template probe finds where the prompt-boundary snapshot goes (engine/generation.py).
-        return render_prompt(tokenizer, chat_messages(body), plan, probe=True), plan
+        return render_prompt(tokenizer, chat_messages(body, intake), plan, probe=True), plan
     except PromptRefused as e:
         raise BadRequest(str(e), param=e.param) from e
 
@@ -421,43 +439,53 @@ def forced_reply_start(rendered: RenderedPrompt | None) -> tuple[Any, ...]:
     return (partial(ForcedTokens, rendered.forced_ids),)
 
 
-def tool_grammar_processors(policy: ToolGrammarPolicy | None, tokenizer: Any, plan: ToolPlan) -> tuple[Any, ...]:
-    """The tool-call grammar's processor for a request (() when it gets none);
-    a strict tool whose schema cannot be enforced is a 400 naming `tools`."""
+def tool_grammar_processors(
+    policy: ToolGrammarPolicy | None, tokenizer: Any, plan: ToolPlan
+) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """The tool-call grammar's processor for a request (() when it gets none)
+    and the schema keywords relaxed to compile it; a strict tool whose schema
+    cannot be enforced is a 400 naming `tools`."""
     if policy is None:
-        return ()
+        return (), ()
     try:
-        return policy.processors(tokenizer, plan)
+        return policy.grammar_for(tokenizer, plan)
     except StrictToolsRefused as e:
         raise BadRequest(str(e), param="tools") from e
 
 
 def reply_processors(
     policy: ToolGrammarPolicy | None, tokenizer: Any, plan: ToolPlan, rendered: RenderedPrompt | None
-) -> tuple[Any, ...]:
+) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     """The reply's own processors: the forced start of a `required` or named
     tool choice, and the tool-call grammar. With the grammar only the start
     marker is forced and the grammar writes the rest (a named choice allows one
     name): llguidance allows a forced stretch only in its own tokenization,
-    which need not be the tokenizer's encoding of the forced text."""
-    grammar = tool_grammar_processors(policy, tokenizer, plan)
+    which need not be the tokenizer's encoding of the forced text. Also the
+    schema keywords relaxed to compile the grammar."""
+    grammar, relaxed = tool_grammar_processors(policy, tokenizer, plan)
     if not grammar:
-        return forced_reply_start(rendered)
+        return forced_reply_start(rendered), relaxed
     if rendered is not None and rendered.forced_ids:
         marker_ids = tuple(tokenizer.encode(tokenizer.tool_call_start, add_special_tokens=False))
-        return (partial(ForcedTokens, marker_ids), *grammar)
-    return grammar
+        return (partial(ForcedTokens, marker_ids), *grammar), relaxed
+    return grammar, relaxed
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(body: dict[str, Any], intake: Intake) -> list[dict[str, Any]]:
     """OpenAI chat messages in the chat-template shape: content as text (a
     string or text parts; null for an assistant turn), an assistant's
     `tool_calls` with their arguments as objects, its `reasoning_content`,
-    a tool result's `tool_call_id`."""
+    a tool result's `tool_call_id`. System (and developer) messages may come
+    anywhere (render_prompt places them); the normalisation rules rewrite
+    their text (http/prompt_rules.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
-    return [_chat_message(message, index) for index, message in enumerate(messages)]
+    parsed = [_chat_message(message, index) for index, message in enumerate(messages)]
+    for message in parsed:
+        if message["role"] == "system":
+            message["content"] = intake.normalize_system(message["content"])
+    return parsed
 
 
 def _chat_message(message: Any, index: int) -> dict[str, Any]:
@@ -525,10 +553,10 @@ def _message_tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
     return parsed
 
 
-def tool_plan(body: dict[str, Any]) -> ToolPlan:
+def tool_plan(body: dict[str, Any], intake: Intake) -> ToolPlan:
     """`tools`, `tool_choice` and `parallel_tool_calls`; `tool_choice: "none"`
     renders no tools (the template never shows them to the model)."""
-    tools = _function_tools(body.get("tools"))
+    tools = _function_tools(body.get("tools"), intake)
     choice, function_name = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -541,7 +569,8 @@ def tool_plan(body: dict[str, Any]) -> ToolPlan:
     )
 
 
-def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+def _function_tools(tools: Any, intake: Intake) -> tuple[dict[str, Any], ...]:
+    """The function tools; any other type (a hosted tool) goes to `intake.hosted_tool`."""
     if tools is None:
         return ()
     if not isinstance(tools, list):
@@ -549,10 +578,14 @@ def _function_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     parsed = []
     for index, tool in enumerate(tools):
         param = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        if not isinstance(tool, dict):
             raise BadRequest(
                 f"{param} must be a function tool ({{'type': 'function', 'function': {{...}}}})", param=param
             )
+        kind = tool.get("type", "function")
+        if kind != "function":
+            intake.hosted_tool(str(kind), str(tool.get("name") or kind), param=param)
+            continue
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise BadRequest(f"{param}.function needs a non-empty string 'name'", param=f"{param}.function.name")

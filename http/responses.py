@@ -51,12 +51,21 @@ from typing import Any
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvcellar.actors.system import System
 from kvcellar.engine.engine import LoadedModel
 from kvcellar.engine.generation import GenerationDone, TokenDelta
-from kvcellar.http.parsing import MAX_TOKENS_LIMIT, BadRequest, CompletionJob, TokenizerLane, parse_job
+from kvcellar.errors import BadRequest, PromptTooLong
+from kvcellar.http.cache_header import cache_header, stream_cache_header
+from kvcellar.http.inbound import InboundPolicy, Intake
+from kvcellar.http.parsing import CompletionJob, TokenizerLane, parse_job, positive_bound
+from kvcellar.http.streaming import (
+    KEEPALIVE_INTERVAL_S_DEFAULT,
+    SSE_COMMENT_KEEPALIVE,
+    KeepAliveStreamingResponse,
+    unless_client_leaves,
+)
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import TOOL_CHOICES, ContentText, Piece, ReasoningText, ReplySplitter, ToolCall
 
@@ -103,7 +112,12 @@ class ResponsesJob:
 
 
 def parse_responses_body(
-    raw: bytes, loaded: LoadedModel, *, max_tokens_default: int, tool_grammar: ToolGrammarPolicy | None = None
+    raw: bytes,
+    loaded: LoadedModel,
+    *,
+    max_tokens_default: int,
+    tool_grammar: ToolGrammarPolicy | None = None,
+    inbound: InboundPolicy | None = None,
 ) -> ResponsesJob:
     """Decode and validate a Responses request, render and tokenize its
     input; raises `BadRequest` naming the field. `tool_grammar`: the
@@ -117,10 +131,11 @@ def parse_responses_body(
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     _refuse_state(body)
-    tools, echoed_tools = _function_tools(body.get("tools"))
+    intake = (inbound or InboundPolicy()).intake()
+    tools, echoed_tools = _function_tools(body.get("tools"), intake)
     chat_body: dict[str, Any] = {name: body[name] for name in _PASSED_FIELDS if name in body}
     chat_body.update(
-        messages=input_messages(body),
+        messages=input_messages(body, intake),
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice")),
         parallel_tool_calls=body.get("parallel_tool_calls"),
@@ -133,7 +148,18 @@ def parse_responses_body(
             "'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)", param="top_logprobs"
         )
     try:
-        job = parse_job(chat_body, loaded, chat=True, max_tokens_default=max_tokens_default, tool_grammar=tool_grammar)
+        job = parse_job(
+            chat_body,
+            loaded,
+            chat=True,
+            max_tokens_default=max_tokens_default,
+            tool_grammar=tool_grammar,
+            intake=intake,
+            api="responses",
+        )
+    except PromptTooLong as e:
+        e.param = "input"
+        raise
     except BadRequest as e:
         raise BadRequest(str(e), param=_responses_param(e.param)) from e
     metadata = body.get("metadata")
@@ -179,11 +205,7 @@ def _max_output_tokens(body: dict[str, Any], default: int) -> int:
     value = body.get("max_output_tokens")
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise BadRequest(
-            f"'max_output_tokens' must be an integer between 1 and {MAX_TOKENS_LIMIT}", param="max_output_tokens"
-        )
-    return value
+    return positive_bound(value, "max_output_tokens")
 
 
 def _text_format(text: Any) -> dict[str, Any] | None:
@@ -211,8 +233,9 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     }
 
 
-def _function_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The tools as the chat parser takes them, and as the response echoes them."""
+def _function_tools(tools: Any, intake: Intake) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The tools as the chat parser takes them, and as the response echoes
+    them; a hosted tool (`web_search`, `namespace`, ...) goes to `intake.hosted_tool`."""
     if tools is None:
         return [], []
     if not isinstance(tools, list):
@@ -224,10 +247,8 @@ def _function_tools(tools: Any) -> tuple[list[dict[str, Any]], list[dict[str, An
             raise BadRequest(f"{param} must be an object", param=param)
         kind = tool.get("type")
         if kind != "function":
-            raise BadRequest(
-                f"{param} is a {kind!r} tool; this server runs no hosted tools and takes only 'function' tools",
-                param=param,
-            )
+            intake.hosted_tool(str(kind), str(tool.get("name") or kind), param=param)
+            continue
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise BadRequest(f"{param} needs a non-empty string 'name'", param=f"{param}.name")
@@ -267,7 +288,7 @@ def _tool_choice(choice: Any) -> Any:
 # -- input items -> template messages -------------------------------------------
 
 
-def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def input_messages(body: dict[str, Any], intake: Intake) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat-template messages."""
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -279,6 +300,9 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise BadRequest("'input' must be a non-empty string or a non-empty list of items", param="input")
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "additional_tools":
+            _additional_tools(item, f"input[{index}]", intake)
+            continue
         _add_item(messages, item, f"input[{index}]")
     return _leading_system(instructions, messages)
 
@@ -291,6 +315,19 @@ def _leading_system(instructions: str | None, messages: list[dict[str, Any]]) ->
     if opening:
         messages.insert(0, {"role": "system", "content": "\n\n".join(opening)})
     return messages
+
+
+def _additional_tools(item: dict[str, Any], param: str, intake: Intake) -> None:
+    """Codex's `additional_tools` input item (sent when it does not know the
+    model): a `namespace` of tools that run inside Codex's own sandbox, which
+    this server cannot offer as function tools; each goes to `intake.hosted_tool`."""
+    tools = item.get("tools")
+    if not isinstance(tools, list):
+        raise BadRequest(f"{param}.tools must be a list", param=f"{param}.tools")
+    for index, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        name = tool.get("name") if isinstance(tool, dict) else None
+        intake.hosted_tool(str(kind or "namespace"), str(name or kind), param=f"{param}.tools[{index}]")
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
@@ -316,7 +353,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
         messages.append(
             {
                 "role": "tool",
-                "tool_call_id": _string(item, "call_id", param),
+                "tool_call_id": _output_call_id(messages, item, param),
                 "content": _call_output(item.get("output"), param),
             }
         )
@@ -357,9 +394,36 @@ def _string(item: dict[str, Any], name: str, param: str) -> str:
     return value
 
 
+def _call_id(item: dict[str, Any], param: str) -> str:
+    """A `function_call`'s `call_id`; one without (a client replaying its history may drop it)
+    gets its item `id`, else one named after its place, so the turn still renders."""
+    for name in ("call_id", "id"):
+        value = item.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return "call_" + "".join(ch if ch.isalnum() else "_" for ch in param).strip("_")
+
+
+def _output_call_id(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> str:
+    """A `function_call_output`'s `call_id`; one without answers the latest call no output answered yet."""
+    value = item.get("call_id")
+    if isinstance(value, str) and value:
+        return value
+    answered = {message.get("tool_call_id") for message in messages if message["role"] == "tool"}
+    for message in reversed(messages):
+        for call in reversed(message.get("tool_calls", [])):
+            if call["id"] not in answered:
+                return str(call["id"])
+    raise BadRequest(
+        f"{param} is a 'function_call_output' without a 'call_id', and no earlier function_call is left "
+        "for it to answer: send the call_id of the function_call it answers",
+        param=f"{param}.call_id",
+    )
+
+
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
     """A `function_call` item as a template tool call, its arguments an object (templates apply `tojson`)."""
-    call_id, name = _string(item, "call_id", param), _string(item, "name", param)
+    call_id, name = _call_id(item, param), _string(item, "name", param)
     arguments = item.get("arguments", "{}")
     try:
         parsed = json.loads(arguments or "{}") if isinstance(arguments, str) else None
@@ -607,9 +671,18 @@ class ResponsesRoute:
     maps an error to its status and OpenAI error body (http/app.py's)."""
 
     def __init__(
-        self, system: System, lane: TokenizerLane, *, model_id: str, max_tokens_default: int, failure_body: FailureBody
+        self,
+        system: System,
+        lane: TokenizerLane,
+        *,
+        model_id: str,
+        max_tokens_default: int,
+        failure_body: FailureBody,
+        keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
     ) -> None:
         self._system = system
+        # A stream silent this long gets an SSE comment (http/streaming.py).
+        self._keepalive_interval_s = keepalive_interval_s
         self._lane = lane
         self._model_id = model_id
         self._max_tokens_default = max_tokens_default
@@ -622,6 +695,7 @@ class ResponsesRoute:
             self._system.loaded,
             max_tokens_default=self._max_tokens_default,
             tool_grammar=self._lane.tool_grammar,
+            inbound=self._lane.inbound,
         )
         try:
             job = await self._lane.run(work)
@@ -645,17 +719,31 @@ class ResponsesRoute:
         except Exception as e:
             return self._failure(e)
         shaper = ResponseShaper(self._system.loaded.tokenizer, job, self._model_id)
+        prompt_tokens = job.job.prompt_tokens
         if job.job.stream:
-            return StreamingResponse(self._events(job, shaper), media_type="text/event-stream")
+            return KeepAliveStreamingResponse(
+                self._events(job, shaper),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=self._keepalive_interval_s,
+                media_type="text/event-stream",
+                headers=stream_cache_header(prompt_tokens),
+            )
+        return await unless_client_leaves(request, partial(self._reply, job, shaper))
+
+    async def _reply(self, job: ResponsesJob, shaper: ResponseShaper) -> Response:
+        """The whole response at once (not streamed)."""
+        prompt_tokens = job.job.prompt_tokens
+        done = None
         try:
             async for item in self._system.generate(job.job.request):
                 if isinstance(item, GenerationDone):
+                    done = item
                     shaper.finish(item)
                 else:
                     shaper.feed(item)
         except Exception as e:
             return self._failure(e)
-        return JSONResponse(shaper.response)
+        return JSONResponse(shaper.response, headers=cache_header(done, prompt_tokens))
 
     async def not_stored(self, request: Request) -> Response:
         """Every read of a stored response: none is stored."""

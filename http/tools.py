@@ -53,7 +53,7 @@ import attrs
 from mlx_lm.generate import TextStateMachine
 
 from kvcellar.engine.tool_calls import offered_tool_names, parse_tool_calls
-from kvcellar.errors import UsageError
+from kvcellar.errors import PromptRefused
 from kvcellar.http.prompt_tokens import common_length, prompt_encoder
 
 log = logging.getLogger("kvcellar.http.tools")
@@ -86,17 +86,6 @@ class ToolPlan:
 
 
 NO_TOOLS = ToolPlan()
-
-
-class PromptRefused(UsageError):
-    """Raised when the messages or tools cannot be rendered for this model:
-    tools for a model without tool calling, or a chat template that refuses
-    the messages. The client's fault; each API answers it as a 400 naming
-    `param`."""
-
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @attrs.frozen(kw_only=True)
@@ -198,12 +187,7 @@ def render_prompt(
             param="tools",
         )
     tools = plan.template_tools()
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # the template's own refusal (raise_exception) or failure: the messages' fault
-        raise PromptRefused(f"the model's chat template cannot render these messages: {e}", param="messages") from e
-    if not isinstance(text, str):
-        raise PromptRefused("the model's chat template did not render text", param="messages")
+    text, messages = _render_text(tokenizer, messages, tools)
     encoded = prompt_encoder(tokenizer).encode(text)
     prompt_ids = encoded.ids
     forced = forced_prefix_text(tokenizer, plan)
@@ -223,6 +207,67 @@ def render_prompt(
         forced_ids=forced_ids,
         stable_prefix_tokens=stable,
     )
+
+
+def _render_text(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[str, list[dict[str, Any]]]:
+    """The rendered text, and the messages it was rendered from. System
+    messages past the first message (agents put them anywhere) go through the
+    template where it renders them; a template that refuses them or drops
+    their text gets them merged (`merge_inner_system`)."""
+    inner = _inner_system(messages)
+    try:
+        text = _apply_template(tokenizer, messages, tools)
+    except PromptRefused:
+        if not inner:
+            raise
+        text = None
+    if text is not None and all(message["content"] in text for message in inner):
+        return text, messages
+    merged = merge_inner_system(messages)
+    return _apply_template(tokenizer, merged, tools), merged
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # the template's own refusal (raise_exception) or failure: the messages' fault
+        raise PromptRefused(f"the model's chat template cannot render these messages: {e}", param="messages") from e
+    if not isinstance(text, str):
+        raise PromptRefused("the model's chat template did not render text", param="messages")
+    return text
+
+
+def _inner_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages with text other than the first message."""
+    return [message for message in messages[1:] if message["role"] == "system" and message["content"]]
+
+
+def merge_inner_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with one system message at most, first: the system
+    messages that open the chat join into it; each later one is put before
+    the next user turn's text (a blank line between), or, when no user turn
+    follows, appended to the opening system message."""
+    opening = []
+    rest = list(messages)
+    while rest and rest[0]["role"] == "system":
+        opening.append(rest.pop(0)["content"])
+    merged: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for message in rest:
+        if message["role"] == "system":
+            pending.append(message["content"])
+            continue
+        if message["role"] == "user" and pending:
+            message = {**message, "content": "\n\n".join([*pending, message["content"]])}
+            pending = []
+        merged.append(message)
+    opening.extend(pending)
+    opening = [text for text in opening if text]
+    if opening:
+        merged.insert(0, {"role": "system", "content": "\n\n".join(opening)})
+    return merged
 
 
 def _transitions(tokenizer: Any, plan: ToolPlan) -> dict[str, list[tuple[str, str]]]:

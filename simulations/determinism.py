@@ -13,14 +13,9 @@ from __future__ import annotations
 import trio
 import trio._core._run as trio_run
 
-from kvcellar.errors import KvCellarError
+from kvcellar.errors import DeterminismUnavailable
 
 TRIO_VERSION_PINNED = "0.35.0"
-
-
-class DeterminismUnavailable(KvCellarError):
-    """Raised when the installed Trio lacks the scheduler hooks the simulator
-    seeds (a Trio other than the pinned one). The environment's fault."""
 
 
 def check_trio() -> None:

@@ -42,8 +42,8 @@ import attrs
 import mlx.core as mx
 
 from kvcellar.cpuinfo import CPUINFO_PATH, cpuinfo_field
-from kvcellar.errors import ModelError
-from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.errors import DecodeError, ModelError
+from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store.disk import fsync_path
 
 log = logging.getLogger(__name__)
@@ -305,8 +305,11 @@ def describe_device_architecture(
     device: Any = None, *, device_info: Callable[[Any], dict[str, Any]] | None = None, cpuinfo_path: Path = CPUINFO_PATH
 ) -> str:
     """The chip the default device runs on: "<GPU name> (<architecture>)" for
-    a GPU (the Metal GPU on macOS, from `mx.device_info`), "<CPU model>
-    (<machine>)" for the CPU. Reads device metadata only; runs no kernel."""
+    a GPU (from `mx.device_info`: the Metal GPU on macOS, e.g. "Apple M3 Max
+    (applegpu_g15s)"; an NVIDIA GPU under MLX's CUDA backend, e.g. "NVIDIA
+    H200 (sm_90)", its compute capability), "<CPU model> (<machine>)" for the
+    CPU. Only the name and architecture count, never the memory counters,
+    which change while it runs. Reads device metadata only; runs no kernel."""
     device = device if device is not None else mx.default_device()
     if device.type == mx.DeviceType.gpu:
         info = (device_info or mx.device_info)(device)

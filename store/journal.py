@@ -40,8 +40,8 @@ import attrs
 import cbor2
 import sqlite_utils
 
-from kvcellar.errors import StoreError
-from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.errors import DecodeError, JournalError
+from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store import events as ev
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 
@@ -66,12 +66,6 @@ ENTRY_COLUMNS = (
     "hits",
     "restores",
 )
-
-
-class JournalError(StoreError):
-    """Raised when a journal cannot be opened for reading: not a kvcellar
-    journal, a schema newer than this build, or a damaged database. The
-    environment's fault; the server itself degrades instead of raising."""
 
 
 def _migrate_to_1(db: sqlite_utils.Database) -> None:

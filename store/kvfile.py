@@ -43,10 +43,11 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
-from kvcellar.serialization import DecodeError, from_cbor, to_cbor
-from kvcellar.store import codecs, tensor_io
+from kvcellar.errors import CorruptEntry, DecodeError, DiskError, UnsupportedFormat, UsageError
+from kvcellar.serialization import from_cbor, to_cbor
+from kvcellar.store import codecs, staged_load, tensor_io
 from kvcellar.store.disk import Disk, RealDisk
+from kvcellar.store.image_disk import ImageDisk
 from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, HeaderSummary, TensorRecord
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
@@ -427,7 +428,12 @@ def read_header_summary(
 
 
 def load(
-    path: Path | str, verify: bool = True, *, disk: Disk | None = None, safeguards: Safeguards = SAFEGUARDS
+    path: Path | str,
+    verify: bool = True,
+    *,
+    disk: Disk | None = None,
+    safeguards: Safeguards = SAFEGUARDS,
+    staged: bool | None = None,
 ) -> Entry:
     """Load an entry into fresh MLX-owned caches.
 
@@ -436,6 +442,10 @@ def load(
     into its final MLX array on a reader thread while this thread checksums
     the tensors already read; no host staging buffer, so the peak transient
     beyond the entry is nothing, and the file's pages are dropped once read.
+    On a GPU with memory of its own (CUDA), or with `staged=True`, each
+    tensor is instead `mx.load`ed through a file window
+    (`staged_load.StagedTensorLoad`) so that no host write lands in the
+    GPU's managed memory; `staged=None` asks `staged_load_wanted()`.
     Raises like `read_header`, plus `CorruptEntry(part="tensor <name>")` when
     a tensor fails its checksum or is cut short.
     """
@@ -445,14 +455,46 @@ def load(
     try:
         header = _read_header_from(disk, handle, path, safeguards=safeguards)
         # A policy without checksum checks reads the tensors unchecked too.
-        caches = _read_caches(disk, handle, path, header, verify=verify and safeguards.verify_checksums)
+        checked = verify and safeguards.verify_checksums
+        use_staged = (staged if staged is not None else staged_load_wanted()) and disk.concurrent_io
+        caches = _read_caches(disk, handle, path, header, verify=checked, staged=use_staged)
     finally:
         disk.close(handle)
     return Entry(caches=caches, tokens=header.tokens, header=header)
 
 
-def _read_caches(disk: Disk, handle: Any, path: Path, header: Header, *, verify: bool) -> list[Any]:
-    pipeline = tensor_io.TensorReadPipeline(disk, handle, path, verify=verify)
+def load_image(
+    image: bytes | bytearray | memoryview,
+    verify: bool = True,
+    *,
+    name: str = "<received entry>",
+    safeguards: Safeguards = SAFEGUARDS,
+    staged: bool | None = None,
+) -> Entry:
+    """`load` of a `.kvc` file's bytes held in memory (a shared-tier
+    download, restored before its SSD copy lands): the same checks and the
+    same restore paths, through `image_disk.ImageDisk`; `name` only labels
+    errors. The caller keeps `image` unchanged until this returns."""
+    return load(Path(name), verify, disk=ImageDisk(image), safeguards=safeguards, staged=staged)
+
+
+def staged_load_wanted(device: Any = None, cuda_available: Callable[[], bool] | None = None) -> bool:
+    """Whether restores should stage through `mx.load` (`staged_load`): only
+    where the default device is a GPU whose memory is not the host's, i.e.
+    MLX's CUDA backend. Metal's memory is the host's and the CPU's is too;
+    there, reading into the array's own memory copies nothing."""
+    device = device if device is not None else mx.default_device()
+    if device.type != mx.DeviceType.gpu:
+        return False
+    return bool((cuda_available or mx.cuda.is_available)())
+
+
+def _read_caches(disk: Disk, handle: Any, path: Path, header: Header, *, verify: bool, staged: bool) -> list[Any]:
+    pipeline: tensor_io.TensorReadPipeline | staged_load.StagedTensorLoad
+    if staged:
+        pipeline = staged_load.StagedTensorLoad(disk, handle, path, verify=verify)
+    else:
+        pipeline = tensor_io.TensorReadPipeline(disk, handle, path, verify=verify)
     try:
         caches = codecs.rebuild_caches(header.caches, pipeline.allocate)
     except BaseException:

@@ -370,6 +370,21 @@ class PrefixIndex:
             return None
         return IndexMatch(entry_id=best_key[3], usable_tokens=-best_key[0], entry_tokens=best_key[2])
 
+    def divergence(self, query: Tokens, next_tokens: int) -> tuple[int, np.ndarray]:
+        """Where `query` leaves the longest prefix any entry shares with it:
+        (the tokens matched, up to `next_tokens` of an entry's tokens from
+        there on; empty when no entry goes further). A diagnostic: the
+        matched prefix need not be usable (`best` says what is)."""
+        query_array = as_token_array(query)
+        path, matched, tail = self._walk(query_array)
+        node = tail if tail is not None else path[-1]
+        if tail is None:
+            following = next(iter(node.children.values()), None)
+            source = following.source if following is not None else node.source
+        else:
+            source = node.source
+        return matched, source[matched : matched + next_tokens].copy()
+
     def strict_prefix_ancestors(self, tokens: Tokens) -> list[str]:
         """Ids (sorted) of entries whose tokens are a strict prefix of `tokens`."""
         array = as_token_array(tokens)

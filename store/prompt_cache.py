@@ -81,6 +81,18 @@ class TakeResult:
     restore_plan: str = ""
 
 
+@attrs.frozen(kw_only=True)
+class CacheDivergence:
+    """Where a prompt left the longest prefix any tier entry shares with it
+    (a diagnostic for `/stats/requests`): `matched_tokens` of it are shared,
+    `cached_next_ids` are the entry's tokens from there on (a few dozen at
+    most, none when the prompt ended first), `tier` holds that entry."""
+
+    matched_tokens: int
+    cached_next_ids: tuple[int, ...]
+    tier: str
+
+
 @attrs.define(kw_only=True)
 class _RamEntry:
     entry_id: str
@@ -167,6 +179,22 @@ class PromptCache:
             return self._take(np.asarray(prompt, dtype=np.uint32), namespace)
         finally:
             self._publish()
+
+    def divergence(self, prompt: Sequence[int], namespace: str = "", next_tokens: int = 32) -> CacheDivergence:
+        """Where `prompt` leaves the longest prefix a RAM or SSD entry shares
+        with it (the longer wins; RAM on a tie). Index-only, no I/O; changes nothing."""
+        query = np.asarray(prompt, dtype=np.uint32)
+        found = CacheDivergence(matched_tokens=0, cached_next_ids=(), tier="none")
+        index = self._indexes.get(namespace)
+        if self.enabled and index is not None:
+            matched, following = index.divergence(query, next_tokens)
+            found = CacheDivergence(matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier="ram")
+        cold_divergence = getattr(self.cold_tier, "divergence", None)
+        if cold_divergence is not None:
+            matched, following = cold_divergence(query, namespace, next_tokens)
+            if matched > found.matched_tokens:
+                found = CacheDivergence(matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier="ssd")
+        return found
 
     def _take(self, query: np.ndarray, namespace: str) -> TakeResult:
         ram = self._ram_candidate(query, namespace)

@@ -34,8 +34,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, UsageError
-from kvcellar.serialization import DecodeError, from_cbor, to_cbor
+from kvcellar.errors import CorruptEntry, DecodeError, UsageError
+from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.ssd import namespace_dir_name
 

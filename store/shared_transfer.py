@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
 import attrs
@@ -109,6 +110,63 @@ def _delete_orphan(objects: ObjectStore, manifest_key: str, object_key: str) -> 
 def fetch_manifest(objects: ObjectStore, key: str) -> SharedManifest:
     """Raises `SharedObjectMissing`/`SharedStoreError`, or `CorruptEntry` for a bad manifest."""
     return decode_manifest(objects.get_bytes(key), key)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ReceivedEntry:
+    """A shared entry's object received into memory, of the manifest's size and sha256."""
+
+    manifest: SharedManifest
+    image: bytearray
+
+
+def receive_entry(objects: ObjectStore, manifest: SharedManifest) -> ReceivedEntry:
+    """GET the manifest's object into one buffer of its size, hashing as it
+    arrives, for a restore from memory (`kvfile.load_image`) while
+    `persist_received` commits it to the SSD tier. Raises `CorruptEntry`
+    (part "object") when its size or sha256 differs from the manifest's,
+    `SharedStoreError` / `SharedObjectMissing` when the store fails. Nothing
+    is written locally, so bytes that fail are not quarantined (the caller
+    refuses the key, as for a quarantined download)."""
+    image = bytearray(manifest.object_bytes)
+    view = memoryview(image)
+    hasher = hashlib.sha256()
+    received = 0
+    # sha256 runs on a helper thread while the next chunk arrives (hashlib and socket reads release the GIL);
+    # one worker keeps the chunks in order.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-sha256") as hashing:
+
+        def sink(chunk: bytes) -> None:
+            nonlocal received
+            end = received + len(chunk)
+            if end > manifest.object_bytes:
+                raise CorruptEntry(f"{manifest.object_key}: longer than its manifest says", part="object")
+            view[received:end] = chunk
+            hashing.submit(hasher.update, chunk)
+            received = end
+
+        objects.get_into(manifest.object_key, sink)
+    if received != manifest.object_bytes:
+        raise CorruptEntry(
+            f"{manifest.object_key}: {received} bytes, its manifest says {manifest.object_bytes}", part="object"
+        )
+    if hasher.hexdigest() != manifest.object_sha256:
+        raise CorruptEntry(f"{manifest.object_key}: sha256 differs from its manifest's", part="object")
+    return ReceivedEntry(manifest=manifest, image=image)
+
+
+def persist_received(store: SsdStore, received: ReceivedEntry) -> str:
+    """Commit received bytes to the SSD tier exactly as `download_entry`
+    commits streamed ones (`SsdStore.adopt`: temp file, fsync, header checks,
+    rename, directory fsync, index, `entry.stored`); returns the entry id.
+    It only reads `received.image`, so a restore from the same buffer may run
+    beside it."""
+    manifest = received.manifest
+
+    def fill(write: Callable[[memoryview | bytes], None]) -> None:
+        write(memoryview(received.image))
+
+    return store.adopt(manifest.namespace, manifest.tokens, fill, verify_tensors=False)
 
 
 def download_entry(store: SsdStore, objects: ObjectStore, manifest: SharedManifest) -> str:

@@ -426,6 +426,16 @@ class SsdStore:
                 entry_tokens=match.entry_tokens,
             )
 
+    def divergence(
+        self, tokens: Sequence[int] | np.ndarray, namespace: str, next_tokens: int
+    ) -> tuple[int, np.ndarray]:
+        """`PrefixIndex.divergence` over the committed entries of `namespace`; index-only, no I/O."""
+        with self._lock:
+            index = self._indexes.get(namespace)
+            if index is None:
+                return 0, np.empty(0, dtype=np.uint32)
+            return index.divergence(np.asarray(tokens, dtype=np.uint32), next_tokens)
+
     def covers(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> bool:
         """Whether a committed entry can serve all of `tokens`: an exact entry,
         or a trimmable descendant whose minimum reusable offset reaches it."""

@@ -62,6 +62,8 @@ def tools_tokenizer(tools_model_dir: Path):
 
 # The longest tests go first: pytest-xdist hands tests out in collection order,
 # so a multi-minute sweep collected last would leave the other worker idle at the end.
+# The real agent clients (minutes each, a cold ~28k-token prefill among them) lead.
+AGENT_CLIENT_TESTS = ("tests/test_agent_clients",)
 LONG_TESTS_FIRST = (
     "tests/test_simulations.py::test_the_default_sweep",
     "tests/test_checkpoint_serve.py",
@@ -70,4 +72,7 @@ LONG_TESTS_FIRST = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_TESTS_FIRST))
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        return not item.nodeid.startswith(AGENT_CLIENT_TESTS), not item.nodeid.startswith(LONG_TESTS_FIRST)
+
+    items.sort(key=rank)

@@ -11,8 +11,8 @@ import shutil
 from click.testing import CliRunner
 
 from kvcellar.bench import common, demo_model
+from kvcellar.demo.train import TRAINING_LOG_FILE_NAME
 from kvcellar.engine.demo_models import DEMO_CODER_DIR
-from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME
 
 
 def test_figures_script_prints_its_json_last_line_for_the_model_it_is_given(tmp_path):

@@ -21,6 +21,8 @@ def test_benchmark_prints_its_figures_as_json_on_the_last_line(model_dir_factory
     assert outcome.exit_code == 0, outcome.output
     result = json.loads(outcome.output.strip().splitlines()[-1])
     assert {"restore_vs_get_ratio", "second_server_cached_fraction", "decode_ratio"} <= set(result)
+    assert result["received_restore_vs_get_ratio"] > 0
+    assert result["received_persisted_s"] >= result["received_restore_s"] > 0
     assert result["second_server_cached_fraction"] >= (48 - 1) / 48
     assert result["targets_met"]["second_server_cached_ge_prompt_minus_1"] is True
     assert (common.DOCS_PATH.read_text() if common.DOCS_PATH.exists() else None) == docs_before

@@ -27,7 +27,8 @@ from kvcellar.actors import gateway as gw
 from kvcellar.actors import scheduler as sch
 from kvcellar.actors import spill_queue as spq
 from kvcellar.actors import ssd_writer as ssw
-from kvcellar.actors.runtime import ArmTimer, IllegalTransition, TimerFired
+from kvcellar.actors.runtime import ArmTimer, TimerFired
+from kvcellar.errors import IllegalTransition
 
 IDS = st.integers(min_value=0, max_value=4)
 SMALL = st.integers(min_value=0, max_value=3)

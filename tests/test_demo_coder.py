@@ -22,17 +22,17 @@ import httpx
 import pytest
 
 from kvcellar.bench.demo_model import chat_request, is_mostly_printable, names_only_offered_tools
-from kvcellar.engine import demo_corpus
-from kvcellar.engine.demo_conversations import (
+from kvcellar.demo import corpus as demo_corpus
+from kvcellar.demo.conversations import (
     build_conversation_rows,
     conversation_batch,
     padded_tokens,
     tool_length_classes,
 )
+from kvcellar.demo.train import TRAINING_LOG_FILE_NAME, train, train_from_model
+from kvcellar.demo.train_tokenizer import train_corpus_tokenizer
+from kvcellar.demo.training_config import TrainingConfig
 from kvcellar.engine.demo_models import DEMO_CODER_DIR, count_parameters, packaged_demo_coder_dir
-from kvcellar.engine.demo_training_config import TrainingConfig
-from kvcellar.engine.train_demo_model import TRAINING_LOG_FILE_NAME, train, train_from_model
-from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 
 DEMO_CODER_WEIGHTS_SHA256 = "869c337c22450192d0e139eec30571d1bacfbf5fafdbf68606732523f3aaf546"
@@ -286,7 +286,7 @@ def test_varied_tool_arguments_are_made_up_and_come_from_the_request():
 
 
 def test_model_train_options_default_to_the_training_config_that_made_the_committed_model():
-    from kvcellar.engine.model_cli import train_command
+    from kvcellar.cli.model import train_command
 
     defaults = {param.name: param.default for param in train_command.params}
     config_defaults = attrs.asdict(TrainingConfig())

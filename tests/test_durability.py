@@ -40,7 +40,8 @@ from kvcellar.actors.durability import (
     tokens_hash,
 )
 from kvcellar.actors.durability_shell import DurabilityCoordinator
-from kvcellar.actors.runtime import ArmTimer, CancelTimer, IllegalTransition, JournalEvent, TimerFired
+from kvcellar.actors.runtime import ArmTimer, CancelTimer, JournalEvent, TimerFired
+from kvcellar.errors import IllegalTransition
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store.events import EVENT_TYPES
 from kvcellar.store.prompt_cache import SpillSnapshot

@@ -106,6 +106,24 @@ def test_device_architecture_names_the_cpu_model_or_the_gpu(tmp_path):
     assert queried == [gpu]
 
 
+def test_device_architecture_names_a_cuda_gpu_by_name_and_compute_capability_not_its_free_memory():
+    # What MLX 0.32's CUDA backend returns (mlx/backend/cuda/device_info.cpp); free memory changes at every call.
+    h200 = {
+        "device_name": "NVIDIA H200",
+        "architecture": "sm_90",
+        "uuid": "GPU-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0",
+        "pci_bus_id": "0000:19:00.0",
+        "compute_capability_major": 9,
+        "compute_capability_minor": 0,
+        "total_memory": 150_000_000_000,
+        "free_memory": 149_000_000_000,
+    }
+    gpu = mx.Device(mx.DeviceType.gpu)
+    assert describe_device_architecture(gpu, device_info=lambda _: h200) == "NVIDIA H200 (sm_90)"
+    busier = h200 | {"free_memory": 1}
+    assert describe_device_architecture(gpu, device_info=lambda _: busier) == "NVIDIA H200 (sm_90)"
+
+
 def test_config_key_order_and_whitespace_do_not_change_the_digest(model_dir):
     before = compute_fingerprint(model_dir).digest
     config = json.loads((model_dir / "config.json").read_text())
@@ -401,7 +419,7 @@ def test_a_second_system_start_hashes_no_byte_and_entries_carry_the_tokenizer_ha
 def test_serve_keeps_the_memo_under_the_kvcellar_cache_directory(tmp_path):
     import platformdirs
 
-    from kvcellar.http.serve_cli import shard_digest_memo_dir
+    from kvcellar.cli.serve import shard_digest_memo_dir
 
     assert shard_digest_memo_dir({"KVCELLAR_CACHE_DIR": str(tmp_path)}) == tmp_path / "shard-digests"
     assert shard_digest_memo_dir({}) == platformdirs.user_cache_path("kvcellar") / "shard-digests"

@@ -21,8 +21,9 @@ from kvcellar.actors.gateway import (
     StartGeneration,
     StepFinished,
     StopAdmission,
+    Withdraw,
 )
-from kvcellar.actors.runtime import IllegalTransition
+from kvcellar.errors import IllegalTransition
 
 
 def _starts(effects):
@@ -96,6 +97,24 @@ def test_a_step_waits_for_rows_the_other_lane_holds_before_their_batch_job_queue
     assert _starts(ended) == [], "a row arrived while the batch was ending: it waits for the next batch"
     scheduler_rows["busy"] = False
     assert _starts(core.handle(OtherLaneIdle(), 0)) == [RunStep(step_id=10)]
+
+
+def test_a_withdrawn_request_leaves_the_queue_or_releases_the_lane_it_was_given():
+    core = GatewayCore()
+    core.handle(Generate(request_id=1, prompt_tokens=5), 0)
+    core.handle(Generate(request_id=2, prompt_tokens=5), 0)
+    core.handle(Generate(request_id=3, prompt_tokens=5), 0)
+    # Queued: it leaves the queue, journaled as cancelled; the running request keeps the lane.
+    assert _starts(core.handle(Withdraw(request_id=2), 0)) == []
+    assert list(core.waiting) == [3] and core.running == 1
+    done = GenerationFinished(request_id=1, completion_tokens=3, outcome="completed")
+    assert _starts(core.handle(done, 0)) == [StartGeneration(request_id=3)]
+    # Given the lane as its caller left: the lane is released at once, a drain wakes.
+    core.handle(AwaitDrained(waiter_id=9), 0)
+    assert Drained(waiter_id=9) in core.handle(Withdraw(request_id=3), 0)
+    assert (core.lane, core.running, core.busy) == (Lane.IDLE, None, False)
+    # One it no longer holds: nothing.
+    assert core.handle(Withdraw(request_id=1), 0) == []
 
 
 def test_a_result_for_work_that_is_not_running_is_an_illegal_transition():

@@ -6,8 +6,9 @@ import sqlite3
 
 import pytest
 
+from kvcellar.errors import JournalError
 from kvcellar.store import events as ev
-from kvcellar.store.journal import SCHEMA_VERSION, Journal, JournalError
+from kvcellar.store.journal import SCHEMA_VERSION, Journal
 
 
 def _fields(entry_id: str, tokens: int = 10) -> ev.EntryFields:

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mlx_lm.models.cache import KVCache
 
 from kvcellar.cli import cli, main
-from kvcellar.store import journal_cli
+from kvcellar.cli import journal as journal_cli
 from kvcellar.store.journal import JOURNAL_FILE_NAME, SCHEMA_VERSION
 from kvcellar.store.ssd import SsdStore, namespace_dir_name
 
@@ -195,6 +195,15 @@ def test_stats_counts_kinds_and_traffic(cache_dir):
     assert stats["entries"] == 1 and stats["quarantined"] == 0 and stats["quarantine_files"] == 0
     table = _run("stats", str(root))
     assert table.exit_code == 0 and "write amplification" in table.output and "entry.superseded" in table.output
+
+
+def test_stats_counts_the_quarantined_files_and_their_bytes(cache_dir):
+    root, _store, _ids = cache_dir
+    quarantine = root / FINGERPRINT / "quarantine"
+    quarantine.mkdir(exist_ok=True)
+    (quarantine / "damaged.kvc").write_bytes(b"\0" * 1234)
+    stats = _json("stats", str(root))
+    assert stats["quarantine_files"] == 1 and stats["quarantine_bytes"] == 1234
 
 
 def test_timeline_follows_an_entry_through_its_life(cache_dir):

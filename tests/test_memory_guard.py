@@ -28,11 +28,12 @@ from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.engine.memory import (
     Footprint,
-    InsufficientMemory,
     MemoryGuard,
     WorkspaceModel,
+    cuda_memory_bytes,
     default_memory_budget_bytes,
 )
+from kvcellar.errors import InsufficientMemory
 from kvcellar.http.anthropic import failure_event_body
 from kvcellar.http.app import failure_body
 from kvcellar.store.actor_events import MemoryRelieved
@@ -160,6 +161,29 @@ def test_default_budget_is_three_quarters_of_physical_memory_capped_by_the_worki
     assert default_memory_budget_bytes(physical_bytes=16 * 10**9, working_set_bytes=0) == 12 * 10**9
     assert default_memory_budget_bytes(physical_bytes=16 * 10**9, working_set_bytes=10**10) == 10**10
     assert 0 < default_memory_budget_bytes() < default_memory_budget_bytes(physical_bytes=10**15)
+
+
+def test_on_a_cuda_gpu_the_budget_is_nine_tenths_of_its_memory_whatever_the_host_has():
+    h200 = {"device_name": "NVIDIA H200", "architecture": "sm_90", "total_memory": 150_000_000_000}
+    gpu, cpu = mx.Device(mx.DeviceType.gpu), mx.Device(mx.DeviceType.cpu)
+    assert cuda_memory_bytes(gpu, cuda_available=lambda: True, device_info=lambda _: h200) == 150 * 10**9
+    assert cuda_memory_bytes(gpu, cuda_available=lambda: False, device_info=lambda _: h200) is None  # Metal
+    assert cuda_memory_bytes(cpu, cuda_available=lambda: True, device_info=lambda _: h200) is None
+    assert cuda_memory_bytes() is None  # this machine: the CPU backend
+    assert default_memory_budget_bytes(physical_bytes=16 * 10**9, working_set_bytes=0, cuda_bytes=150 * 10**9) == (
+        135 * 10**9
+    )
+    assert default_memory_budget_bytes(physical_bytes=16 * 10**9, working_set_bytes=0, cuda_bytes=0) == 12 * 10**9
+
+
+def test_stats_show_the_gpu_memory_the_driver_reports_and_nothing_without_one():
+    cache, _, _ = _three_entries()
+    driver = {"device_name": "NVIDIA H200", "total_memory": 150 * 10**9, "free_memory": 90 * 10**9}
+    on_gpu = _guard(cache, BilledMeter(cache, 0), 10**9, device_info=lambda: driver)
+    assert on_gpu.stats()["device_total_bytes"] == 150 * 10**9
+    assert on_gpu.stats()["device_free_bytes"] == 90 * 10**9
+    on_cpu = _guard(cache, BilledMeter(cache, 0), 10**9)
+    assert "device_total_bytes" not in on_cpu.stats()
 
 
 def test_insufficient_memory_is_a_503_in_the_openai_and_anthropic_shapes():

@@ -24,11 +24,10 @@ from kvcellar.engine.paged_kv import (
     BlockPool,
     PagedKv,
     PagedKVCache,
-    PagedPoolExhausted,
     PagedPoolLedger,
     paged_model_refusal,
 )
-from kvcellar.errors import KvCellarError, RefusedCacheKind, UsageError
+from kvcellar.errors import KvCellarError, PagedPoolExhausted, RefusedCacheKind, UsageError
 from kvcellar.store import signature as sig
 from kvcellar.store.lending import lend_caches
 

@@ -115,6 +115,18 @@ class PrefixIndexAgainstReference(RuleBasedStateMachine):
         assert self.index.strict_prefix_ancestors(tokens) == ancestors
         assert self.index.exact(tokens) == exact
 
+    @rule(tokens=token_lists)
+    def divergence_matches_reference(self, tokens):
+        """The longest prefix any entry shares with the query, and an entry's tokens after it."""
+        matched, following = self.index.divergence(tokens, 4)
+        commons = {entry_id: _common(stored, tokens) for entry_id, (stored, _, _) in self.reference.items()}
+        assert matched == max(commons.values(), default=0)
+        sharing = [stored for entry_id, (stored, _, _) in self.reference.items() if commons[entry_id] == matched]
+        if following.size:
+            assert any(stored[matched : matched + 4] == following.tolist() for stored in sharing)
+        else:
+            assert all(len(stored) == matched for stored in sharing)
+
     @rule(stored=stored_ids)
     def by_id_lists_equal_the_walks(self, stored):
         if stored in self.reference:
@@ -135,6 +147,15 @@ PrefixIndexAgainstReference.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_index_agrees_with_brute_force_reference = PrefixIndexAgainstReference.TestCase
+
+
+def _common(left: list[int], right: list[int]) -> int:
+    shared = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
 
 
 def _index(*entries: tuple[str, list[int], bool, int]) -> PrefixIndex:

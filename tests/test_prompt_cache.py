@@ -82,6 +82,23 @@ class PromptCacheMachine(RuleBasedStateMachine):
             del self.model[victim]
 
     @rule(prompt=tokens, namespace=namespaces)
+    def divergence(self, prompt, namespace):
+        """The diagnostic's point: the longest prefix any entry of the namespace shares, usable or not."""
+        found = self.cache.divergence(prompt, namespace)
+        shared = [
+            (_shared_tokens(entry["tokens"], prompt), entry["tokens"])
+            for entry in self.model.values()
+            if entry["namespace"] == namespace
+        ]
+        longest = max((common for common, _ in shared), default=0)
+        assert found.matched_tokens == longest
+        if found.cached_next_ids:
+            assert any(
+                common == longest and tuple(tokens[common : common + 32]) == found.cached_next_ids
+                for common, tokens in shared
+            )
+
+    @rule(prompt=tokens, namespace=namespaces)
     def take(self, prompt, namespace):
         result = self.cache.take(prompt, namespace)
         best = 0
@@ -267,3 +284,12 @@ def test_disabled_cache_holds_nothing(llama):
     cache = PromptCache(bytes_max=0)
     assert not cache.put(PROMPT, _prefill(llama, PROMPT)[0])
     assert cache.take(PROMPT + [1]).tier == "none"
+
+
+def _shared_tokens(left, right) -> int:
+    common = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        common += 1
+    return common

@@ -258,12 +258,18 @@ def test_previous_response_id_is_refused_as_stateless(served):
     assert missing.status_code == 404 and "stateless" in missing.json()["error"]["message"]
 
 
-def test_unsupported_tool_type_is_refused_naming_it(served):
-    _, client, _ = served
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(model=MODEL, input="search", tools=[WEATHER_TOOL, {"type": "web_search"}])
-    assert refused.value.param == "tools[1]"
-    assert "'web_search'" in refused.value.message
+def test_a_hosted_tool_is_left_out_and_recorded(served):
+    """Codex sends `web_search` (and a `namespace`) by default: left out of the prompt, named in /stats/requests."""
+    server, client, script = served
+    script.push(ANSWER_PARIS)
+    reply = client.responses.create(
+        model=MODEL, input="search", tools=[WEATHER_TOOL, {"type": "web_search"}], max_output_tokens=96
+    )
+    assert reply.status == "completed"
+    assert [tool.type for tool in reply.tools] == ["function"]
+    record = httpx.get(f"{server.base}/stats/requests", timeout=30).json()["requests"][-1]
+    assert record["notes"]["hosted_tools_left_out"] == ["web_search"]
+    assert record["notes"]["api"] == "responses"
 
 
 @pytest.mark.parametrize(

@@ -59,12 +59,18 @@ def test_a_slow_disk_does_not_restore(model_dir_factory, tmp_path: Path) -> None
 
 
 def test_a_full_speed_disk_restores(model_dir_factory, tmp_path: Path) -> None:
+    """A disk at full speed never recomputes. Restore and split are both right
+    here and close (the prefix is 0.3 MB): on a machine busy enough to slow
+    the disk probe, a split that prefills a few front tokens is predicted a
+    hair faster, and the policy may take it; the cached share then holds the
+    loaded back."""
     before, after, policy = _first_then_restarted(model_dir_factory("llama"), tmp_path)
-    assert policy["plans"]["restore"] == 1 and policy["plans"]["recompute"] == 0, policy
+    assert policy["plans"]["recompute"] == 0 and policy["plans"]["restore"] + policy["plans"]["split"] == 1, policy
     decision = policy["recent_decisions"][-1]
     assert decision["actual_ms"] > 0 and decision["predicted_ms"]["restore"] < decision["predicted_ms"]["recompute"]
     usage = after["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    loaded_tokens = decision["cached_tokens"] - (decision.get("split_at_tokens") or 0)
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= min(loaded_tokens, usage["prompt_tokens"] - 1)
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
 
 

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcellar.actors.runtime import IllegalTransition, JournalEvent
+from kvcellar.actors.runtime import JournalEvent
 from kvcellar.actors.scheduler import (
     AdmitRow,
     AwaitDrained,
@@ -27,7 +27,7 @@ from kvcellar.actors.scheduler import (
     WentIdle,
     Withdrawn,
 )
-from kvcellar.errors import UsageError
+from kvcellar.errors import IllegalTransition, UsageError
 
 
 def _submit(core, request_id, kv_bytes=10):

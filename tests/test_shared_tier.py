@@ -27,8 +27,8 @@ from polling import wait_until
 from test_flush import _config, serving
 
 from kvcellar.actors.uploader import SharedCacheConfig
+from kvcellar.cli.serve import shared_cache_config
 from kvcellar.errors import UsageError
-from kvcellar.http.serve_cli import shared_cache_config
 from kvcellar.store.journal import Journal
 from kvcellar.store.shared_tier import UploadPolicyConfig
 

@@ -19,6 +19,7 @@ from test_shared_tier import _credentials_and_bucket
 from test_ssd import BASE, FINGERPRINT, _prefill
 
 from kvcellar.errors import CorruptEntry, SharedKeyTaken, UsageError
+from kvcellar.store import kvfile
 from kvcellar.store.s3_objects import S3ObjectStore
 from kvcellar.store.shared_tier import (
     MANIFEST_FORMAT_VERSION,
@@ -34,7 +35,13 @@ from kvcellar.store.shared_tier import (
     manifest_problem,
     tokens_sha256,
 )
-from kvcellar.store.shared_transfer import download_entry, fetch_manifest, upload_entry
+from kvcellar.store.shared_transfer import (
+    download_entry,
+    fetch_manifest,
+    persist_received,
+    receive_entry,
+    upload_entry,
+)
 from kvcellar.store.ssd import QUARANTINE_DIR_NAME, SsdStore
 
 
@@ -128,6 +135,61 @@ def test_a_download_is_verified_adopted_and_restores_the_same_caches(tmp_path, l
     assert upload_entry(target, objects, KEYS, target.entry(entry_id), lambda: 2).outcome == "already_shared"
     source.close()
     target.close()
+
+
+def test_received_bytes_restore_while_they_are_persisted_behind(tmp_path, llama, objects):
+    source, entry = _stored(tmp_path, "a", llama)
+    shared = upload_entry(source, objects, KEYS, entry, lambda: 1)
+    assert shared.manifest is not None
+    received = receive_entry(objects, shared.manifest)
+    assert bytes(received.image) == entry.path.read_bytes()
+    target = SsdStore.open(tmp_path / "b", FINGERPRINT)
+    persisted: list[str] = []
+    persist = threading.Thread(target=lambda: persisted.append(persist_received(target, received)))
+    persist.start()
+    from_memory = kvfile.load_image(received.image)
+    persist.join(timeout=60)
+    from_file = kvfile.load(entry.path)
+    assert from_memory.tokens == from_file.tokens == tuple(BASE)
+    for a, b in zip(from_memory.caches, from_file.caches, strict=True):
+        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.state, b.state, strict=True))
+    match = target.find(BASE + [7])
+    assert match is not None and [match.entry_id] == persisted == target.entry_ids()
+    assert target.entry(persisted[0]).path.read_bytes() == bytes(received.image)
+    source.close()
+    target.close()
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_received_bytes_that_do_not_match_the_manifest_are_refused_and_nothing_is_written(
+    tmp_path, llama, objects, damage
+):
+    source, entry = _stored(tmp_path, "a", llama)
+    manifest = upload_entry(source, objects, KEYS, entry, lambda: 1).manifest
+    assert manifest is not None
+    data = bytearray(objects.get_bytes(manifest.object_key))
+    if damage == "flipped":
+        data[len(data) // 2] ^= 0x01
+    else:
+        del data[len(data) // 2 :]
+    objects._client.put_object(Bucket=objects.bucket, Key=manifest.object_key, Body=bytes(data))
+    with pytest.raises(CorruptEntry) as refused:
+        receive_entry(objects, manifest)
+    assert refused.value.part == "object"
+    source.close()
+
+
+def test_an_image_with_a_damaged_tensor_names_it_like_a_file_does(tmp_path, llama):
+    store, entry = _stored(tmp_path, "a", llama)
+    header = kvfile.read_header(entry.path)
+    record = next(iter(header.tensor_records()))
+    image = bytearray(entry.path.read_bytes())
+    image[record.file_offset + record.length // 2] ^= 0x10
+    for staged in (False, True):
+        with pytest.raises(CorruptEntry) as caught:
+            kvfile.load_image(image, staged=staged)
+        assert caught.value.part == f"tensor {record.name}"
+    store.close()
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "other_tokens"])

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcellar.actors.runtime import IllegalTransition, JournalEvent
+from kvcellar.actors.runtime import JournalEvent
 from kvcellar.actors.spill_queue import (
     BYTES_MAX_DEFAULT,
     GIB,
@@ -37,7 +37,7 @@ from kvcellar.actors.spill_queue import (
     WriteResult,
     bytes_max_from_env,
 )
-from kvcellar.errors import UsageError
+from kvcellar.errors import IllegalTransition, UsageError
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store.events import EVENT_TYPES
 from kvcellar.store.prompt_cache import SpillSnapshot

@@ -1,4 +1,4 @@
-"""Phase three's checkpoint choice (`engine/tool_validation.py`): its prompts, its parser
+"""Phase three's checkpoint choice (`demo/tool_validation.py`): its prompts, its parser
 check, its batched greedy decoding and its ranking, with the committed demo-coder and
 mlx-lm's own tokenizer wrapper and tool parser."""
 
@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_map
 
-from kvcellar.engine import demo_corpus
-from kvcellar.engine.demo_models import DEMO_CODER_DIR
-from kvcellar.engine.tool_validation import (
+from kvcellar.demo import corpus as demo_corpus
+from kvcellar.demo.tool_validation import (
     TEST_PROMPTS,
     CheckpointScore,
     ToolCallScorer,
     calls_only_offered_tools,
     validation_tool_cases,
 )
-from kvcellar.engine.train_demo_model import _build_model
+from kvcellar.demo.train import _build_model
+from kvcellar.engine.demo_models import DEMO_CODER_DIR
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Train the `demo-coder` model: a ~5M-parameter llama on offline text, with MLX on the CPU.
 
-`kvcellar model train OUT_DIR` runs it. The data (`kvcellar.engine.demo_corpus`)
+`kvcellar model train OUT_DIR` runs it. The data (`kvcellar.demo.corpus`)
 is the standard library's sources plus synthetic chats, rendered with the
 Qwen3-style tools template and tokenized with a byte-level BPE trained on that
 training text (`tokenizer_ids` ids, identifiers kept whole) extended by the
@@ -42,13 +42,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kvcellar.engine import demo_corpus
-from kvcellar.engine.demo_conversations import (
+from kvcellar.demo import corpus as demo_corpus
+from kvcellar.demo.conversations import (
     build_conversation_rows,
     conversation_batch,
     padded_tokens,
     tool_length_classes,
 )
+from kvcellar.demo.tool_validation import CheckpointScore, ToolCallScorer
+from kvcellar.demo.train_tokenizer import train_corpus_tokenizer
+from kvcellar.demo.training_config import EVALUATION_SETTINGS, SETTINGS_BEFORE_THEY_EXISTED, TrainingConfig
+from kvcellar.engine.attention_window import WINDOW_CONFIG_KEY
 from kvcellar.engine.demo_models import (
     EOS_TOKEN,
     EOS_TOKEN_ID,
@@ -61,10 +65,7 @@ from kvcellar.engine.demo_models import (
     _tools_tokenizer_json,
     write_safetensors,
 )
-from kvcellar.engine.demo_training_config import EVALUATION_SETTINGS, SETTINGS_BEFORE_THEY_EXISTED, TrainingConfig
 from kvcellar.engine.scalars import item_float
-from kvcellar.engine.tool_validation import CheckpointScore, ToolCallScorer
-from kvcellar.engine.train_tokenizer import train_corpus_tokenizer
 from kvcellar.errors import ModelError
 from kvcellar.store.fingerprint import mlx_version
 
@@ -72,6 +73,17 @@ TRAINING_LOG_FILE_NAME = "training-log.json"
 LOSS_CURVE_FILE_NAME = "loss-curve.png"
 
 ProgressCallback = Callable[[str], None]
+
+
+# The context kvcellar serves it with (what it reads as the context): 128k, so an agent's
+# ~28k-token first prompt fits. Training rows are at most 768 tokens, so past that the
+# model is out of its trained range (RoPE extrapolation); the point is that the server
+# takes the prompt, not the quality of the reply (docs/demo-model.md, "Context").
+CONTEXT_TOKENS = 131072
+
+# Each query reads the last 768 keys (engine/attention_window.py): the training rows' length,
+# so replies within it are full attention's, and a 28k prompt prefills in linear time on a CPU.
+ATTENTION_WINDOW_TOKENS = 768
 
 
 def llama_config(config: TrainingConfig) -> dict[str, Any]:
@@ -87,11 +99,12 @@ def llama_config(config: TrainingConfig) -> dict[str, Any]:
         "rms_norm_eps": 1e-5,
         "vocab_size": (config.tokenizer_ids or VOCAB_SIZE) + len(TOOL_FORMAT_TOKENS),
         "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": CONTEXT_TOKENS,
         "tie_word_embeddings": True,
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": PAD_TOKEN_ID,
         "torch_dtype": "bfloat16",
+        WINDOW_CONFIG_KEY: ATTENTION_WINDOW_TOKENS,
     }
 
 
@@ -105,7 +118,8 @@ def write_tokenizer_files(model_dir: Path, base_tokenizer: dict[str, Any] | None
     tokenizer_json = _tools_tokenizer_json(base_tokenizer)
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
     files = {
-        "tokenizer_config.json": _tokenizer_config("tools"),
+        # The tokenizer's own length limit follows the context (transformers warns past it).
+        "tokenizer_config.json": {**_tokenizer_config("tools"), "model_max_length": CONTEXT_TOKENS},
         "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     }
     for name, content in files.items():

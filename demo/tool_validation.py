@@ -32,7 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from kvcellar.engine import demo_corpus
+from kvcellar.demo import corpus as demo_corpus
 from kvcellar.engine.tool_calls import offered_tool_names, parse_tool_calls
 
 # Not 2_000_003 (the test prompts' seed): the choice must not see the prompts it is measured on.

@@ -23,18 +23,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat, UsageError
+from kvcellar.cli.kv import header_as_json
+from kvcellar.errors import CorruptEntry, DiskError, JournalError, UnsupportedFormat, UsageError
 from kvcellar.serialization import converter
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
-from kvcellar.store.journal import ENTRY_COLUMNS, JOURNAL_FILE_NAME, Journal, JournalError, JournalEvent
-from kvcellar.store.kv_cli import header_as_json
-from kvcellar.store.write_wear import fold_journal
+from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalEvent
+from kvcellar.store.journal_checks import journal_stats, verify_journal
 
-QUARANTINE_DIR_NAME = "quarantine"
 SORT_KEYS = {"bytes": "bytes", "mtime": "mtime_ns", "tokens": "token_count"}
-# Fields a fresh header scan can vouch for; hit and restore counters live only in the journal.
-FILE_CHECKED_FIELDS = tuple(column for column in ENTRY_COLUMNS if column not in ("hits", "restores"))
 
 
 @click.group("journal")
@@ -523,51 +520,6 @@ def export_command(directory: Path, fingerprint: str | None, output_format: str)
 # -- stats -------------------------------------------------------------------
 
 
-def journal_stats(root: Path, journal: Journal) -> dict[str, Any]:
-    """Counts by kind and the tier's traffic, from the events alone, plus the
-    current index and quarantine sizes.
-
-    Lookup misses are not journaled, so `hit_rate` is the share of stored
-    entries that served at least one restore; `write_amplification` is the
-    bytes written per byte restored.
-    """
-    counts: collections.Counter[str] = collections.Counter()
-    entry_bytes: dict[str, int] = {}
-    stored_ids: set[str] = set()
-    restored_ids: set[str] = set()
-    bytes_written = bytes_restored = 0
-    for record in journal.events():
-        counts[record.kind] += 1
-        entry = getattr(record.event, "entry", None)
-        if entry is not None:
-            entry_bytes[entry.entry_id] = entry.bytes
-        if isinstance(record.event, ev.EntryStored):
-            stored_ids.add(record.entry_id)
-            bytes_written += record.event.entry.bytes
-        elif isinstance(record.event, ev.EntryRestored):
-            restored_ids.add(record.entry_id)
-            bytes_restored += entry_bytes.get(record.entry_id, 0)
-    rows = journal.entries()
-    quarantine_dir = root / QUARANTINE_DIR_NAME
-    quarantine_files = list(quarantine_dir.iterdir()) if quarantine_dir.is_dir() else []
-    return {
-        "events": sum(counts.values()),
-        "counts_by_kind": dict(sorted(counts.items())),
-        "entries": len(rows),
-        "entry_bytes": sum(row["bytes"] for row in rows),
-        "bytes_written": bytes_written,
-        "bytes_restored": bytes_restored,
-        "hits": counts[ev.EntryHit.kind],
-        "restores": counts[ev.EntryRestored.kind],
-        "hit_rate": len(stored_ids & restored_ids) / len(stored_ids) if stored_ids else None,
-        "write_amplification": bytes_written / bytes_restored if bytes_restored else None,
-        "quarantined": counts[ev.EntryQuarantined.kind],
-        "quarantine_files": len(quarantine_files),
-        "quarantine_bytes": sum(path.stat().st_size for path in quarantine_files if path.is_file()),
-        "write_wear": fold_journal(journal.events()).as_json(),
-    }
-
-
 @journal_command("stats")
 def stats_command(directory: Path, fingerprint: str | None, as_json: bool) -> None:
     """Counts by kind, bytes written and restored, hit rate, write amplification
@@ -618,75 +570,6 @@ def write_wear_table(wear: dict[str, Any]) -> Table:
 
 
 # -- verify ------------------------------------------------------------------
-
-
-def scan_files(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Rows for every entry file from a fresh header read, and a mismatch for
-    every file whose header cannot be read. Temp files and quarantine are skipped."""
-    rows: dict[str, dict[str, Any]] = {}
-    problems: list[dict[str, Any]] = []
-    for ns_dir in sorted(root.iterdir()):
-        if not ns_dir.is_dir() or ns_dir.name == QUARANTINE_DIR_NAME:
-            continue
-        for path in sorted(ns_dir.glob(f"*{kvfile.FILE_SUFFIX}")):
-            relative = f"{ns_dir.name}/{path.name}"
-            try:
-                stat = path.stat()
-                header = kvfile.read_header(path, size_bytes=stat.st_size)
-            except (OSError, CorruptEntry, UnsupportedFormat, DiskError) as e:
-                problems.append(_mismatch("files", path.stem, "header", relative, f"unreadable: {e}"))
-                continue
-            rows[path.stem] = {
-                "entry_id": path.stem,
-                "namespace": header.namespace,
-                "path": relative,
-                "token_count": len(header.token_array),
-                "tokens_digest": ev.tokens_digest(header.token_array),
-                "token_ids": header.token_ids,
-                "bytes": stat.st_size,
-                "mtime_ns": stat.st_mtime_ns,
-                "trimmable": int(header.trimmable),
-                "minimum_reusable_offset": header.minimum_reusable_offset,
-            }
-    return rows, problems
-
-
-def _shown(value: Any) -> Any:
-    if isinstance(value, bytes):
-        text = value.hex()
-        return text if len(text) <= 24 else f"{text[:24]}… ({len(value)} bytes)"
-    return value
-
-
-def _mismatch(check: str, entry_id: str, field: str, left: Any, right: Any) -> dict[str, Any]:
-    return {"check": check, "entry_id": entry_id, "field": field, "left": _shown(left), "right": _shown(right)}
-
-
-def compare_rows(
-    check: str, left: dict[str, dict[str, Any]], right: dict[str, dict[str, Any]], fields: tuple[str, ...]
-) -> list[dict[str, Any]]:
-    """Every difference between two sets of rows keyed by entry id."""
-    mismatches = []
-    for entry_id in sorted(left.keys() | right.keys()):
-        if entry_id not in right or entry_id not in left:
-            presence = ("present", "missing") if entry_id in left else ("missing", "present")
-            mismatches.append(_mismatch(check, entry_id, "entry", *presence))
-            continue
-        for field in fields:
-            if left[entry_id][field] != right[entry_id][field]:
-                mismatches.append(_mismatch(check, entry_id, field, left[entry_id][field], right[entry_id][field]))
-    return mismatches
-
-
-def verify_journal(root: Path, journal: Journal) -> tuple[int, list[dict[str, Any]]]:
-    """The number of indexed entries and every disagreement between the stored
-    projection, a replay of the events, and the files on disk."""
-    stored = {row["entry_id"]: row for row in journal.entries()}
-    replayed = {row["entry_id"]: row for row in journal.replay()}
-    files, problems = scan_files(root)
-    mismatches = compare_rows("projection vs replay", stored, replayed, ENTRY_COLUMNS)
-    mismatches += compare_rows("projection vs files", stored, files, FILE_CHECKED_FIELDS)
-    return len(stored), mismatches + problems
 
 
 @journal_command("verify")

@@ -261,8 +261,8 @@ def train_command(
     `kvcellar.cli.main` re-executes the command with OpenBLAS preloaded (kvcellar.blas_preload).
     """
     from kvcellar.blas_preload import CORETYPE_ENV, blas_note, loaded_blas, openblas_core
-    from kvcellar.engine.demo_training_config import TrainingConfig
-    from kvcellar.engine.train_demo_model import train, train_from_model
+    from kvcellar.demo.train import train, train_from_model
+    from kvcellar.demo.training_config import TrainingConfig
 
     if 0 < tokenizer_ids < TOKENIZER_IDS_MIN:
         raise UsageError(f"--tokenizer-ids must be 0 or at least {TOKENIZER_IDS_MIN} (got {tokenizer_ids})")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_CHOICES, COMPUTE_DTYPE_DEFAULT
 from kvcellar.errors import UsageError
 
 if TYPE_CHECKING:
@@ -307,6 +308,49 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="Emulate a slower SSD: every read and write of the SSD tier keeps to this many MB/s (10**6 "
     "bytes). For benchmarks and for seeing the restore policy recompute where a disk is slow. Needs --ssd-cache.",
 )
+@click.option(
+    "--hosted-tools",
+    "hosted_tools",
+    default="omit",
+    show_default=True,
+    type=click.Choice(["omit", "reject"]),
+    help="Hosted or server tools this server cannot run (OpenAI Responses web_search, namespace; Anthropic "
+    "web_search_..., bash_..., text_editor_..., code_execution_...): omit leaves them out of the prompt (one "
+    "WARNING per kind, names in /stats/requests); reject answers such a request with a 400 naming the tool.",
+)
+@click.option(
+    "--prompt-normalize",
+    "prompt_normalize",
+    default="on",
+    show_default=True,
+    type=click.Choice(["on", "off"]),
+    help="Rewrite system text that varies per request without changing its meaning (Claude Code's billing "
+    "header line) into one fixed form before templating, so sessions share their cached prefix "
+    "(rules: docs/agents.md).",
+)
+@click.option(
+    "--keepalive-interval",
+    "keepalive_interval_s",
+    # http/streaming.py's KEEPALIVE_INTERVAL_S_DEFAULT (the CLI imports nothing heavy before a command runs).
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0.01, max=3600),
+    help="Seconds a stream may stay silent (a long prefill, a wait for the lane) before it gets a keep-alive: "
+    "an Anthropic ping event, an SSE comment on the OpenAI APIs. Agents give up on a stream silent for "
+    "minutes; keep it well under their idle timeout.",
+)
+@click.option(
+    "--compute-dtype",
+    "compute_dtype",
+    default=COMPUTE_DTYPE_DEFAULT,
+    show_default=True,
+    type=click.Choice(list(COMPUTE_DTYPE_CHOICES)),
+    help="The dtype weights, activations and KV are computed in. auto: on the CPU, a 16-bit model whose "
+    "float32 weights fit in 1 GiB is cast to float32 at load (MLX's 16-bit CPU matmul is a slow generic "
+    "kernel; float32 runs in BLAS), otherwise the weights' own; model: always the weights' own; float32: "
+    "always cast. The choice shows in the start-up log and /stats (compute_dtype), and a cast is part of the "
+    "serving fingerprint.",
+)
 def serve_command(
     model: str | None,
     host: str,
@@ -340,6 +384,10 @@ def serve_command(
     tool_call_grammar: str,
     restore_policy: str,
     disk_throttle_mbps: float | None,
+    hosted_tools: str,
+    prompt_normalize: str,
+    keepalive_interval_s: float,
+    compute_dtype: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
     import trio
@@ -389,12 +437,16 @@ def serve_command(
         paged_kv_block_size=paged_kv_block_size if paged_kv else None,
         restore_policy=restore_policy,
         disk_throttle_bytes_per_s=None if disk_throttle_mbps is None else disk_throttle_mbps * 1e6,
+        compute_dtype=compute_dtype,
     )
     settings = HttpSettings(
         api_key=api_key,
         admin_token=admin_token,
         max_tokens_default=max_tokens,
         tool_call_grammar=tool_call_grammar == "on",
+        hosted_tools="reject" if hosted_tools == "reject" else "omit",
+        prompt_normalize=prompt_normalize == "on",
+        keepalive_interval_s=keepalive_interval_s,
     )
     try:
         trio.run(serve_forever, config, host, port, settings)

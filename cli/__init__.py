@@ -1,12 +1,15 @@
 """The `kvcellar` command line: serve, model, kv, journal, simulate and calibrate.
 
-Subcommand groups live beside the code they drive; this module only assembles
-them and turns a `KvCellarError` into a clear message and exit status 2
-instead of a traceback.
+Each command group is one module of this room, a thin click layer over the
+library (`serve.py`, `model.py`, `kv.py`, `journal.py`, `simulate.py`,
+`calibrate.py`); this module only assembles them and turns a `KvCellarError`
+into a clear message and exit status 2 instead of a traceback. `python -m kvcellar.cli` runs it
+(`__main__.py`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -22,12 +25,12 @@ def cli() -> None:
 
 
 def _register_commands() -> None:
-    from kvcellar.engine.model_cli import model_group
-    from kvcellar.http.calibrate_cli import calibrate_command
-    from kvcellar.http.serve_cli import serve_command
-    from kvcellar.simulations.cli import simulate_command
-    from kvcellar.store.journal_cli import journal_group
-    from kvcellar.store.kv_cli import kv_group
+    from kvcellar.cli.calibrate import calibrate_command
+    from kvcellar.cli.journal import journal_group
+    from kvcellar.cli.kv import kv_group
+    from kvcellar.cli.model import model_group
+    from kvcellar.cli.serve import serve_command
+    from kvcellar.cli.simulate import simulate_command
 
     cli.add_command(serve_command)
     cli.add_command(model_group)
@@ -40,15 +43,28 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def reexec_serve() -> None:
+    """Replace this process by itself once, with glibc's huge-page tunable (kvcellar.huge_pages)
+    and OpenBLAS preloaded (kvcellar.blas_preload), when either applies; else return."""
+    from kvcellar.blas_preload import serve_preload_environment
+    from kvcellar.huge_pages import host_reexec_environment
+
+    huge_pages = host_reexec_environment(os.environ)
+    environment = serve_preload_environment(huge_pages or os.environ) or huge_pages
+    if environment is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, environment)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 an error).
     `serve` from a real command line (not `argv` from a caller) first
-    re-executes itself with huge pages for its allocations (kvcellar.huge_pages), and
-    `model train` with OpenBLAS preloaded (kvcellar.blas_preload)."""
+    re-executes itself with huge pages for its allocations (kvcellar.huge_pages) and OpenBLAS
+    preloaded, and `model train` with OpenBLAS preloaded (kvcellar.blas_preload)."""
     if argv is None and sys.argv[1:2] == ["serve"]:
-        from kvcellar.huge_pages import reexec_with_huge_pages
-
-        reexec_with_huge_pages()
+        reexec_serve()
     if argv is None and sys.argv[1:3] == ["model", "train"]:
         from kvcellar.blas_preload import reexec_with_openblas
 
@@ -66,7 +82,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # In non-standalone mode click returns `ctx.exit(code)` codes as the result.
     return result if isinstance(result, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Phases one and two train on windows cut anywhere in a stream of chats, so few
 windows hold a tool list, the request and the call together; phase three
-(`train_demo_model.train_tool_phase`) trains on one whole chat per row and
+(`demo/train.py`, `train_tool_phase`) trains on one whole chat per row and
 scores only what the assistant writes, the tokens that choose weighing more.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcellar.engine import demo_corpus
+from kvcellar.demo import corpus as demo_corpus
+from kvcellar.demo.training_config import TrainingConfig
 from kvcellar.engine.demo_models import EOS_TOKEN, PAD_TOKEN_ID
-from kvcellar.engine.demo_training_config import TrainingConfig
 
 ASSISTANT_TURN_START = "<|im_start|>assistant\n"
 ASSISTANT_TURN_END = EOS_TOKEN

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from kvcellar.http.serve_cli import resolve_model_dir, shard_digest_memo_dir
+from kvcellar.cli.serve import resolve_model_dir, shard_digest_memo_dir
 
 # The prefill's share: the copy and disk probes take about a second more, so a run stays under 20 s.
 CALIBRATE_PREFILL_SECONDS_MAX = 18.0

@@ -14,7 +14,7 @@ post-processor) whose initial alphabet holds all 256 byte symbols, so no text
 is ever unknown; 1024 ids in total, of which the first three are the special
 tokens `<|endoftext|>`, `<|im_start|>` and `<|im_end|>`.
 
-Usage: python -m kvcellar.engine.train_tokenizer OUT_PATH
+Usage: python -m kvcellar.demo.train_tokenizer OUT_PATH
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     """Train and write the tokenizer to the one path given; returns the exit status."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvcellar.engine.train_tokenizer OUT_PATH", file=sys.stderr)
+        print("usage: python -m kvcellar.demo.train_tokenizer OUT_PATH", file=sys.stderr)
         return 2
     tokenizer = train_tokenizer()
     if tokenizer.get_vocab_size() != VOCAB_SIZE:

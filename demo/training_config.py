@@ -1,5 +1,5 @@
 """The demo-coder's training configuration (`TrainingConfig`), apart from the loop that
-uses it (`train_demo_model`) so the data pipeline (`demo_conversations`) can read it too."""
+uses it (`demo/train.py`) so the data pipeline (`demo/conversations.py`) can read it too."""
 
 from __future__ import annotations
 
