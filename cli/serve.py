@@ -6,15 +6,18 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import attrs
 import click
 
 from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_CHOICES, COMPUTE_DTYPE_DEFAULT
 from kvcellar.errors import UsageError
 
 if TYPE_CHECKING:
+    from kvcellar.actors.system import SystemConfig
     from kvcellar.actors.uploader import SharedCacheConfig
+    from kvcellar.http.app import HttpSettings
 
 log = logging.getLogger("kvcellar.serve")
 
@@ -351,103 +354,86 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "always cast. The choice shows in the start-up log and /stats (compute_dtype), and a cast is part of the "
     "serving fingerprint.",
 )
-def serve_command(
-    model: str | None,
-    host: str,
-    port: int,
-    prompt_cache_gb: float,
-    ssd_dir: Path | None,
-    ssd_max_gb: float | None,
-    demote_idle_s: float | None,
-    kv_quant: str,
-    batch_rows: int,
-    kv_budget_gb: float,
-    prefill_step_size: int,
-    max_tokens: int,
-    admin_token: str | None,
-    api_key: str | None,
-    generation_checkpoint_tokens: int,
-    log_level: str,
-    memory_budget_gb: float | None,
-    ssd_admission: str,
-    ssd_cost_threshold_s_per_gb: float,
-    ssd_write_budget_gb_per_day: float | None,
-    shared_cache_url: str | None,
-    shared_cache_endpoint: str | None,
-    shared_upload_min_tokens: int,
-    shared_upload_gb_per_day: float,
-    shared_cache_timeout_s: float,
-    shared_cache_refresh_s: float,
-    ssd_cache_verify: str,
-    paged_kv: bool,
-    paged_kv_block_size: int,
-    tool_call_grammar: str,
-    restore_policy: str,
-    disk_throttle_mbps: float | None,
-    hosted_tools: str,
-    prompt_normalize: str,
-    keepalive_interval_s: float,
-    compute_dtype: str,
-) -> None:
+def serve_command(**options: Any) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
-    import trio
+    flags = ServeFlags(**options)
+    logging.basicConfig(level=flags.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_flags(flags)
+    _run(_system_config(flags), flags.host, flags.port, _http_settings(flags))
 
+
+def _check_flags(flags: ServeFlags) -> None:
+    """Refuse combinations that cannot run; warn about options that need another."""
+    ssd_dir = flags.ssd_dir
+    if ssd_dir is not None and flags.prompt_cache_gb == 0:
+        raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
+    check_generation_checkpoint(flags.generation_checkpoint_tokens, ssd_dir)
+    check_paged_kv(flags.paged_kv, flags.kv_quant, ssd_dir)
+    if ssd_dir is None and (flags.ssd_max_gb is not None or flags.demote_idle_s is not None):
+        log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
+    if ssd_dir is None and (flags.ssd_admission != "always" or flags.ssd_write_budget_gb_per_day is not None):
+        log.warning("--ssd-admission and --ssd-write-budget need --ssd-cache; ignored")
+
+
+def _system_config(flags: ServeFlags) -> SystemConfig:
     from kvcellar.actors.system import SystemConfig
-    from kvcellar.http.app import HttpSettings
-    from kvcellar.http.server import serve_forever
     from kvcellar.store.fingerprint import ShardDigestMemo
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if ssd_dir is not None and prompt_cache_gb == 0:
-        raise UsageError("--ssd-cache needs the RAM tier: --prompt-cache 0 cannot be combined with it")
-    check_generation_checkpoint(generation_checkpoint_tokens, ssd_dir)
-    check_paged_kv(paged_kv, kv_quant, ssd_dir)
-    if ssd_dir is None and (ssd_max_gb is not None or demote_idle_s is not None):
-        log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
-    if ssd_dir is None and (ssd_admission != "always" or ssd_write_budget_gb_per_day is not None):
-        log.warning("--ssd-admission and --ssd-write-budget need --ssd-cache; ignored")
-    config = SystemConfig(
-        model_dir=resolve_model_dir(model),
+    ssd_dir = flags.ssd_dir
+    return SystemConfig(
+        model_dir=resolve_model_dir(flags.model),
         ssd_dir=ssd_dir,
-        ssd_bytes_max=int(ssd_max_gb * GB) if ssd_dir is not None and ssd_max_gb else None,
-        prompt_cache_bytes=int(prompt_cache_gb * GB),
-        demote_idle_s=300.0 if demote_idle_s is None else demote_idle_s,
-        kv_quant=kv_quant,
-        batch_rows_max=batch_rows,
-        kv_budget_bytes=int(kv_budget_gb * GB),
-        prefill_step_tokens=prefill_step_size,
+        ssd_bytes_max=int(flags.ssd_max_gb * GB) if ssd_dir is not None and flags.ssd_max_gb else None,
+        prompt_cache_bytes=int(flags.prompt_cache_gb * GB),
+        demote_idle_s=300.0 if flags.demote_idle_s is None else flags.demote_idle_s,
+        kv_quant=flags.kv_quant,
+        batch_rows_max=flags.batch_rows,
+        kv_budget_bytes=int(flags.kv_budget_gb * GB),
+        prefill_step_tokens=flags.prefill_step_size,
         shutdown_timeout_s=shutdown_timeout_s(),
         # Only the SSD tier's directory name needs the fingerprint, so only it reads the memo.
         shard_digest_memo=ShardDigestMemo(shard_digest_memo_dir()) if ssd_dir is not None else None,
-        memory_budget_bytes=None if memory_budget_gb is None else int(memory_budget_gb * GB),
-        ssd_admission=ssd_admission,
-        ssd_cost_threshold_s_per_gb=ssd_cost_threshold_s_per_gb,
-        ssd_write_budget_bytes_per_day=ssd_write_budget_bytes(ssd_write_budget_gb_per_day),
+        memory_budget_bytes=None if flags.memory_budget_gb is None else int(flags.memory_budget_gb * GB),
+        ssd_admission=flags.ssd_admission,
+        ssd_cost_threshold_s_per_gb=flags.ssd_cost_threshold_s_per_gb,
+        ssd_write_budget_bytes_per_day=ssd_write_budget_bytes(flags.ssd_write_budget_gb_per_day),
         shared_cache=shared_cache_config(
-            shared_cache_url,
+            flags.shared_cache_url,
             ssd_dir,
-            endpoint_url=shared_cache_endpoint,
-            min_tokens=shared_upload_min_tokens,
-            bytes_per_day=int(shared_upload_gb_per_day * GB),
-            request_timeout_s=shared_cache_timeout_s,
-            refresh_s=shared_cache_refresh_s,
+            endpoint_url=flags.shared_cache_endpoint,
+            min_tokens=flags.shared_upload_min_tokens,
+            bytes_per_day=int(flags.shared_upload_gb_per_day * GB),
+            request_timeout_s=flags.shared_cache_timeout_s,
+            refresh_s=flags.shared_cache_refresh_s,
         ),
-        generation_checkpoint_tokens=generation_checkpoint_tokens,
-        ssd_verify=ssd_cache_verify == "on",
-        paged_kv_block_size=paged_kv_block_size if paged_kv else None,
-        restore_policy=restore_policy,
-        disk_throttle_bytes_per_s=None if disk_throttle_mbps is None else disk_throttle_mbps * 1e6,
-        compute_dtype=compute_dtype,
+        generation_checkpoint_tokens=flags.generation_checkpoint_tokens,
+        ssd_verify=flags.ssd_cache_verify == "on",
+        paged_kv_block_size=flags.paged_kv_block_size if flags.paged_kv else None,
+        restore_policy=flags.restore_policy,
+        disk_throttle_bytes_per_s=None if flags.disk_throttle_mbps is None else flags.disk_throttle_mbps * 1e6,
+        compute_dtype=flags.compute_dtype,
     )
-    settings = HttpSettings(
-        api_key=api_key,
-        admin_token=admin_token,
-        max_tokens_default=max_tokens,
-        tool_call_grammar=tool_call_grammar == "on",
-        hosted_tools="reject" if hosted_tools == "reject" else "omit",
-        prompt_normalize=prompt_normalize == "on",
-        keepalive_interval_s=keepalive_interval_s,
+
+
+def _http_settings(flags: ServeFlags) -> HttpSettings:
+    from kvcellar.http.app import HttpSettings
+
+    return HttpSettings(
+        api_key=flags.api_key,
+        admin_token=flags.admin_token,
+        max_tokens_default=flags.max_tokens,
+        tool_call_grammar=flags.tool_call_grammar == "on",
+        hosted_tools="reject" if flags.hosted_tools == "reject" else "omit",
+        prompt_normalize=flags.prompt_normalize == "on",
+        keepalive_interval_s=flags.keepalive_interval_s,
     )
+
+
+def _run(config: SystemConfig, host: str, port: int, settings: HttpSettings) -> NoReturn:
+    import trio
+
+    from kvcellar.http.server import serve_forever
+
     try:
         trio.run(serve_forever, config, host, port, settings)
     except UsageError as e:
@@ -465,6 +451,48 @@ def serve_command(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@attrs.frozen(kw_only=True)
+class ServeFlags:
+    """`kvcellar serve`'s options as click parsed them (one field per option, named as its parameter)."""
+
+    model: str | None
+    host: str
+    port: int
+    prompt_cache_gb: float
+    ssd_dir: Path | None
+    ssd_max_gb: float | None
+    demote_idle_s: float | None
+    kv_quant: str
+    batch_rows: int
+    kv_budget_gb: float
+    prefill_step_size: int
+    max_tokens: int
+    admin_token: str | None
+    api_key: str | None
+    generation_checkpoint_tokens: int
+    log_level: str
+    memory_budget_gb: float | None
+    ssd_admission: str
+    ssd_cost_threshold_s_per_gb: float
+    ssd_write_budget_gb_per_day: float | None
+    shared_cache_url: str | None
+    shared_cache_endpoint: str | None
+    shared_upload_min_tokens: int
+    shared_upload_gb_per_day: float
+    shared_cache_timeout_s: float
+    shared_cache_refresh_s: float
+    ssd_cache_verify: str
+    paged_kv: bool
+    paged_kv_block_size: int
+    tool_call_grammar: str
+    restore_policy: str
+    disk_throttle_mbps: float | None
+    hosted_tools: str
+    prompt_normalize: str
+    keepalive_interval_s: float
+    compute_dtype: str
 
 
 def ssd_write_budget_bytes(gb_per_day: float | None) -> int | None:

@@ -382,21 +382,10 @@ def train_tool_phase(
     model.load_weights(str(out_dir / WEIGHTS_FILE_NAME))
     model.set_dtype(mx.float32)
     rng = np.random.default_rng(config.seed + (1002 if restart else 2))
-    tool_rows = round(config.batch_rows * config.tool_row_share)
-    quantum, tokens_max = config.row_tokens_quantum, config.conversation_tokens_max
-    length_classes = tool_length_classes(rows.tool, quantum, tokens_max) if config.tool_rows_by_length else {}
-
-    def tool_batch() -> tuple[np.ndarray, np.ndarray]:
-        if length_classes:
-            first = rows.tool[int(rng.integers(0, len(rows.tool)))]
-            same_class = length_classes[padded_tokens(len(first.ids), quantum, tokens_max)]
-            picked = [first] + [same_class[index] for index in rng.integers(0, len(same_class), tool_rows - 1)]
-        else:
-            picked = [rows.tool[index] for index in rng.integers(0, len(rows.tool), tool_rows)]
-        picked += [rows.plain[index] for index in rng.integers(0, len(rows.plain), config.batch_rows - tool_rows)]
-        return conversation_batch(picked, tokens_max, quantum)
-
-    held_out_batch = [mx.array(array) for array in conversation_batch(rows.held_out_tool, 10**6, quantum)]
+    tool_batch = _tool_batches(rows, config, rng)
+    held_out_batch = [
+        mx.array(array) for array in conversation_batch(rows.held_out_tool, 10**6, config.row_tokens_quantum)
+    ]
     choice = None
     if config.tool_validation_prompts:
         choice = _CheckpointChoice(config, out_dir, log, start=model if restart else None)
@@ -408,14 +397,10 @@ def train_tool_phase(
         return figures
 
     steps = config.tool_restart_steps if restart else config.tool_steps
-    warmup_steps = min(10, steps)
-    warmup = optim.linear_schedule(config.tool_learning_rate / 10, config.tool_learning_rate, warmup_steps)
-    decay = optim.cosine_decay(config.tool_learning_rate, steps, end=config.learning_rate_final / 3)
-    schedule = optim.join_schedules([warmup, decay], [warmup_steps])
     _train_loop(
         out_dir,
         model,
-        schedule,
+        _tool_schedule(config, steps),
         tool_batch,
         config,
         streams,
@@ -430,6 +415,34 @@ def train_tool_phase(
     if choice is not None:
         choice.adopt(out_dir, model, _eval_windows(config, streams), report)
     return log
+
+
+def _tool_batches(rows: Any, config: TrainingConfig, rng: np.random.Generator) -> Callable[[], tuple[Any, Any]]:
+    """Phase three's batch source: `tool_row_share` of each batch from the tool
+    chats (all of one padded length class when `tool_rows_by_length`), the rest plain chats."""
+    tool_rows = round(config.batch_rows * config.tool_row_share)
+    quantum, tokens_max = config.row_tokens_quantum, config.conversation_tokens_max
+    length_classes = tool_length_classes(rows.tool, quantum, tokens_max) if config.tool_rows_by_length else {}
+
+    def tool_batch() -> tuple[np.ndarray, np.ndarray]:
+        if length_classes:
+            first = rows.tool[int(rng.integers(0, len(rows.tool)))]
+            same_class = length_classes[padded_tokens(len(first.ids), quantum, tokens_max)]
+            picked = [first] + [same_class[index] for index in rng.integers(0, len(same_class), tool_rows - 1)]
+        else:
+            picked = [rows.tool[index] for index in rng.integers(0, len(rows.tool), tool_rows)]
+        picked += [rows.plain[index] for index in rng.integers(0, len(rows.plain), config.batch_rows - tool_rows)]
+        return conversation_batch(picked, tokens_max, quantum)
+
+    return tool_batch
+
+
+def _tool_schedule(config: TrainingConfig, steps: int) -> Any:
+    """Phase three's learning rate: a 10-step linear warm-up, then a cosine decay."""
+    warmup_steps = min(10, steps)
+    warmup = optim.linear_schedule(config.tool_learning_rate / 10, config.tool_learning_rate, warmup_steps)
+    decay = optim.cosine_decay(config.tool_learning_rate, steps, end=config.learning_rate_final / 3)
+    return optim.join_schedules([warmup, decay], [warmup_steps])
 
 
 class _CheckpointChoice:

@@ -183,96 +183,12 @@ def _guarded(secret: Callable[[], str | None], handler: Callable[[Request], Awai
 def build_app(system: System, settings: HttpSettings | None = None) -> Starlette:
     """The ASGI app over a started system."""
     settings = settings or HttpSettings()
-    loaded = system.loaded
-    model_id = loaded.model_dir.name
+    model_id = system.loaded.model_dir.name
     tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
     inbound = InboundPolicy(hosted_tools=settings.hosted_tools, prompt_normalize=settings.prompt_normalize)
     stats_snapshot = partial(http_stats, system, tool_grammar, inbound)
-
-    async def health(_: Request) -> Response:
-        admitting = system.admitting
-        return JSONResponse(
-            {"status": "ok" if admitting else "shutting down", "model": model_id}, status_code=200 if admitting else 503
-        )
-
-    async def index(request: Request) -> Response:
-        # HEAD / and GET /: clients and proxies probe the root before their first request.
-        return JSONResponse(
-            {
-                "server": "kvcellar",
-                "model": model_id,
-                "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
-                "dashboard": "/dashboard",
-                "health": "/health",
-                "docs": "docs/agents.md (agents), docs/api.md (the APIs) in the kvcellar sources",
-            }
-        )
-
-    async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "kvcellar"}]})
-
-    async def stats(_: Request) -> Response:
-        return JSONResponse(stats_snapshot())
-
-    registry = metrics_registry(stats_snapshot)
-
-    async def metrics(_: Request) -> Response:
-        return Response(render_metrics(registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def flush(request: Request) -> Response:
-        # 200 only when durable; every other verdict ("timeout", "no SSD tier",
-        # "write-behind off", faults) is a 503 carrying its reason and evidence.
-        try:
-            timeout_s = flush_timeout_s(request.query_params.get("timeout_s"), await request.body())
-            shared = shared_flush_flag(request.query_params.get("shared"))
-        except BadRequest as e:
-            return error_response(400, str(e), param=e.param)
-        if shared:
-            return await _shared_flush(system, timeout_s)
-        verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
-        return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
-
     tokenizer_lane = TokenizerLane(tool_grammar, inbound)
-
-    async def completions(request: Request, *, chat: bool) -> Response:
-        try:
-            job = await tokenizer_lane.parse_body(
-                await request.body(), loaded, chat=chat, max_tokens_default=settings.max_tokens_default
-            )
-        except BadRequest as e:
-            return error_response(400, str(e), param=e.param)
-        except Exception as e:
-            return _failure_response(e)
-        if not system.admitting:
-            return error_response(503, "the server is shutting down", error_type="server_unavailable")
-        try:
-            # Before the stream's headers go out: a request larger than the memory budget is a 503.
-            system.check_memory(job.request)
-        except Exception as e:
-            return _failure_response(e)
-        if job.stream:
-            return KeepAliveStreamingResponse(
-                _sse(system, job, model_id),
-                keepalive=SSE_COMMENT_KEEPALIVE,
-                interval_s=settings.keepalive_interval_s,
-                media_type="text/event-stream",
-                headers=stream_cache_header(job.prompt_tokens),
-            )
-
-        async def reply() -> Response:
-            try:
-                body, done = await _complete(system, job, model_id)
-                return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
-            except Exception as e:
-                return _failure_response(e)
-
-        return await unless_client_leaves(request, reply)
-
-    async def chat_completions(request: Request) -> Response:
-        return await completions(request, chat=True)
-
-    async def text_completions(request: Request) -> Response:
-        return await completions(request, chat=False)
+    completions = CompletionsRoute(system, tokenizer_lane, settings, model_id)
 
     def api_key() -> str | None:
         return settings.api_key
@@ -288,12 +204,13 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         failure_body=failure_body,
         keepalive_interval_s=settings.keepalive_interval_s,
     )
+    info = InfoRoutes(system, model_id, stats_snapshot)
     routes = [
-        Route("/", index, methods=["GET", "HEAD"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", _guarded(api_key, models), methods=["GET"]),
-        Route("/v1/chat/completions", _guarded(api_key, chat_completions), methods=["POST"]),
-        Route("/v1/completions", _guarded(api_key, text_completions), methods=["POST"]),
+        Route("/", info.index, methods=["GET", "HEAD"]),
+        Route("/health", info.health, methods=["GET"]),
+        Route("/v1/models", _guarded(api_key, info.models), methods=["GET"]),
+        Route("/v1/chat/completions", _guarded(api_key, completions.chat), methods=["POST"]),
+        Route("/v1/completions", _guarded(api_key, completions.text), methods=["POST"]),
         *messages_routes(system, tokenizer_lane, api_key, keepalive_interval_s=settings.keepalive_interval_s),
         Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
         Route(
@@ -301,9 +218,9 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
             _guarded(api_key, responses.not_stored),
             methods=["GET", "DELETE", "POST"],
         ),
-        Route("/stats", _guarded(admin_token, stats), methods=["GET"]),
-        Route("/metrics", _guarded(admin_token, metrics), methods=["GET"]),
-        Route("/admin/cache/flush", _guarded(admin_token, flush), methods=["POST"]),
+        Route("/stats", _guarded(admin_token, info.stats), methods=["GET"]),
+        Route("/metrics", _guarded(admin_token, info.metrics), methods=["GET"]),
+        Route("/admin/cache/flush", _guarded(admin_token, partial(_flush, system)), methods=["POST"]),
         *dashboard_routes(
             system,
             lambda handler: _guarded(admin_token, handler),
@@ -313,6 +230,113 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         ),
     ]
     return Starlette(routes=routes)
+
+
+class InfoRoutes:
+    """The routes that describe the server: the index, health, models, stats and metrics."""
+
+    def __init__(self, system: System, model_id: str, stats_snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.system = system
+        self.model_id = model_id
+        self.stats_snapshot = stats_snapshot
+        self.registry = metrics_registry(stats_snapshot)
+
+    async def health(self, _: Request) -> Response:
+        admitting = self.system.admitting
+        return JSONResponse(
+            {"status": "ok" if admitting else "shutting down", "model": self.model_id},
+            status_code=200 if admitting else 503,
+        )
+
+    async def index(self, _: Request) -> Response:
+        # HEAD / and GET /: clients and proxies probe the root before their first request.
+        return JSONResponse(
+            {
+                "server": "kvcellar",
+                "model": self.model_id,
+                "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
+                "dashboard": "/dashboard",
+                "health": "/health",
+                "docs": "docs/agents.md (agents), docs/api.md (the APIs) in the kvcellar sources",
+            }
+        )
+
+    async def models(self, _: Request) -> Response:
+        model = {"id": self.model_id, "object": "model", "owned_by": "kvcellar"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def stats(self, _: Request) -> Response:
+        return JSONResponse(self.stats_snapshot())
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(render_metrics(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _flush(system: System, request: Request) -> Response:
+    # 200 only when durable; every other verdict ("timeout", "no SSD tier",
+    # "write-behind off", faults) is a 503 carrying its reason and evidence.
+    try:
+        timeout_s = flush_timeout_s(request.query_params.get("timeout_s"), await request.body())
+        shared = shared_flush_flag(request.query_params.get("shared"))
+    except BadRequest as e:
+        return error_response(400, str(e), param=e.param)
+    if shared:
+        return await _shared_flush(system, timeout_s)
+    verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
+    return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
+
+
+class CompletionsRoute:
+    """`/v1/chat/completions` and `/v1/completions`: parse on the tokenizer
+    lane, check admission and memory before any header goes out, then stream
+    or answer once (a client that leaves cancels its generation)."""
+
+    def __init__(self, system: System, tokenizer_lane: TokenizerLane, settings: HttpSettings, model_id: str) -> None:
+        self.system = system
+        self.tokenizer_lane = tokenizer_lane
+        self.settings = settings
+        self.model_id = model_id
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def text(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: Request, *, chat: bool) -> Response:
+        system, settings = self.system, self.settings
+        try:
+            job = await self.tokenizer_lane.parse_body(
+                await request.body(), system.loaded, chat=chat, max_tokens_default=settings.max_tokens_default
+            )
+        except BadRequest as e:
+            return error_response(400, str(e), param=e.param)
+        except Exception as e:
+            return _failure_response(e)
+        if not system.admitting:
+            return error_response(503, "the server is shutting down", error_type="server_unavailable")
+        try:
+            # Before the stream's headers go out: a request larger than the memory budget is a 503.
+            system.check_memory(job.request)
+        except Exception as e:
+            return _failure_response(e)
+        if job.stream:
+            return KeepAliveStreamingResponse(
+                _sse(system, job, self.model_id),
+                keepalive=SSE_COMMENT_KEEPALIVE,
+                interval_s=settings.keepalive_interval_s,
+                media_type="text/event-stream",
+                headers=stream_cache_header(job.prompt_tokens),
+            )
+
+        async def reply() -> Response:
+            try:
+                body, done = await _complete(system, job, self.model_id)
+                return JSONResponse(body, headers=cache_header(done, job.prompt_tokens))
+            except Exception as e:
+                return _failure_response(e)
+
+        return await unless_client_leaves(request, reply)
 
 
 def _usage(job: CompletionJob, done: GenerationDone | None, completion_tokens: int) -> dict[str, Any]:

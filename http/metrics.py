@@ -238,6 +238,9 @@ SPECS += (
 )
 _STRUCTURED.add((_CHECKPOINTS, "skipped"))
 
+# The restore policy's section (issue 44), exported by `restore_policy_families`.
+_STRUCTURED.update({("restore_policy", "plans"), ("restore_policy", "costs")})
+
 # Paged KV's pool section (spec §6, `--paged-kv`; `{}` when off), appended after the others.
 SPECS += (
     _gauge("paged_kv", "block_size", "Tokens per paged-KV block."),
@@ -299,6 +302,7 @@ class StatsCollector(Collector):
         yield from ssd_wear_families(_section(stats, _SSD))
         yield checkpoints_skipped_family(_section(stats, _CHECKPOINTS).get("skipped"))
         yield from inbound_families(_section(stats, "inbound"))
+        yield from restore_policy_families(_section(stats, "restore_policy"))
         yield from undescribed_families(stats)
 
 
@@ -358,6 +362,29 @@ def inbound_families(inbound: Mapping[str, Any]) -> Iterator[CounterMetricFamily
         if isinstance(counts, Mapping):
             for name, count in sorted(counts.items()):
                 family.add_metric([str(name)], float(count))
+        yield family
+
+
+def restore_policy_families(policy: Mapping[str, Any]) -> Iterator[Metric]:
+    """The plans the restore policy chose, by plan, and its cost model's tier rates, by tier (issue 44)."""
+    plans = CounterMetricFamily(
+        "kvcellar_restore_policy_plans",
+        "Requests whose cached prefix on the SSD tier the restore policy served, by plan (restore, recompute, split).",
+        labels=["plan"],
+    )
+    for plan, count in sorted((policy.get("plans") or {}).items()):
+        plans.add_metric([str(plan)], float(count))
+    yield plans
+    tiers = _section(_section(policy, "costs"), "tiers")
+    for field, scale, name, help in (
+        ("mb_per_s", 1e6, "bytes_per_second", "The cost model's restore bandwidth of a tier, by tier."),
+        ("fixed_ms", 1e-3, "fixed_seconds", "The cost model's fixed cost of one restore from a tier, by tier."),
+    ):
+        family = GaugeMetricFamily(f"kvcellar_restore_policy_{name}", help, labels=["tier"])
+        for tier, rate in sorted(tiers.items()):
+            value = _number(rate.get(field)) if isinstance(rate, Mapping) else None
+            if value is not None:
+                family.add_metric([str(tier)], value * scale)
         yield family
 
 

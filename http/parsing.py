@@ -132,13 +132,7 @@ def parse_job(
     `intake`: what this request's parsing changed so far (http/inbound.py)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    model_name = body.get("model")
-    if model_name is not None and model_name not in model_names | _model_names(loaded):
-        raise BadRequest(
-            f"model {model_name!r} is not served here: this server serves {loaded.model_dir.name!r} "
-            "(GET /v1/models); set your client's model to that name (Codex: model = ... in config.toml)",
-            param="model",
-        )
+    _check_model(body.get("model"), loaded, model_names)
     if body.get("n", 1) != 1:
         raise BadRequest("only 'n' = 1 is supported", param="n")
     tokenizer = loaded.tokenizer
@@ -148,10 +142,7 @@ def parse_job(
         rendered, tool_plan = chat_prompt(body, tokenizer, intake)
         prompt_ids = rendered.prompt_ids
     else:
-        text = body.get("prompt")
-        if not isinstance(text, str) or not text:
-            raise BadRequest("'prompt' must be a non-empty string", param="prompt")
-        prompt_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        prompt_ids = _completion_prompt_ids(body, tokenizer)
     max_tokens_asked, max_tokens_field = _max_tokens(body, max_tokens_default)
     max_tokens = intake.grant_max_tokens(
         max_tokens_asked,
@@ -172,12 +163,7 @@ def parse_job(
         stop_token_ids=frozenset(tokenizer.eos_token_ids),
         **sampling_fields(body, loaded, chat=chat),
     )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    stream, include_usage = _stream_fields(body)
     processors, relaxed = reply_processors(tool_grammar, tokenizer, tool_plan, rendered)
     request = GenerationRequest(
         prompt_ids=prompt_ids,
@@ -190,11 +176,38 @@ def parse_job(
     return CompletionJob(
         request=request,
         stream=stream,
-        include_usage=bool(stream_options.get("include_usage")),
+        include_usage=include_usage,
         chat=chat,
         tools=tool_plan,
         reply_in_reasoning=bool(rendered and rendered.in_reasoning),
     )
+
+
+def _check_model(model_name: Any, loaded: LoadedModel, model_names: frozenset[str]) -> None:
+    if model_name is not None and model_name not in model_names | _model_names(loaded):
+        raise BadRequest(
+            f"model {model_name!r} is not served here: this server serves {loaded.model_dir.name!r} "
+            "(GET /v1/models); set your client's model to that name (Codex: model = ... in config.toml)",
+            param="model",
+        )
+
+
+def _completion_prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
+    text = body.get("prompt")
+    if not isinstance(text, str) or not text:
+        raise BadRequest("'prompt' must be a non-empty string", param="prompt")
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    """`stream` and `stream_options.include_usage`, checked."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    return stream, bool(stream_options.get("include_usage"))
 
 
 # -- sampling and output fields (engine/sampling.py applies them) -------------------
