@@ -37,7 +37,7 @@ gone (cancellation) leaves it for the next identical request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import attrs
@@ -474,7 +474,6 @@ def run_generation(
         # The client left mid-prefill and its prefix is kept: nobody waits for a token.
         return
     tiers = prompt_cache if start.reuse.use_cache else None
-    cache, sampling, logits, pending, memory = start.cache, start.sampling, start.logits, start.pending, start.memory
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
     produced = 0
@@ -484,25 +483,9 @@ def run_generation(
             produced += 1
             yield TokenDelta(token_id=token_id, text=assembler.add(token_id))
             fed.append(token_id)
-        while produced < params.max_tokens and not cancelled.is_set():
-            if pending is not None:
-                token, logprobs, token_id, pending = None, None, pending, None
-            else:
-                token, logprobs = sampling.sample(logits)
-                token_id = item_int(token)
-                if checkpoints is not None and checkpoints.due(produced):
-                    # The boundary: the caches cover every emitted token; `token_id` is sampled, not emitted.
-                    offered = tier_form(cache, paged_kv)
-                    checkpoints.offer(prompt + fed, offered, token_id, produced + 1, sampling.rng_key)
-            produced += 1
-            text = assembler.add(token_id)
-            yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
-            if assembler.finished_by_stop or produced >= params.max_tokens:
-                break
-            memory.decode_check(produced, len(prompt) + produced, cache)
-            fed_input = token.reshape(1, 1) if token is not None else mx.array([[token_id]])
-            logits = loaded.model(fed_input, cache=cache)[:, -1, :]
-            fed.append(token_id)
+        produced = yield from _decode(
+            loaded, start, request, assembler, fed, produced, cancelled, checkpoints, paged_kv
+        )
         if checkpoints is not None and not cancelled.is_set():
             checkpoints.completed()
         tail = assembler.closing_text()
@@ -511,7 +494,7 @@ def run_generation(
     finally:
         if tiers is not None:
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
-            tiers.put(prompt + fed, tier_form(cache, paged_kv), request.namespace)
+            tiers.put(prompt + fed, tier_form(start.cache, paged_kv), request.namespace)
         # MLX's buffer cache is the engine thread's to release (EngineThread._run), once idle.
     yield GenerationDone(
         finish_reason=assembler.finish_reason,
@@ -523,3 +506,41 @@ def run_generation(
         restore_plan=start.reuse.restore_plan,
         divergence=start.reuse.divergence,
     )
+
+
+def _decode(
+    loaded: LoadedModel,
+    start: _Start,
+    request: GenerationRequest,
+    assembler: TextAssembler,
+    fed: list[int],
+    produced: int,
+    cancelled: threading.Event,
+    checkpoints: RequestCheckpoints | None,
+    paged_kv: PagedKv | None,
+) -> Generator[TokenDelta, None, int]:
+    """The decode loop after the prompt (and any replayed checkpoint tokens):
+    yields each sampled token, appends every token fed back to `fed`, offers
+    checkpoints when due; returns the tokens produced in all."""
+    params, prompt = request.params, request.prompt_ids
+    cache, sampling, logits, pending, memory = start.cache, start.sampling, start.logits, start.pending, start.memory
+    while produced < params.max_tokens and not cancelled.is_set():
+        if pending is not None:
+            token, logprobs, token_id, pending = None, None, pending, None
+        else:
+            token, logprobs = sampling.sample(logits)
+            token_id = item_int(token)
+            if checkpoints is not None and checkpoints.due(produced):
+                # The boundary: the caches cover every emitted token; `token_id` is sampled, not emitted.
+                offered = tier_form(cache, paged_kv)
+                checkpoints.offer(list(prompt) + fed, offered, token_id, produced + 1, sampling.rng_key)
+        produced += 1
+        text = assembler.add(token_id)
+        yield TokenDelta(token_id=token_id, text=text, logprob=delta_logprob(loaded, params, token_id, logprobs))
+        if assembler.finished_by_stop or produced >= params.max_tokens:
+            break
+        memory.decode_check(produced, len(prompt) + produced, cache)
+        fed_input = token.reshape(1, 1) if token is not None else mx.array([[token_id]])
+        logits = loaded.model(fed_input, cache=cache)[:, -1, :]
+        fed.append(token_id)
+    return produced
