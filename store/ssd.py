@@ -249,7 +249,7 @@ class SsdStore:
 
     def close(self) -> None:
         """Close the journal (applying what it has queued) and release the directory lock."""
-        self.index.detach_journal()
+        self.index.attach_journal(None)
         journal, self.journal = self.journal, None
         lock_handle, self._lock_handle = self._lock_handle, None
         if journal is not None:

@@ -123,12 +123,9 @@ class SsdIndex:
     # -- events ----------------------------------------------------------------
 
     def attach_journal(self, events: EventQueue | None) -> None:
+        """Queue events to `events` from now on (None: to no journal, as after a close)."""
         with self._lock:
             self._events = events
-
-    def detach_journal(self) -> None:
-        with self._lock:
-            self._events = None
 
     def add_event_listener(self, listener: EventListener) -> None:
         """Each listener sees every event queued, one at a time, under the
@@ -375,10 +372,6 @@ class SsdIndex:
         return [entry.path]
 
     # -- restores and quarantine ---------------------------------------------
-
-    def is_indexed(self, entry_id: str) -> bool:
-        with self._lock:
-            return entry_id in self._entries
 
     def drop_bad_entry(self, entry_id: str) -> IndexedEntry | None:
         """Unindex an entry whose file failed a restore's check and count the
