@@ -6,10 +6,11 @@ importing the modules that raise them. Errors of libraries (OSError, cbor2, MLX)
 are converted at the boundary with `raise ... from e`, so a caller handles one
 family. Each docstring says when the error is raised and whose fault it is.
 
-Not errors, so not here: the simulator's crash signals (`SimulatedCrash` in
-`simulations/sim_disk.py`, a `BaseException` so that no `except Exception` of the
-code under test swallows the simulated death of the machine, and
-`SimulatedStoreCrash` in `simulations/shared_store.py`), and a benchmark's own.
+Not errors, yet here too so that every exception class kvcellar defines is in
+one place: the crash signals of the simulator and the benchmarks (the last
+section), which stand for a machine or a process dying, not for something
+kvcellar raises on purpose, and so derive from no `KvCellarError`: no
+`except KvCellarError` of the code under test may handle a death as a failure.
 """
 
 from __future__ import annotations
@@ -265,3 +266,22 @@ class BadQuery(KvCellarError):
 class DeterminismUnavailable(KvCellarError):
     """Raised when the installed Trio lacks the scheduler hooks the simulator
     seeds (a Trio other than the pinned one). The environment's fault."""
+
+
+# -- crash signals: not errors, so not `KvCellarError`s -----------------------
+
+
+class SimulatedCrash(BaseException):
+    """The simulated machine died at a crash point (`simulations/sim_disk.py`).
+    A `BaseException`, so the store's `except Exception` handlers cannot
+    swallow it."""
+
+
+class SimulatedStoreCrash(Exception):
+    """The writer died at this object-store call: the call never happened
+    (`simulations/shared_store.py`'s in-memory object store)."""
+
+
+class BenchProcessCrash(Exception):
+    """Raised inside `open_system` by a benchmark (`bench/ssd_wear.py`) to end
+    a process life without its shutdown flush."""

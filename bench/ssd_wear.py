@@ -53,6 +53,7 @@ from kvcellar.bench.common import (
 from kvcellar.engine.demo_models import VOCAB_SIZE
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
+from kvcellar.errors import BenchProcessCrash
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal
 from kvcellar.store.write_wear import fold_journal
 
@@ -204,10 +205,6 @@ def _restart_before(shape: Shape, phase: int, turn: int) -> str:
     return "crash" if shape.crash_before_last and phase == len(shape.turns_per_phase) - 1 else "shutdown"
 
 
-class _Crashed(Exception):
-    """Raised inside `open_system` to end a process life without its shutdown flush."""
-
-
 def _ram_bytes(shape: Shape, bytes_per_token: int) -> int:
     longest = shape.system_tokens + sum(shape.turns_per_phase) * (
         shape.user_tokens + 2 * (shape.tool_tokens + shape.reply_tokens) + shape.reply_tokens
@@ -241,8 +238,8 @@ async def replay_one(
             async with open_system(config) as system:
                 await _phase(system, workload, conversations, phase, replay)
                 if crash:
-                    raise _Crashed
-        except* _Crashed:
+                    raise BenchProcessCrash
+        except* BenchProcessCrash:
             pass  # the nursery wraps it in an ExceptionGroup
     return replay, (_journal_figures(ssd_dir) if ssd_dir is not None else {})
 

@@ -41,6 +41,7 @@ from kvcellar.errors import (
     SharedKeyTaken,
     SharedObjectMissing,
     SharedStoreError,
+    SimulatedStoreCrash,
     UnsupportedFormat,
 )
 from kvcellar.simulations.sim_disk import SimDisk, TickClock
@@ -58,10 +59,6 @@ from kvcellar.store.ssd import SsdStore
 FINGERPRINT = "5" * 32
 LAYERS, HEADS, DIM = 2, 2, 4
 STEPS_PER_RUN = 60
-
-
-class SimulatedStoreCrash(Exception):
-    """The writer died at this object-store call: the call never happened."""
 
 
 class SimObjectStore:

@@ -60,7 +60,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
 
-from kvcellar.errors import DirectoryLocked, DiskError
+from kvcellar.errors import DirectoryLocked, DiskError, SimulatedCrash
 from kvcellar.simulations.sim_platter import (
     PERSIST_PROBABILITY,
     SECTOR_SIZES_BYTES,
@@ -79,11 +79,6 @@ ROOT_DEFAULT = PurePosixPath("/sim")
 _ROOT_INODE = 1
 _CLOCK_START_NS = 1_700_000_000_000_000_000
 _CLOCK_STEP_NS = 1_000
-
-
-class SimulatedCrash(BaseException):
-    """The simulated machine died at a crash point. A `BaseException`, so the
-    store's `except Exception` handlers cannot swallow it."""
 
 
 def _rate(instance: Any, attribute: attrs.Attribute, value: float) -> None:

@@ -4,22 +4,18 @@ agrees with the file), reap `.tmp` orphans, quarantine what fails a check,
 and work out the journal corrections the scan implies.
 
 `SsdStore.open` runs one `StartupScanner` before the store serves anything
-and hands it what the scan needs of the store (its directory, fingerprint,
-disk, policy, the directory names that hold no entries, and its indexing,
-quarantine and event journaling) as explicit values and callables. The
-store keeps owning its index, counters and journal: the scanner only calls
-`index`, and `reconciliation` returns events for the store to journal.
-`IndexedEntry` (the record the scan builds and the store indexes) and
-`namespace_dir_name` (the layout both use) live here so this module imports
-nothing of `store/ssd.py`; `store.ssd` re-exports both.
+and hands it what the scan needs of the tier (its directory, fingerprint,
+disk, policy, the directory names that hold no entries, and the index's
+intake, the quarantine and the event queue) as explicit values and callables.
+The index core (`store/ssd_index.py`) keeps owning the index, counters and
+journal order: the scanner only calls `index`, and `reconciliation` returns
+events for the store to journal.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import hashlib
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -34,42 +30,15 @@ from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.disk import DirEntry, Disk
 from kvcellar.store.safeguards import Safeguards
+from kvcellar.store.ssd_files import namespace_dir_name
+from kvcellar.store.ssd_index import IndexedEntry
 
 log = logging.getLogger("kvcellar.ssd")
 
-_NS_HASH_HEX_CHARS = 16
-# A startup scan checks every file's namespace against its directory: a pure
-# function of a few distinct strings, so it is memoised.
-_NS_DIR_NAMES_CACHED = 1024
 _ENTRY_ID = re.compile(r"[0-9a-f]{32}")
 
 # The journal's projection: rows by entry id, as `Journal.entries_later` reads them.
 JournalRows = dict[str, dict[str, Any]]
-
-
-@functools.lru_cache(maxsize=_NS_DIR_NAMES_CACHED)
-def namespace_dir_name(namespace: str) -> str:
-    """The directory of a namespace: a hash, so any adapter spec is a safe name."""
-    return hashlib.sha256(namespace.encode()).hexdigest()[:_NS_HASH_HEX_CHARS]
-
-
-@attrs.define(kw_only=True)
-class IndexedEntry:
-    entry_id: str
-    namespace: str
-    # The file is `directory / file_name`, joined only when asked for: a scan
-    # indexes thousands of entries and reads few of their paths.
-    directory: Path
-    file_name: str
-    tokens: np.ndarray
-    bytes: int
-    mtime_ns: int
-    trimmable: bool
-    minimum_reusable_offset: int
-
-    @property
-    def path(self) -> Path:
-        return self.directory / self.file_name
 
 
 @attrs.frozen(kw_only=True)

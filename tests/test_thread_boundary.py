@@ -121,9 +121,7 @@ def test_a_restore_of_an_entry_evicted_while_it_was_read_is_the_committed_bytes_
     entry_id = store.store(tokens, cache)
     match = store.find(tokens + [1])
     assert match is not None and match.entry_id == entry_id
-    with store._lock:
-        removed = store._remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0))
-    store._unlink_removed(removed)
+    store.files.unlink_removed(store.index.remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0)))
     assert store.restore(match) is None
     assert store.stats()["restore_failures"] == 0
     store.close()
@@ -144,9 +142,7 @@ def test_a_restore_that_has_its_file_open_when_the_entry_is_evicted_still_return
     def load_then_evict(path, verify=True, *, disk=None, safeguards=SAFEGUARDS):
         # The eviction lands while the file is being read: unlinked, still open.
         with open(path, "rb") as handle:
-            with store._lock:
-                removed = store._remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0))
-            store._unlink_removed(removed)
+            store.files.unlink_removed(store.index.remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0)))
             assert not path.exists()
             return original_load(f"/proc/self/fd/{handle.fileno()}", verify, disk=disk, safeguards=safeguards)
 
