@@ -309,14 +309,16 @@ class AdmissionCore:
 
 class AdmissionGate:
     """The Trio-thread face of `AdmissionCore` (no awaits, no I/O): the RAM
-    tier's take and put hooks arrive here through `run_sync_soon`, the spill
-    sink and the durability coordinator ask it, and each `Reconsider` goes to
-    `on_granted` (the coordinator's `admission_granted`)."""
+    tier's takes and puts arrive here through its events port (`WriteBehind`),
+    the spills and the durability coordinator ask it, and each `Reconsider`
+    goes to `on_granted` (through `WriteBehind`, the coordinator's `admission_granted`)."""
 
-    def __init__(self, core: AdmissionCore, *, clock_s: Callable[[], float]) -> None:
+    def __init__(
+        self, core: AdmissionCore, *, clock_s: Callable[[], float], on_granted: Callable[[RecordKey], None]
+    ) -> None:
         self.core = core
         self._clock_s = clock_s
-        self.on_granted: Callable[[RecordKey], None] | None = None
+        self._on_granted = on_granted
 
     @property
     def measures_prefill(self) -> bool:
@@ -333,8 +335,7 @@ class AdmissionGate:
 
     def _observe(self, msg: AdmissionMessage) -> None:
         for effect in self.core.handle(msg, self._clock_s()):
-            if self.on_granted is not None:
-                self.on_granted(effect.key)
+            self._on_granted(effect.key)
 
     def admits(self, snapshot: SpillSnapshot) -> bool:
         """A timed write-behind attempt's snapshot (`durability_shell.AdmissionPort`)."""

@@ -1,15 +1,15 @@
 """The SsdWriter: writes one snapshot at a time into the SSD store.
 
-Each tensor is materialised in its own `run_when_idle` engine turn (MLX work,
-never between two decode steps) and written off the Trio thread; the commit
-(header, fsync, rename, directory fsync) runs off the Trio thread too, then
-the store indexes the entry and supersedes or evicts. The outcome is
-"stored" or "failed"; a failure never leaves a temp file behind, and a
-failed fsync is never retried on the same file: a later attempt writes a new
-one.
+A write crosses to other threads at most twice (`store/spill_plan.py`): one
+engine turn plans the write and materialises every tensor (none when the
+snapshot came planned: a write-behind snapshot is planned in the turn that
+took it from the RAM tier), and one worker call writes every tensor, commits
+(header, fsync, rename, directory fsync) and lets the store index the entry
+and supersede or evict. The outcome is "stored" or "failed"; a failure never
+leaves a temp file behind, and a failed fsync is never retried on the same
+file: a later attempt writes a new one.
 
-The core tracks the write's progress (IDLE → WRITING(i) → COMMITTING → IDLE);
-the shell performs each step.
+The core tracks the write (IDLE → WRITING → IDLE); the shell performs it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvcellar.errors import DiskError, IllegalTransition
 from kvcellar.store.actor_events import WriteStarted
 from kvcellar.store.prompt_cache import SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
+from kvcellar.store.spill_plan import PlannedSpill, plan_spill, write_planned
 from kvcellar.store.ssd import PendingStore, SsdStore
 
 log = logging.getLogger("kvcellar.ssd_writer")
@@ -41,12 +42,6 @@ class Write:
 
 
 @attrs.frozen(kw_only=True)
-class TensorWritten:
-    write_id: int
-    index: int
-
-
-@attrs.frozen(kw_only=True)
 class Committed:
     write_id: int
 
@@ -58,13 +53,9 @@ class WriteFailed:
 
 
 @attrs.frozen(kw_only=True)
-class WriteTensor:
-    write_id: int
-    index: int
+class WriteEntry:
+    """Write every tensor of the planned entry and commit it, in one worker call."""
 
-
-@attrs.frozen(kw_only=True)
-class Commit:
     write_id: int
 
 
@@ -74,28 +65,25 @@ class Report:
     outcome: str
 
 
-SsdWriterMessage = Write | TensorWritten | Committed | WriteFailed
-SsdWriterEffect = WriteTensor | Commit | Report | JournalEvent
+SsdWriterMessage = Write | Committed | WriteFailed
+SsdWriterEffect = WriteEntry | Report | JournalEvent
 
 
 class WriterState(enum.Enum):
     IDLE = "idle"
     WRITING = "writing"
-    COMMITTING = "committing"
 
 
 # Which messages each state takes, and the legal state changes: the one place
 # where the writer's transitions are decided.
 _ACCEPTS: dict[type, frozenset[WriterState]] = {
     Write: frozenset({WriterState.IDLE}),
-    TensorWritten: frozenset({WriterState.WRITING}),
-    Committed: frozenset({WriterState.COMMITTING}),
-    WriteFailed: frozenset({WriterState.WRITING, WriterState.COMMITTING}),
+    Committed: frozenset({WriterState.WRITING}),
+    WriteFailed: frozenset({WriterState.WRITING}),
 }
 _MOVES = {
     WriterState.IDLE: {WriterState.WRITING},
-    WriterState.WRITING: {WriterState.WRITING, WriterState.COMMITTING, WriterState.IDLE},
-    WriterState.COMMITTING: {WriterState.IDLE},
+    WriterState.WRITING: {WriterState.IDLE},
 }
 
 
@@ -103,15 +91,12 @@ class SsdWriterCore:
     """Sans-IO progress of one write at a time.
 
     `handle` raises `IllegalTransition` for a message its state does not
-    take, one for another write than the current one, and a `TensorWritten`
-    out of order: protocol bugs in the shell (kvcellar's fault). The core is
-    unchanged when it raises."""
+    take and for one about another write than the current one: protocol bugs
+    in the shell (kvcellar's fault). The core is unchanged when it raises."""
 
     def __init__(self) -> None:
         self.state = WriterState.IDLE
         self.write_id: int | None = None
-        self.tensor_count = 0
-        self.next_index = 0
 
     def handle(self, msg: SsdWriterMessage, now: float) -> list[SsdWriterEffect]:
         accepted = _ACCEPTS.get(type(msg))
@@ -120,15 +105,6 @@ class SsdWriterCore:
         match msg:
             case Write():
                 return self._on_write(msg)
-            case TensorWritten():
-                self._check_current(msg)
-                if msg.index != self.next_index:
-                    raise IllegalTransition(
-                        f"ssd writer in state {self.state.value} got tensor {msg.index} "
-                        f"of write {msg.write_id}, expecting tensor {self.next_index}"
-                    )
-                self.next_index += 1
-                return self._advance(msg.write_id)
             case Committed():
                 self._check_current(msg)
                 return self._finish(msg.write_id, "stored")
@@ -140,7 +116,7 @@ class SsdWriterCore:
 
     def _on_write(self, msg: Write) -> list[SsdWriterEffect]:
         self._move(WriterState.WRITING)
-        self.write_id, self.tensor_count, self.next_index = msg.write_id, msg.tensor_count, 0
+        self.write_id = msg.write_id
         started = JournalEvent(
             event=WriteStarted(
                 write_id=msg.write_id,
@@ -149,9 +125,9 @@ class SsdWriterCore:
                 tensor_count=msg.tensor_count,
             )
         )
-        return [started, *self._advance(msg.write_id)]
+        return [started, WriteEntry(write_id=msg.write_id)]
 
-    def _check_current(self, msg: TensorWritten | Committed | WriteFailed) -> None:
+    def _check_current(self, msg: Committed | WriteFailed) -> None:
         if msg.write_id != self.write_id:
             raise IllegalTransition(
                 f"ssd writer in state {self.state.value} got {type(msg).__name__} "
@@ -162,12 +138,6 @@ class SsdWriterCore:
         if to not in _MOVES[self.state]:
             raise IllegalTransition(f"ssd writer cannot move from state {self.state.value} to {to.value}")
         self.state = to
-
-    def _advance(self, write_id: int) -> list[SsdWriterEffect]:
-        if self.next_index < self.tensor_count:
-            return [WriteTensor(write_id=write_id, index=self.next_index)]
-        self._move(WriterState.COMMITTING)
-        return [Commit(write_id=write_id)]
 
     def _finish(self, write_id: int, outcome: str) -> list[SsdWriterEffect]:
         self._move(WriterState.IDLE)
@@ -204,79 +174,84 @@ class SsdWriter:
         self.shell = ActorShell("ssd_writer", self.core, self._perform, journal=journal)
         self.tokenizer_hash = tokenizer_hash
         self._write_ids = 0
-        self._current: PendingStore | None = None  # the write in progress (writes are serial)
+        self._current: PlannedSpill | None = None  # the write in progress (writes are serial)
         self._reports: dict[int, Reply[str]] = {}
+
+    def plan(self, snapshot: SpillSnapshot) -> PlannedSpill:
+        """Plan `snapshot`'s write and materialise its tensors: MLX work, on the
+        engine thread only (the durability coordinator's snapshot turn calls it)."""
+        return plan_spill(self.store, snapshot, self.tokenizer_hash)
 
     async def write(self, snapshot: SpillSnapshot) -> str:
         while self._unpublished:
             await self.run_blocking(self._unpublished.pop(0).publish)
-        # Planning slices the snapshot's arrays: MLX work, so it takes an engine turn too.
-        pending = await self.run_when_idle(
-            lambda _: self.store.prepare_store(
-                snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=self.tokenizer_hash
-            )
-        )
-        if pending is None:
+        # A write-behind snapshot comes planned; a spill is planned in this one engine turn.
+        planned = snapshot
+        if not isinstance(planned, PlannedSpill):
+            planned = await self.run_when_idle(lambda _: self.plan(snapshot))
+        if planned.pending is None:
             return "failed"
         self._write_ids += 1
         write = Write(
             write_id=self._write_ids,
-            tensor_count=pending.writer.tensor_count,
-            token_count=len(snapshot.tokens),
-            namespace=snapshot.namespace,
+            tensor_count=planned.pending.writer.tensor_count,
+            token_count=len(planned.tokens),
+            namespace=planned.namespace,
         )
-        try:
-            await self.run_blocking(pending.writer.open)
-        except DiskError as e:
-            self.store.fail_store(pending, e)
-            return "failed"
         report = self._reports[write.write_id] = Reply[str]()
-        self._current = pending
+        self._current = planned
         try:
-            # Each step's work answers the next message; the last effect is the Report.
+            # The step's work answers the next message; the last effect is the Report.
             await self.shell.drive(write)
         finally:
             self._current = None
             self._reports.pop(write.write_id, None)
         return report.result()
 
-    def _perform(self, effect: WriteTensor | Commit | Report) -> Awaitable[SsdWriterMessage] | None:
+    def _perform(self, effect: WriteEntry | Report) -> Awaitable[SsdWriterMessage] | None:
         match effect:
             case Report():
                 self._reports[effect.write_id].set(effect.outcome)
                 return None
-            case WriteTensor() | Commit():
-                assert self._current is not None, "the ssd writer has no write in progress"
-                return self._step(effect, self._current)
+            case WriteEntry():
+                assert self._current is not None and self._current.pending is not None, "no write in progress"
+                return self._write_entry(effect.write_id, self._current.pending, self._current.segments)
             case _:
                 assert_never(effect)
 
-    async def _step(self, effect: WriteTensor | Commit, pending: PendingStore) -> SsdWriterMessage:
-        """Do one step of the write; the message says how it went."""
-        writer = pending.writer
+    async def _write_entry(
+        self, write_id: int, pending: PendingStore, segments: tuple[list[memoryview], ...]
+    ) -> SsdWriterMessage:
+        """Write, commit and index the entry in one worker call; the message says how it went."""
+        publish = self.safeguards.ack_after_rename
+        written: list[bool] = []
+
+        def write_and_index() -> Exception | None:
+            try:
+                write_planned(pending, segments, publish=publish)
+            except Exception as e:  # the temp file is gone already
+                return e
+            written.append(True)
+            # Indexing unlinks what the entry supersedes or evicts: file I/O, on this worker too.
+            self.store.finish_store(pending)
+            return None
+
         try:
-            if isinstance(effect, WriteTensor):
-                index = effect.index
-                segments = await self.run_when_idle(lambda _: writer.materialise_tensor(index))
-                await self.run_blocking(writer.write_segments, index, segments)
-                return TensorWritten(write_id=effect.write_id, index=index)
-            if not self.safeguards.ack_after_rename:
-                await self.run_blocking(writer.commit_data)
-                self._unpublished.append(writer)
-                self.store.finish_store(pending)
-                return Committed(write_id=effect.write_id)
-            await self.run_blocking(writer.commit)
+            failure = await self.run_blocking(write_and_index)
         except trio.Cancelled:
-            writer.abort()
+            # A worker call is never interrupted: cancelled before it ran (the simulator's
+            # seam), nothing is left to remove; after, the entry is committed and indexed.
+            if not written:
+                pending.writer.abort()
+            elif not publish:
+                self._unpublished.append(pending.writer)
             raise
-        except Exception as e:
-            # abort() is a close and an unlink: quick enough for this rare path.
-            writer.abort()
-            if isinstance(e, DiskError):
-                self.store.fail_store(pending, e)
-            else:
-                log.warning("SSD write failed: %s", e)
-            return WriteFailed(write_id=effect.write_id, reason=str(e))
-        # Indexing unlinks what the entry supersedes or evicts: file I/O, off the Trio thread.
-        await self.run_blocking(self.store.finish_store, pending)
-        return Committed(write_id=effect.write_id)
+        if failure is None:
+            if not publish:
+                self._unpublished.append(pending.writer)
+            return Committed(write_id=write_id)
+        if isinstance(failure, DiskError):
+            self.store.fail_store(pending, failure)
+        else:
+            log.warning("SSD write failed: %s", failure)
+        return WriteFailed(write_id=write_id, reason=str(failure))

@@ -10,8 +10,9 @@ simulator replaces of the world the system runs in (engine, clocks, blocking
 I/O, the store and its disk, the durability safeguards), real by default.
 
 The RAM tier lives on the engine thread (every take and put is MLX work);
-its spill sink and `on_put` hook hand their work to the Trio thread with
-`run_sync_soon`, so the engine never waits on the queue or the coordinator.
+its one events port, the write-behind pipeline (`actors/write_behind.py`),
+hands takes, puts and spills to the Trio thread with `run_sync_soon`, so the
+engine never waits on the queue or the coordinator.
 
 Requests take the batch lane (the Scheduler) when `batch_rows_max` > 1 and
 the model and KV scheme pass its gates, and the serial lane otherwise; the
@@ -51,18 +52,17 @@ from kvcellar.actors.system_config import (
     write_behind_from_env,
 )
 from kvcellar.actors.system_wiring import (
-    DurabilityPorts,
-    admission_gate,
+    admission_core,
     demote_idle_forever,
     give_guard_the_ssd_tier,
     load_model_beside_store,
-    observe_for_admission,
     open_memory_guard,
     open_restore_policy,
     open_store,
     start_shared_tier,
 )
 from kvcellar.actors.uploader import SharedTier
+from kvcellar.actors.write_behind import WriteBehind
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.compute_dtype import ComputeDtype
@@ -78,7 +78,7 @@ from kvcellar.engine.restore_policy import PolicyColdTier
 from kvcellar.errors import EngineStopped, JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalEvent
-from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
+from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme, resolve_kv_scheme
 from kvcellar.store.ssd import SsdStore
 from kvcellar.store.write_wear import WearMonitor
@@ -99,6 +99,7 @@ class System:
         store: SsdStore | None,
         *,
         seams: SystemSeams,
+        write_behind: WriteBehind,
     ) -> None:
         self.config = config
         self.seams = seams
@@ -111,11 +112,12 @@ class System:
         self.scheduler: Scheduler | None = None
         self.serial_reason = ""
         self.queue: SpillQueue | None = None
+        # The RAM tier's events port and the pipeline behind it (admission, coordinator, queue).
+        self.write_behind = write_behind
         self.durability: DurabilityCoordinator | None = None
-        self.admission: AdmissionGate | None = None
+        self.admission: AdmissionGate | None = write_behind.admission
         self.wear: WearMonitor | None = None
         self.budgeted_writes: BudgetedWrites | None = None
-        self._flushes_running = 0
         self.shared: SharedTier | None = None
         self.checkpointing: Checkpointing | None = None
         self.checkpoint_writer: CheckpointWriter | None = None
@@ -244,20 +246,12 @@ class System:
         return verdict
 
     async def _flush_within_budget(self, timeout_s: float | None) -> FlushResult:
-        self._flushes_running += 1
-        try:
+        with self.write_behind.flush_window():
             if self.budgeted_writes is None:
                 return await self._flush_everything(timeout_s)
             with self.budgeted_writes.write_window() as over_budget_bytes:
                 result = await self._flush_everything(timeout_s)
                 return attrs.evolve(result, over_budget_bytes=over_budget_bytes())
-        finally:
-            self._flushes_running -= 1
-
-    @property
-    def flushing(self) -> bool:
-        """A flush is running: SSD admission lets every spill through meanwhile."""
-        return self._flushes_running > 0
 
     async def _flush_everything(self, timeout_s: float | None) -> FlushResult:
         """The generation checkpoints queued are written first and reported
@@ -630,7 +624,7 @@ async def _start_actors(
         if config.shared_cache is not None:
             raise UsageError("the shared cache needs the SSD tier (--ssd-cache): downloads land there")
         return system
-    await _start_ssd_tier(nursery, system, store, tokenizer_hash, wear, queue_bytes, token)
+    await _start_ssd_tier(nursery, system, store, tokenizer_hash, wear, queue_bytes)
     if config.shared_cache is not None:
         system.shared = await start_shared_tier(nursery, config.shared_cache, seams, store, system.gateway)
     return system
@@ -653,8 +647,16 @@ async def _start_ram_tier(
     measured = config.restore_policy != "restore"
     policy = await open_restore_policy(engine, config, store, scheme) if store is not None and measured else None
     cold_tier = policy if policy is not None else store
-    prompt_cache = PromptCache(config.prompt_cache_bytes, cold_tier=cold_tier, clock_s=seams.clock_s)
-    system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams)
+    write_behind = WriteBehind(
+        trio.lowlevel.current_trio_token(),
+        store=store,
+        admission=admission_core(config),
+        durable_puts=config.write_behind if config.write_behind is not None else write_behind_from_env(),
+    )
+    prompt_cache = PromptCache(
+        config.prompt_cache_bytes, cold_tier=cold_tier, events=write_behind, clock_s=seams.clock_s
+    )
+    system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams, write_behind=write_behind)
     system.restore_policy = policy
     system.gateway = gateway
     system.memory_guard = await open_memory_guard(engine, config, system.memory_meter, scheme, prompt_cache, journal)
@@ -700,10 +702,11 @@ async def _start_ssd_tier(
     tokenizer_hash: str,
     wear: WearMonitor | None,
     queue_bytes: int,
-    token: trio.lowlevel.TrioToken,
 ) -> None:
-    """Start the SSD writer behind the spill queue (and the write budget), hand
-    the RAM tier's spills to it through the admission gate, then write-behind."""
+    """Start the SSD writer behind the spill queue (and the write budget), the
+    write-behind pipeline over them (the RAM tier's spills through admission
+    into the queue; the durability coordinator when write-behind is on), and
+    idle demotion."""
     config, seams, gateway, prompt_cache = system.config, system.seams, system.gateway, system.prompt_cache
     writer = SsdWriter(
         store,
@@ -722,46 +725,10 @@ async def _start_ssd_tier(
     system.queue = queue
     if system.memory_guard is not None:
         give_guard_the_ssd_tier(system.memory_guard, store, queue, tokenizer_hash)
-    admission = system.admission = admission_gate(config)
-
-    def submit(snapshot: SpillSnapshot) -> None:
-        # Runs inside run_sync_soon, where an exception would end the whole Trio run.
-        try:
-            if admission is not None and not admission.admits_spill(
-                snapshot, forced=system.flushing, covered=store.covers(snapshot.tokens, snapshot.namespace)
-            ):
-                return  # the snapshot's views go with this frame: it leaves RAM unwritten
-            queue.submit_nowait(snapshot)
-        except Exception as e:
-            log.warning("spill of %d tokens refused: %s", len(snapshot.tokens), e)
-
-    def spill_sink(snapshot: SpillSnapshot) -> None:
-        token.run_sync_soon(submit, snapshot)
-
-    prompt_cache.spill_sink = spill_sink
-    await _start_write_behind(nursery, system, store, queue, token)
-
-
-async def _start_write_behind(
-    nursery: trio.Nursery, system: System, store: SsdStore, queue: SpillQueue, token: trio.lowlevel.TrioToken
-) -> None:
-    """Start the durability coordinator (when write-behind is on), the
-    admission gate's observation of the RAM tier, and idle demotion."""
-    config, gateway, prompt_cache, admission = system.config, system.gateway, system.prompt_cache, system.admission
-    write_behind = config.write_behind if config.write_behind is not None else write_behind_from_env()
-    if write_behind:
-        durability = DurabilityCoordinator(
-            DurabilityPorts(gateway, prompt_cache, store, queue),
-            debounce_s=config.debounce_s,
-            busy_rearm_s=config.busy_rearm_s,
-            journal=store.journal,
-            admission=admission,
-        )
-        await nursery.start(durability.run)
-        system.durability = durability
-        prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(durability.dirty, namespace, tokens)
-    if admission is not None:
-        observe_for_admission(token, prompt_cache, admission, system.durability)
+    await system.write_behind.start(
+        nursery, config=config, gateway=gateway, prompt_cache=prompt_cache, queue=queue, writer=writer
+    )
+    system.durability = system.write_behind.durability
     if config.demote_idle_s > 0:
         nursery.start_soon(demote_idle_forever, gateway, prompt_cache, config.demote_idle_s)
 

@@ -1,6 +1,7 @@
 """How `open_system` wires the tiers to the actors: the SSD tier's open,
-SSD write admission, the shared tier, the memory guard and the durability
-coordinator's ports. Functions of the parts they wire, none of `System`."""
+SSD write admission's policy, the shared tier, the memory guard. Functions
+of the parts they wire, none of `System` (the write-behind pipeline is
+`actors/write_behind.py`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from typing import Any
 
 import trio
 
-from kvcellar.actors.admission import AdmissionCore, AdmissionGate
-from kvcellar.actors.durability_shell import DurabilityCoordinator
+from kvcellar.actors.admission import AdmissionCore
 from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.spill_queue import SpillQueue
 from kvcellar.actors.system_config import SystemConfig, SystemSeams
@@ -151,32 +151,11 @@ def _seed_wear(wear: WearMonitor, store: SsdStore) -> None:
     wear.seed(journal.entries(WEAR_SEED_COLUMNS), stored)
 
 
-def admission_gate(config: SystemConfig) -> AdmissionGate | None:
-    """SSD write admission; None for `always`, which admits every write without looking."""
+def admission_core(config: SystemConfig) -> AdmissionCore | None:
+    """SSD write admission's policy; None for `always`, which admits every write without looking."""
     if config.ssd_admission == "always":
         return None
-    core = AdmissionCore(config.ssd_admission, cost_threshold_s_per_gb=config.ssd_cost_threshold_s_per_gb)
-    return AdmissionGate(core, clock_s=trio.current_time)
-
-
-def observe_for_admission(
-    token: trio.lowlevel.TrioToken,
-    prompt_cache: PromptCache,
-    admission: AdmissionGate,
-    durability: DurabilityCoordinator | None,
-) -> None:
-    """The RAM tier's takes and puts reach admission on the Trio thread, in
-    order (`run_sync_soon` is FIFO), each put before the coordinator sees it."""
-
-    def put_seen(namespace: str, tokens: tuple[int, ...]) -> None:
-        admission.put(namespace, tokens)
-        if durability is not None:
-            durability.dirty(namespace, tokens)
-
-    prompt_cache.on_put = lambda namespace, tokens: token.run_sync_soon(put_seen, namespace, tokens)
-    prompt_cache.on_take = lambda namespace, tokens: token.run_sync_soon(admission.taken, namespace, tokens)
-    if durability is not None:
-        admission.on_granted = durability.admission_granted
+    return AdmissionCore(config.ssd_admission, cost_threshold_s_per_gb=config.ssd_cost_threshold_s_per_gb)
 
 
 async def start_shared_tier(
@@ -213,34 +192,6 @@ async def demote_idle_forever(gateway: Gateway, prompt_cache: PromptCache, thres
     while True:
         await trio.sleep(max(threshold_s / 4, 1.0))
         await gateway.run_when_idle(lambda _: prompt_cache.demote_idle(threshold_s))
-
-
-class DurabilityPorts:
-    """What the durability coordinator needs of the rest of the system."""
-
-    def __init__(self, gateway: Gateway, prompt_cache: PromptCache, store: SsdStore, queue: SpillQueue) -> None:
-        self._gateway = gateway
-        self._prompt_cache = prompt_cache
-        self._store = store
-        self._queue = queue
-
-    def gateway_busy(self) -> bool:
-        return self._gateway.busy
-
-    async def run_when_idle(self, step: Any) -> Any:
-        return await self._gateway.run_when_idle(lambda _: step())
-
-    def snapshot_exact(self, tokens: Any, namespace: str) -> SpillSnapshot | None:
-        return self._prompt_cache.snapshot_exact(tokens, namespace)
-
-    def covers(self, tokens: Any, namespace: str) -> bool:
-        return self._store.covers(tokens, namespace)
-
-    async def submit(self, snapshot: SpillSnapshot) -> str:
-        return await self._queue.submit(snapshot)
-
-    async def wait_queue_idle(self) -> None:
-        await self._queue.wait_idle()
 
 
 async def open_memory_guard(

@@ -1,6 +1,6 @@
 """Benchmark: decode speed of a long generation with write-behind on and off, and
 the flush latency of the entry it leaves. Target (from the issue): decode tokens/s
-on >= 0.97x off, same run, alternating; the flush latency is reported.
+on >= 0.99x off, same run, alternating; the flush latency is reported.
 
 Every measurement is a fresh system on a fresh SSD directory, so both modes
 prefill the same prompt cold; greedy, no stop tokens. Decode tokens/s is
@@ -42,7 +42,7 @@ from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 
 MIB_BYTES = 1 << 20
-TARGET_DECODE_RATIO = 0.97
+TARGET_DECODE_RATIO = 0.99
 # Ids 0-2 are the demo tokenizer's special tokens; prompts stay clear of them.
 FIRST_ORDINARY_TOKEN_ID = 3
 # A short generation first, so one-time costs of the process land in no measurement.
@@ -53,6 +53,20 @@ OTHERS_CPUS_DISTURBING = 0.1
 # Left at SystemConfig's defaults in every run; reported so the figures say what they ran under.
 SETTINGS_REPORTED = ("debounce_s", "busy_rearm_s", "demote_idle_s", "prefill_step_tokens")
 DOCS_BEGIN, DOCS_END = docs_markers("writebehind")
+# Worker calls a flush makes besides its entries' writes: the journal catching up (once per flush).
+FLUSH_CALLS_NOT_PER_ENTRY = ("wait_applied",)
+
+
+class TimedBlocking:
+    """`SystemSeams.run_blocking` as in production (a worker thread), noting the
+    name and start of each call, so a flush's thread crossings can be counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    async def __call__(self, fn: Any, *args: Any) -> Any:
+        self.calls.append((getattr(fn, "__name__", type(fn).__name__), time.perf_counter()))
+        return await trio.to_thread.run_sync(fn, *args)
 
 
 def prompt_token_ids(count: int, seed: int, vocab_size: int = VOCAB_SIZE) -> tuple[int, ...]:
@@ -104,12 +118,21 @@ async def _stream_timed(system: Any, request: GenerationRequest, new_tokens: int
     return {"started": started, "arrivals": arrivals, "token_ids": token_ids, "counts": counts, "done": done}
 
 
-async def _timed_flush(system: Any) -> dict[str, Any]:
+async def _timed_flush(
+    system: Any, turn_log: list[tuple[str, float, float]], blocking: TimedBlocking
+) -> dict[str, Any]:
+    """The flush's time, what it wrote, and its thread crossings: engine turns
+    (the gateway's "step" turns) and worker calls (but the journal's catch-up)."""
     before, started = system.stats()["ssd_cache"], time.perf_counter()
     verdict = await system.flush()
-    seconds, after = time.perf_counter() - started, system.stats()["ssd_cache"]
+    ended = time.perf_counter()
+    seconds, after = ended - started, system.stats()["ssd_cache"]
     return {
         "s": seconds,
+        "engine_turns": sum(1 for label, start, _ in turn_log if label == "step" and started <= start <= ended),
+        "worker_calls": sum(
+            1 for name, start in blocking.calls if started <= start <= ended and name not in FLUSH_CALLS_NOT_PER_ENTRY
+        ),
         "durable": verdict.durable,
         "bytes": after["bytes"] - before["bytes"],
         "entries_written": after["spills"] - before["spills"],
@@ -122,12 +145,13 @@ async def measure_generation(
 ) -> dict[str, Any]:
     """One generation on a fresh system; with write-behind on, the two flushes after it."""
     turn_log: list[tuple[str, float, float]] = []
+    blocking = TimedBlocking()
     config = SystemConfig(model_dir=model_dir, ssd_dir=ssd_dir, write_behind=write_behind)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, stop_token_ids=frozenset())
-    async with open_system(config, SystemSeams(turn_log=turn_log)) as system:
+    async with open_system(config, SystemSeams(turn_log=turn_log, run_blocking=blocking)) as system:
         streamed = await _stream_timed(system, GenerationRequest(prompt_ids=prompt, params=params), new_tokens)
-        flush = await _timed_flush(system) if write_behind else None
-        idle_flush = await _timed_flush(system) if write_behind else None
+        flush = await _timed_flush(system, turn_log, blocking) if write_behind else None
+        idle_flush = await _timed_flush(system, turn_log, blocking) if write_behind else None
         durability_counters = system.durability.stats() if system.durability is not None else None
     arrivals, done, counts = streamed["arrivals"], streamed["done"], streamed["counts"]
     first_s, last_s = arrivals[0], arrivals[-1]
@@ -219,13 +243,15 @@ def summarise(runs: dict[str, list[dict[str, Any]]], options: dict[str, Any]) ->
                 f"{name}_bytes": max(f["bytes"] for f in flushes),
                 f"{name}_entries_written": max(f["entries_written"] for f in flushes),
                 f"{name}_entry_tokens": max(f["entry_tokens"] for f in flushes),
+                f"{name}_engine_turns": max(f["engine_turns"] for f in flushes),
+                f"{name}_worker_calls": max(f["worker_calls"] for f in flushes),
             }
         )
     result.update({key: sum(run[key] for run in on) for key in DECODE_WINDOW_COUNTS})
     result["decode_ratio"] = result["decode_tok_s_on"] / result["decode_tok_s_off"]
     result["decode_ratio_median_gap"] = result["decode_tok_s_median_gap_on"] / result["decode_tok_s_median_gap_off"]
     result["targets_met"] = {
-        "decode_ratio_ge_0.97": result["decode_ratio"] >= TARGET_DECODE_RATIO,
+        "decode_ratio_ge_0.99": result["decode_ratio"] >= TARGET_DECODE_RATIO,
         "no_background_work_during_decode": result["background_steps_during_decode"] == 0
         and result["ssd_entries_written_during_decode"] == 0,
     }
@@ -243,7 +269,7 @@ FIGURE_COLUMNS = ("measurement", "median", "range", "note")
 def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     runs, context = result["runs"], result["context_tokens"]
     flushes, idle_flushes = ([run[name] for run in runs["on"]] for name in ("flush", "idle_flush"))
-    verdict = "met" if result["targets_met"]["decode_ratio_ge_0.97"] else "MISSED"
+    verdict = "met" if result["targets_met"]["decode_ratio_ge_0.99"] else "MISSED"
     return [
         (
             "decode, write-behind off (baseline)",
@@ -275,6 +301,14 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _range(flushes, "s", 1000, 1) + " ms",
             f"{result['flush_bytes'] / MIB_BYTES:.1f} MiB, entries written: {result['flush_entries_written']}, "
             f"longest {result['flush_entry_tokens']} tokens; durable={result['flush_durable']}",
+        ),
+        (
+            "thread crossings of that flush (on)",
+            f"{result['flush_engine_turns']} + {result['flush_worker_calls']}",
+            "",
+            f"engine turns + worker calls (maxima over the runs) for {result['flush_entries_written']} entries "
+            "written: one turn per forced attempt (the written entry's turn also plans it and materialises "
+            "every tensor), any idle-demotion turn due, one worker call per entry written",
         ),
         (
             "second flush, nothing dirty (on)",
@@ -325,7 +359,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 def interpretation(result: dict[str, Any]) -> str:
     """One paragraph, built from the figures."""
-    met = result["targets_met"]["decode_ratio_ge_0.97"]
+    met = result["targets_met"]["decode_ratio_ge_0.99"]
     quiet = result["targets_met"]["no_background_work_during_decode"]
     decode_runs = [run["decode_tok_s"] for mode in ("on", "off") for run in result["runs"][mode]]
     spread_pct = 100 * (max(decode_runs) - min(decode_runs)) / statistics.median(decode_runs)

@@ -9,10 +9,12 @@ them, then least-recently-used entries are spilled and evicted until the
 billed bytes are under the cap. Pure: no Trio, no I/O of its own; the clock is
 injected.
 
-Spill contract: the sink receives a `SpillSnapshot` (evaluated views and a
-copy of the tokens) made before the donor is dropped, and owns it on every
-path. A sink that raises has not taken ownership: the spill is a no-op and
-the eviction goes on.
+Everything the tier tells the rest of the system goes through the one
+`TierEvents` port it is built with (on the engine thread, its owner's): each
+served take, each put, each spill. Spill contract: `spilled` receives a
+`SpillSnapshot` (evaluated views and a copy of the tokens) made before the
+donor is dropped, and owns it on every path. A port that raises has not taken
+ownership: the spill is a no-op and the eviction goes on.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ BYTES_MAX_DEFAULT = 8 * 10**9
 
 @attrs.frozen(kw_only=True)
 class SpillSnapshot:
-    """What a spill sink receives and then owns."""
+    """What `TierEvents.spilled` receives and then owns."""
 
     namespace: str
     tokens: tuple[int, ...]
@@ -48,7 +50,50 @@ class SpillSnapshot:
     reason: str
 
 
-SpillSink = Callable[[SpillSnapshot], None]
+class TierEvents(Protocol):
+    """The RAM tier's one port to the rest of the system, given at construction
+    and called on the engine thread (the tier's owner) inside the call that
+    caused the event. Implementations hand the work on without waiting."""
+
+    @property
+    def accepts_spills(self) -> bool:
+        """Whether `spilled` snapshots go anywhere: without a cold tier the tier
+        never demotes (demoting to nowhere is data loss) and never snapshots."""
+        ...
+
+    def taken(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        """A served take: the exact tokens of the RAM entry lent (from the cold
+        tier: the prefix it served). SSD admission counts hits by it."""
+        ...
+
+    def put(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        """An entry holding exactly `tokens` was put (also an oversize one, spilled
+        instead of held): write-behind marks it dirty."""
+        ...
+
+    def spilled(self, snapshot: SpillSnapshot) -> None:
+        """Take ownership of a snapshot of an entry leaving RAM (or held, for
+        write-behind); raising means it was not taken."""
+        ...
+
+
+class NoTierEvents:
+    """The port of a tier nobody listens to: takes and puts go nowhere, and it
+    takes no spills (so the tier makes no snapshots)."""
+
+    accepts_spills = False
+
+    def taken(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        pass
+
+    def put(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        pass
+
+    def spilled(self, snapshot: SpillSnapshot) -> None:
+        raise AssertionError("a tier without listeners makes no spill snapshots")
+
+
+NO_TIER_EVENTS = NoTierEvents()
 
 
 class ColdMatch(Protocol):
@@ -116,8 +161,8 @@ class PromptCacheCounters:
     puts: int = 0  # entries inserted
     evictions: int = 0  # entries dropped over the byte cap
     supersessions: int = 0  # entries dropped because a new one stands in for them
-    spills: int = 0  # snapshots the spill sink took
-    spill_failures: int = 0  # snapshots the spill sink raised on (dropped without a cold copy)
+    spills: int = 0  # snapshots the port took
+    spill_failures: int = 0  # snapshots the port raised on (dropped without a cold copy)
     demotions: int = 0  # idle entries spilled and dropped
     oversize: int = 0  # puts larger than the cap: spilled, never held
 
@@ -139,19 +184,14 @@ class PromptCache:
         bytes_max: int = BYTES_MAX_DEFAULT,
         *,
         cold_tier: ColdTier | None = None,
-        spill_sink: SpillSink | None = None,
-        on_put: Callable[[str, tuple[int, ...]], None] | None = None,
+        events: TierEvents = NO_TIER_EVENTS,
         clock_s: Callable[[], float] = time.monotonic,
         bill: Callable[[Sequence[Any], int], int] = logical_bytes,
-        on_take: Callable[[str, tuple[int, ...]], None] | None = None,
     ) -> None:
         self.bytes_max = bytes_max
         self.cold_tier = cold_tier
-        self.spill_sink = spill_sink
-        self.on_put = on_put
-        # Each served take: the namespace and the exact tokens of the RAM entry lent
-        # (from the cold tier: the prefix it served). SSD admission counts hits by it.
-        self.on_take = on_take
+        # The one port to the rest of the system, fixed for the tier's life.
+        self._events = events
         self._clock_s = clock_s
         self._bill = bill
         self._entries: dict[str, _RamEntry] = {}
@@ -306,12 +346,10 @@ class PromptCache:
         return entry.entry_id
 
     def _notify_take(self, namespace: str, served_tokens: np.ndarray) -> None:
-        if self.on_take is not None:
-            self.on_take(namespace, tuple(served_tokens.tolist()))
+        self._events.taken(namespace, tuple(served_tokens.tolist()))
 
     def _notify_put(self, namespace: str, token_array: np.ndarray) -> None:
-        if self.on_put is not None:
-            self.on_put(namespace, tuple(int(t) for t in token_array))
+        self._events.put(namespace, tuple(token_array.tolist()))
 
     def _supersede(self, entry: _RamEntry) -> None:
         index = self._indexes.get(entry.namespace)
@@ -354,8 +392,8 @@ class PromptCache:
     # -- spill and demotion ----------------------------------------------------
 
     def _spill(self, entry: _RamEntry, reason: str) -> None:
-        """Hand a snapshot to the sink; a raising sink has not taken it."""
-        if self.spill_sink is None:
+        """Hand a snapshot to the port; a raising port has not taken it."""
+        if not self._events.accepts_spills:
             return
         snapshot = SpillSnapshot(
             namespace=entry.namespace,
@@ -365,7 +403,7 @@ class PromptCache:
             reason=reason,
         )
         try:
-            self.spill_sink(snapshot)
+            self._events.spilled(snapshot)
         except Exception as e:
             self.counters.spill_failures += 1
             log.warning(
@@ -376,8 +414,8 @@ class PromptCache:
 
     def demote_idle(self, threshold_s: float) -> int:
         """Spill and drop entries unused for `threshold_s` or longer; returns
-        how many. A no-op without a spill sink: demoting to nowhere is data loss."""
-        if self.spill_sink is None:
+        how many. A no-op when the port takes no spills: demoting to nowhere is data loss."""
+        if not self._events.accepts_spills:
             return 0
         now_s = self._clock_s()
         idle = [e for e in self._entries.values() if now_s - e.last_used_s >= threshold_s]

@@ -280,19 +280,13 @@ def test_a_deferred_forced_attempt_raises_and_leaves_the_core_unchanged() -> Non
 
 SSD_BLIND = st.one_of(
     st.builds(ssw.Write, write_id=IDS, tensor_count=SMALL, token_count=SMALL, namespace=st.just("a")),
-    st.builds(ssw.TensorWritten, write_id=IDS, index=SMALL),
     st.builds(ssw.Committed, write_id=IDS),
     st.builds(ssw.WriteFailed, write_id=IDS, reason=st.just("disk")),
 )
 
 
 def ssd_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
-    if isinstance(effect, ssw.WriteTensor):
-        return [
-            st.just(ssw.TensorWritten(write_id=effect.write_id, index=effect.index)),
-            st.just(ssw.WriteFailed(write_id=effect.write_id, reason="disk")),
-        ]
-    if isinstance(effect, ssw.Commit):
+    if isinstance(effect, ssw.WriteEntry):
         return [
             st.just(ssw.Committed(write_id=effect.write_id)),
             st.just(ssw.WriteFailed(write_id=effect.write_id, reason="fsync")),

@@ -36,9 +36,15 @@ NOT_PACKAGE = {"tests", "docs", "build", ".venv"}
 def package_modules() -> dict[str, Path]:
     """Every module of the package by dotted name (`kvcellar.store.ssd`)."""
     modules: dict[str, Path] = {}
-    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+    # Hidden top-level folders (.venv, .agents with the agent clients' own venv and node_modules, .git) are not
+    # the package; skipping them before the walk keeps it fast.
+    tops = [top for top in PACKAGE_ROOT.iterdir() if not top.name.startswith(".") and top.name not in NOT_PACKAGE]
+    paths = [top for top in tops if top.suffix == ".py"] + [
+        path for top in tops if top.is_dir() for path in top.rglob("*.py")
+    ]
+    for path in sorted(paths):
         relative = path.relative_to(PACKAGE_ROOT)
-        if relative.parts[0] in NOT_PACKAGE or any(part.endswith(".egg-info") for part in relative.parts):
+        if any(part.endswith(".egg-info") for part in relative.parts):
             continue
         parts = [PACKAGE, *relative.with_suffix("").parts]
         if parts[-1] == "__init__":

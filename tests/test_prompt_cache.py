@@ -12,9 +12,31 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.store.prompt_cache import PromptCache, logical_bytes
+from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot, logical_bytes
 from kvcellar.store.signature import usable_prefix_length
 from kvcellar.store.ssd import SsdStore
+
+
+class RecordingEvents:
+    """A `TierEvents` port that records what the tier tells it; `spill`
+    decides what a spill does (None: no spills taken)."""
+
+    def __init__(self, spill=None) -> None:
+        self._spill = spill
+        self.accepts_spills = spill is not None
+        self.takes: list[tuple[str, int]] = []
+        self.puts: list[tuple[str, int]] = []
+
+    def taken(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        self.takes.append((namespace, len(tokens)))
+
+    def put(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        assert all(type(token) is int for token in tokens)
+        self.puts.append((namespace, len(tokens)))
+
+    def spilled(self, snapshot: SpillSnapshot) -> None:
+        self._spill(snapshot)
+
 
 # -- a state machine against a reference model, on real (tiny) caches ---------
 
@@ -201,9 +223,9 @@ def test_namespaces_never_seed_each_other(llama):
     assert cache.take(PROMPT + [1], namespace="adapter-a").tier == "ram"
 
 
-def test_oversize_entry_is_spilled_not_stored_and_a_raising_sink_does_not_unwind(llama):
+def test_oversize_entry_is_spilled_not_stored_and_a_raising_port_does_not_unwind(llama):
     spilled = []
-    cache = PromptCache(bytes_max=1000, spill_sink=spilled.append)
+    cache = PromptCache(bytes_max=1000, events=RecordingEvents(spilled.append))
     assert not cache.put(PROMPT, _prefill(llama, PROMPT)[0])
     assert len(cache) == 0 and [s.reason for s in spilled] == ["oversize"]
     assert spilled[0].tokens == tuple(PROMPT)
@@ -212,18 +234,21 @@ def test_oversize_entry_is_spilled_not_stored_and_a_raising_sink_does_not_unwind
         raise OSError("disk gone")
 
     entry_bytes = logical_bytes(_prefill(llama, PROMPT[:20])[0], 20)
-    failing = PromptCache(bytes_max=entry_bytes + 10, spill_sink=broken_sink)
+    failing = PromptCache(bytes_max=entry_bytes + 10, events=RecordingEvents(broken_sink))
     failing.put(PROMPT[:20], _prefill(llama, PROMPT[:20])[0])
     failing.put([1] + PROMPT[:19], _prefill(llama, [1] + PROMPT[:19])[0])
     assert len(failing) == 1 and failing.bytes_total <= failing.bytes_max
     assert failing.stats()["spill_failures"] == 1 and failing.stats()["evictions"] == 1
 
 
-def test_on_put_fires_after_every_successful_put(llama):
-    seen = []
-    cache = PromptCache(on_put=lambda namespace, tokens: seen.append((namespace, len(tokens))))
+def test_the_port_hears_every_successful_put_and_every_served_take(llama):
+    events = RecordingEvents()
+    cache = PromptCache(events=events)
     cache.put(PROMPT, _prefill(llama, PROMPT)[0], namespace="x")
-    assert seen == [("x", len(PROMPT))]
+    assert events.puts == [("x", len(PROMPT))]
+    assert cache.take(PROMPT + [1], namespace="y").tier == "none" and events.takes == []
+    assert cache.take(PROMPT + [1], namespace="x").tier == "ram"
+    assert events.takes == [("x", len(PROMPT))]
 
 
 def test_cold_entry_wins_only_with_a_strictly_longer_prefix(llama, tmp_path):
@@ -256,7 +281,7 @@ def test_demote_idle_spills_frees_and_the_restored_prefix_continues_bit_identica
     cache = PromptCache(
         cold_tier=store,
         clock_s=lambda: now[0],
-        spill_sink=lambda snap: store.store(snap.tokens, snap.caches, snap.namespace),
+        events=RecordingEvents(lambda snap: store.store(snap.tokens, snap.caches, snap.namespace)),
     )
     live, _ = _prefill(llama, PROMPT)
     cache.put(PROMPT, _prefill(llama, PROMPT)[0])
