@@ -49,7 +49,7 @@ from typing import Any
 
 import attrs
 
-from kvcellar.actors.durability import RecordKey, token_tuple
+from kvcellar.actors.durability_core import RecordKey, token_tuple
 from kvcellar.errors import UsageError
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.prompt_cache import SpillSnapshot

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar, assert_never
 import attrs
 import trio
 
-from kvcellar.actors.durability import (
+from kvcellar.actors.durability_core import (
     BUSY_REARM_S_DEFAULT,
     DEBOUNCE_S_DEFAULT,
     RETRY_MAX_S_DEFAULT,

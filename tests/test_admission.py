@@ -20,7 +20,7 @@ from kvcellar.actors.admission import (
     Reconsider,
     Taken,
 )
-from kvcellar.actors.durability import RecordKey
+from kvcellar.actors.durability_core import RecordKey
 from kvcellar.errors import UsageError
 from kvcellar.store.write_wear import DAY_NS, WriteBudget
 

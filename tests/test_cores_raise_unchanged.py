@@ -21,11 +21,11 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcellar.actors import checkpoint_writer as ckw
-from kvcellar.actors import durability as dur
+from kvcellar.actors import checkpoint_queue_core as ckw
+from kvcellar.actors import durability_core as dur
 from kvcellar.actors import gateway as gw
 from kvcellar.actors import scheduler as sch
-from kvcellar.actors import spill_queue as spq
+from kvcellar.actors import spill_queue_core as spq
 from kvcellar.actors import ssd_writer as ssw
 from kvcellar.actors.runtime import ArmTimer, TimerFired
 from kvcellar.errors import IllegalTransition

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcellar.actors.durability import (
+from kvcellar.actors.durability_core import (
     OUTCOMES,
     AdmissionGranted,
     AttemptDeferred,

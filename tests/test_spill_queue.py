@@ -16,29 +16,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcellar.actors.runtime import JournalEvent
-from kvcellar.actors.spill_queue import (
-    BYTES_MAX_DEFAULT,
-    GIB,
+from kvcellar.actors.spill_queue import BYTES_MAX_DEFAULT, GIB, SpillQueue, bytes_max_from_env
+from kvcellar.actors.spill_queue_core import (
     KINDS,
     AwaitIdle,
     Dispatch,
     Enqueue,
+    QueueState,
     Release,
     Settled,
     Shutdown,
-    SpillDispatched,
-    SpillDropped,
-    SpillEnqueued,
-    SpillQueue,
     SpillQueueCore,
-    SpillSettled,
-    SpillState,
     Wake,
     WriteResult,
-    bytes_max_from_env,
 )
 from kvcellar.errors import IllegalTransition, UsageError
 from kvcellar.serialization import from_cbor, to_cbor
+from kvcellar.store.actor_events import SpillDispatched, SpillDropped, SpillEnqueued, SpillSettled
 from kvcellar.store.events import EVENT_TYPES
 from kvcellar.store.prompt_cache import SpillSnapshot
 
@@ -176,7 +170,7 @@ class SpillQueueRules(RuleBasedStateMachine):
         self.closed = True
         assert set(self._check(effects)) == self.waiting
         self.waiting.clear()
-        assert self.core.state is SpillState.CLOSED
+        assert self.core.state is QueueState.CLOSED
 
     @invariant()
     def at_most_one_in_flight_and_counters_agree(self) -> None:
@@ -193,7 +187,7 @@ class SpillQueueRules(RuleBasedStateMachine):
         )
         assert stats["enqueued"] == stats["stored"] + stats["failed"] + stats["dropped"] + stats["pending"]
         assert self.released == set(self.settled)
-        assert (self.core.state is SpillState.WRITING) == (self.in_flight is not None)
+        assert (self.core.state is QueueState.BUSY) == (self.in_flight is not None)
         assert self.dispatched == sorted(self.dispatched), "dispatch order is not FIFO"
 
     def teardown(self) -> None:
@@ -219,7 +213,7 @@ def test_write_result_when_idle_names_the_state() -> None:
 def test_enqueue_of_an_id_already_held_is_illegal() -> None:
     core = SpillQueueCore(100)
     core.handle(Enqueue(item_id=1, bytes=10, kind="evict"), 0.0)
-    with pytest.raises(IllegalTransition, match="WRITING"):
+    with pytest.raises(IllegalTransition, match="BUSY"):
         core.handle(Enqueue(item_id=1, bytes=10, kind="evict"), 0.0)
 
 
