@@ -51,7 +51,8 @@ import attrs
 import trio
 
 # StopAdmission, AwaitDrained, Rejected and Drained mean for the Scheduler what they mean for the Gateway.
-from kvcellar.actors.gateway import LANE_BATCH, AwaitDrained, Drained, Gateway, Rejected, StopAdmission
+from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.gateway_core import LANE_BATCH, AwaitDrained, Drained, Rejected, StopAdmission
 from kvcellar.actors.runtime import ActorShell, Journal, JournalEvent, Reply
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.checkpointing import Checkpointing
