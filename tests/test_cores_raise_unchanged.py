@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvcellar.actors import checkpoint_queue_core as ckw
 from kvcellar.actors import durability_core as dur
 from kvcellar.actors import gateway_core as gw
-from kvcellar.actors import scheduler as sch
+from kvcellar.actors import scheduler_core as sch
 from kvcellar.actors import spill_queue_core as spq
 from kvcellar.actors import ssd_writer as ssw
 from kvcellar.actors.runtime import ArmTimer, TimerFired
