@@ -8,171 +8,36 @@ the store indexes the entry and supersedes or evicts. The outcome is
 failed fsync is never retried on the same file: a later attempt writes a new
 one.
 
-The core tracks the write's progress (IDLE → WRITING(i) → COMMITTING → IDLE);
-the shell performs each step.
+The core (`actors/ssd_writer_core.py`) tracks the write's progress (IDLE →
+WRITING(i) → COMMITTING → IDLE); the shell performs each step.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, assert_never
 
-import attrs
 import trio
 
-from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
-from kvcellar.errors import DiskError, IllegalTransition
-from kvcellar.store.actor_events import WriteStarted
+from kvcellar.actors.runtime import ActorShell, Reply
+from kvcellar.actors.ssd_writer_core import (
+    Commit,
+    Committed,
+    Report,
+    SsdWriterCore,
+    SsdWriterMessage,
+    TensorWritten,
+    Write,
+    WriteFailed,
+    WriteTensor,
+)
+from kvcellar.errors import DiskError
 from kvcellar.store.prompt_cache import SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.ssd import PendingStore, SsdStore
 
 log = logging.getLogger("kvcellar.ssd_writer")
-
-
-@attrs.frozen(kw_only=True)
-class Write:
-    write_id: int
-    tensor_count: int
-    token_count: int
-    namespace: str
-
-
-@attrs.frozen(kw_only=True)
-class TensorWritten:
-    write_id: int
-    index: int
-
-
-@attrs.frozen(kw_only=True)
-class Committed:
-    write_id: int
-
-
-@attrs.frozen(kw_only=True)
-class WriteFailed:
-    write_id: int
-    reason: str
-
-
-@attrs.frozen(kw_only=True)
-class WriteTensor:
-    write_id: int
-    index: int
-
-
-@attrs.frozen(kw_only=True)
-class Commit:
-    write_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Report:
-    write_id: int
-    outcome: str
-
-
-SsdWriterMessage = Write | TensorWritten | Committed | WriteFailed
-SsdWriterEffect = WriteTensor | Commit | Report | JournalEvent
-
-
-class WriterState(enum.Enum):
-    IDLE = "idle"
-    WRITING = "writing"
-    COMMITTING = "committing"
-
-
-# Which messages each state takes, and the legal state changes: the one place
-# where the writer's transitions are decided.
-_ACCEPTS: dict[type, frozenset[WriterState]] = {
-    Write: frozenset({WriterState.IDLE}),
-    TensorWritten: frozenset({WriterState.WRITING}),
-    Committed: frozenset({WriterState.COMMITTING}),
-    WriteFailed: frozenset({WriterState.WRITING, WriterState.COMMITTING}),
-}
-_MOVES = {
-    WriterState.IDLE: {WriterState.WRITING},
-    WriterState.WRITING: {WriterState.WRITING, WriterState.COMMITTING, WriterState.IDLE},
-    WriterState.COMMITTING: {WriterState.IDLE},
-}
-
-
-class SsdWriterCore:
-    """Sans-IO progress of one write at a time.
-
-    `handle` raises `IllegalTransition` for a message its state does not
-    take, one for another write than the current one, and a `TensorWritten`
-    out of order: protocol bugs in the shell (kvcellar's fault). The core is
-    unchanged when it raises."""
-
-    def __init__(self) -> None:
-        self.state = WriterState.IDLE
-        self.write_id: int | None = None
-        self.tensor_count = 0
-        self.next_index = 0
-
-    def handle(self, msg: SsdWriterMessage, now: float) -> list[SsdWriterEffect]:
-        accepted = _ACCEPTS.get(type(msg))
-        if accepted is None or self.state not in accepted:
-            raise IllegalTransition(f"ssd writer in state {self.state.value} got {type(msg).__name__}")
-        match msg:
-            case Write():
-                return self._on_write(msg)
-            case TensorWritten():
-                self._check_current(msg)
-                if msg.index != self.next_index:
-                    raise IllegalTransition(
-                        f"ssd writer in state {self.state.value} got tensor {msg.index} "
-                        f"of write {msg.write_id}, expecting tensor {self.next_index}"
-                    )
-                self.next_index += 1
-                return self._advance(msg.write_id)
-            case Committed():
-                self._check_current(msg)
-                return self._finish(msg.write_id, "stored")
-            case WriteFailed():
-                self._check_current(msg)
-                return self._finish(msg.write_id, "failed")
-            case _:
-                assert_never(msg)
-
-    def _on_write(self, msg: Write) -> list[SsdWriterEffect]:
-        self._move(WriterState.WRITING)
-        self.write_id, self.tensor_count, self.next_index = msg.write_id, msg.tensor_count, 0
-        started = JournalEvent(
-            event=WriteStarted(
-                write_id=msg.write_id,
-                namespace=msg.namespace,
-                token_count=msg.token_count,
-                tensor_count=msg.tensor_count,
-            )
-        )
-        return [started, *self._advance(msg.write_id)]
-
-    def _check_current(self, msg: TensorWritten | Committed | WriteFailed) -> None:
-        if msg.write_id != self.write_id:
-            raise IllegalTransition(
-                f"ssd writer in state {self.state.value} got {type(msg).__name__} "
-                f"for write {msg.write_id}, not the current write {self.write_id}"
-            )
-
-    def _move(self, to: WriterState) -> None:
-        if to not in _MOVES[self.state]:
-            raise IllegalTransition(f"ssd writer cannot move from state {self.state.value} to {to.value}")
-        self.state = to
-
-    def _advance(self, write_id: int) -> list[SsdWriterEffect]:
-        if self.next_index < self.tensor_count:
-            return [WriteTensor(write_id=write_id, index=self.next_index)]
-        self._move(WriterState.COMMITTING)
-        return [Commit(write_id=write_id)]
-
-    def _finish(self, write_id: int, outcome: str) -> list[SsdWriterEffect]:
-        self._move(WriterState.IDLE)
-        self.write_id = None
-        return [Report(write_id=write_id, outcome=outcome)]
 
 
 RunWhenIdle = Callable[[Callable[[Any], Any]], Awaitable[Any]]

@@ -26,7 +26,7 @@ from kvcellar.actors import durability_core as dur
 from kvcellar.actors import gateway_core as gw
 from kvcellar.actors import scheduler_core as sch
 from kvcellar.actors import spill_queue_core as spq
-from kvcellar.actors import ssd_writer as ssw
+from kvcellar.actors import ssd_writer_core as ssw
 from kvcellar.actors.runtime import ArmTimer, TimerFired
 from kvcellar.errors import IllegalTransition
 
