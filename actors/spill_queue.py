@@ -23,7 +23,7 @@ import math
 import os
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
-from typing import assert_never
+from typing import Protocol, assert_never
 
 import trio
 
@@ -69,6 +69,18 @@ def bytes_max_from_env(environ: Mapping[str, str] = os.environ) -> int:
 
 
 Writer = Callable[[SpillSnapshot], Awaitable[str]]
+# What `submit` answers for a snapshot admission refused (never queued, never counted).
+REFUSED = "refused"
+
+
+class SpillAdmission(Protocol):
+    """SSD write admission as the spill queue's entrance sees it (`AdmissionGate`)."""
+
+    def admits(self, snapshot: SpillSnapshot, *, forced: bool, covered: bool = False) -> bool: ...
+
+
+def _never_covered() -> bool:
+    return False
 
 
 class SpillQueue:
@@ -80,13 +92,24 @@ class SpillQueue:
     `write(snapshot)` is the SSD writer: it returns "stored" or "failed"; if it
     raises (or returns anything else) the item is "failed" and the error is
     logged. Call the methods from the Trio thread only.
+
+    `submit` and `submit_nowait` are the one way in, for spills leaving RAM
+    and write-behind snapshots alike, and `admission` (SSD write admission;
+    None admits everything without looking) is asked once there.
     """
 
     def __init__(
-        self, write: Writer, *, bytes_max: int | None = None, journal: Journal | None = None, name: str = "spill_queue"
+        self,
+        write: Writer,
+        *,
+        bytes_max: int | None = None,
+        journal: Journal | None = None,
+        name: str = "spill_queue",
+        admission: SpillAdmission | None = None,
     ) -> None:
         self.core = SpillQueueCore(bytes_max_from_env() if bytes_max is None else bytes_max)
         self._write = write
+        self._admission = admission
         self._shell = ActorShell(name, self.core, self._perform, journal=journal)
         self._snapshots: dict[int, SpillSnapshot] = {}
         # Each submitter's outcome, by item id, and each `wait_idle` caller's wake-up, by waiter id.
@@ -114,20 +137,36 @@ class SpillQueue:
         self._closed = True
         self._shell.cancel()
 
-    def submit_nowait(self, snapshot: SpillSnapshot) -> int:
-        """Hand a snapshot over without waiting; returns its item id. Raises
-        `UsageError` (the caller's fault) only before taking ownership, for a
-        snapshot whose `reason` is not a spill kind or whose `bytes` < 0;
-        once accepted it never raises."""
+    def submit_nowait(
+        self, snapshot: SpillSnapshot, *, forced: bool = False, covered: Callable[[], bool] = _never_covered
+    ) -> int | None:
+        """Hand a snapshot over without waiting; returns its item id, or None
+        when admission refused it (it leaves unwritten with this frame).
+        `forced`: a flush's write, always admitted; `covered()`, asked only
+        when admission looks, says whether the SSD tier already serves it.
+        Raises `UsageError` (the caller's fault) only before taking
+        ownership, for a snapshot whose `reason` is not a spill kind or whose
+        `bytes` < 0; once accepted it never raises."""
+        if not self._admits(snapshot, forced=forced, covered=covered):
+            return None
         item_id, _ = self._accept(snapshot)
         return item_id
 
-    async def submit(self, snapshot: SpillSnapshot) -> str:
+    async def submit(self, snapshot: SpillSnapshot, *, forced: bool = False) -> str:
         """Hand a snapshot over and wait for its outcome: "stored", "dropped"
-        or "failed". Cancelling the wait does not withdraw the snapshot."""
+        or "failed"; `REFUSED` at once when admission refused it. Cancelling
+        the wait does not withdraw the snapshot."""
+        if not self._admits(snapshot, forced=forced, covered=_never_covered):
+            return REFUSED
         _, settled = self._accept(snapshot)
         del snapshot  # a waiting submitter must not pin the snapshot past its Release
         return await settled.wait()
+
+    def _admits(self, snapshot: SpillSnapshot, *, forced: bool, covered: Callable[[], bool]) -> bool:
+        """The entrance's one admission check."""
+        if self._admission is None:
+            return True
+        return self._admission.admits(snapshot, forced=forced, covered=covered())
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (at once when stopped)."""

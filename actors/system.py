@@ -705,21 +705,22 @@ async def _start_ssd_tier(
     if wear is not None and wear.budgeted:
         system.budgeted_writes = BudgetedWrites(wear, dropped_spills=lambda: queue.stats()["dropped"])
     write = system.budgeted_writes.wrap(writer.write) if system.budgeted_writes is not None else writer.write
-    queue = SpillQueue(write, bytes_max=queue_bytes, journal=store.journal)
+    admission = system.admission = admission_gate(config)
+    queue = SpillQueue(write, bytes_max=queue_bytes, journal=store.journal, admission=admission)
     await nursery.start(queue.run)
     system.queue = queue
     if system.memory_guard is not None:
         give_guard_the_ssd_tier(system.memory_guard, store, queue, tokenizer_hash)
-    admission = system.admission = admission_gate(config)
 
     def submit(snapshot: SpillSnapshot) -> None:
         # Runs inside run_sync_soon, where an exception would end the whole Trio run.
+        # Refused by admission, the snapshot's views go with this frame: it leaves RAM unwritten.
         try:
-            if admission is not None and not admission.admits_spill(
-                snapshot, forced=system.flushing, covered=store.covers(snapshot.tokens, snapshot.namespace)
-            ):
-                return  # the snapshot's views go with this frame: it leaves RAM unwritten
-            queue.submit_nowait(snapshot)
+            queue.submit_nowait(
+                snapshot,
+                forced=system.flushing,
+                covered=lambda: store.covers(snapshot.tokens, snapshot.namespace),
+            )
         except Exception as e:
             log.warning("spill of %d tokens refused: %s", len(snapshot.tokens), e)
 

@@ -230,8 +230,8 @@ class DurabilityPorts:
     def covers(self, tokens: Any, namespace: str) -> bool:
         return self._store.covers(tokens, namespace)
 
-    async def submit(self, snapshot: SpillSnapshot) -> str:
-        return await self._queue.submit(snapshot)
+    async def submit(self, snapshot: SpillSnapshot, *, forced: bool) -> str:
+        return await self._queue.submit(snapshot, forced=forced)
 
     async def wait_queue_idle(self) -> None:
         await self._queue.wait_idle()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcellar.actors.admission import (
+from kvcellar.actors.admission_core import (
     GB,
     LEAVING_RAM_KINDS,
     AdmissionCore,
