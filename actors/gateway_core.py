@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 
 from kvcellar.actors.effects import JournalEvent
-from kvcellar.actors.transitions import TransitionTable, rows
+from kvcellar.actors.transitions import Handler, TransitionTable, rows
 from kvcellar.errors import IllegalTransition
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 
@@ -262,7 +262,7 @@ class GatewayCore:
 # at once), so every other message leaves a held lane as it was.
 _EVERY_LANE = frozenset(Lane)
 _HELD = [Lane.GENERATING, Lane.BATCHING, Lane.BACKGROUND]
-_ANYTIME = {
+_ANYTIME: dict[type, Handler] = {
     Generate: GatewayCore._on_generate,
     RunWhenIdle: GatewayCore._on_run_when_idle,
     OtherLaneIdle: GatewayCore._on_other_lane_idle,

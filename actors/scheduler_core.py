@@ -26,7 +26,7 @@ from kvcellar.actors.effects import JournalEvent
 
 # StopAdmission, AwaitDrained, Rejected and Drained mean for the Scheduler what they mean for the Gateway.
 from kvcellar.actors.gateway_core import AwaitDrained, Drained, Rejected, StopAdmission
-from kvcellar.actors.transitions import TransitionTable, rows
+from kvcellar.actors.transitions import Handler, TransitionTable, rows
 from kvcellar.errors import IllegalTransition, UsageError
 from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
 
@@ -318,7 +318,7 @@ class SchedulerCore:
 # core in, the handler). Rows finish only while RUNNING; a batch ends while
 # RUNNING (the job failed) or ENDING, and waiting work starts the next at once.
 _S = BatchState
-_ANYTIME = {
+_ANYTIME: dict[type, Handler] = {
     Submit: SchedulerCore._on_submit,
     Cancel: SchedulerCore._on_cancel,
     StopAdmission: SchedulerCore._on_stop_admission,
