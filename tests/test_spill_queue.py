@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcellar.actors.runtime import JournalEvent
-from kvcellar.actors.spill_queue import BYTES_MAX_DEFAULT, GIB, SpillQueue, bytes_max_from_env
+from kvcellar.actors.spill_queue import BYTES_MAX_DEFAULT, GIB, REFUSED, SpillQueue, bytes_max_from_env
 from kvcellar.actors.spill_queue_core import (
     KINDS,
     AwaitIdle,
@@ -490,3 +490,52 @@ def test_the_shell_journals_each_step_of_an_item() -> None:
 
     run_with_mock_clock(main)
     assert journal.kinds == [("spill", "spill.enqueued"), ("spill", "spill.dispatched"), ("spill", "spill.settled")]
+
+
+def test_the_one_entrance_asks_admission_once_per_snapshot_and_refused_ones_never_enter() -> None:
+    class Admission:
+        def __init__(self) -> None:
+            self.asked: list[tuple[tuple[int, ...], bool, bool]] = []
+
+        def admits(self, snapshot: SpillSnapshot, *, forced: bool, covered: bool = False) -> bool:
+            self.asked.append((snapshot.tokens, forced, covered))
+            return forced
+
+    admission, writer, refs = Admission(), FakeWriter(), {}
+    covered_asked: list[str] = []
+
+    def covered() -> bool:
+        covered_asked.append("asked")
+        return True
+
+    async def main() -> None:
+        queue = SpillQueue(writer, bytes_max=10_000, admission=admission)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.run)
+            assert await queue.submit(make_snapshot(10, refs, "a", reason="write-behind")) == REFUSED
+            assert queue.submit_nowait(make_snapshot(10, refs, "b"), covered=covered) is None
+            assert await queue.submit(make_snapshot(10, refs, "c", reason="write-behind"), forced=True) == "stored"
+            assert queue.stats()["enqueued"] == 1 and queue.stats()["held"] == 0
+            nursery.cancel_scope.cancel()
+
+    run_with_mock_clock(main)
+    tokens = {"a": (1,), "b": (2,), "c": (3,)}  # make_snapshot's tokens: the refs made so far
+    assert admission.asked == [(tokens["a"], False, False), (tokens["b"], False, True), (tokens["c"], True, False)]
+    assert covered_asked == ["asked"]
+    assert writer.written == [tokens["c"]]
+    assert refs["a"]() is None and refs["b"]() is None, "a refused snapshot is not held"
+
+
+def test_without_admission_the_entrance_never_asks_whether_a_spill_is_covered() -> None:
+    def covered() -> bool:
+        raise AssertionError("covered() asked without admission")
+
+    async def main() -> None:
+        queue = SpillQueue(FakeWriter(), bytes_max=10_000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.run)
+            assert queue.submit_nowait(make_snapshot(10, {}, "a"), covered=covered) == 1
+            await queue.wait_idle()
+            nursery.cancel_scope.cancel()
+
+    run_with_mock_clock(main)
