@@ -172,7 +172,7 @@ class AdmissionCore:
         self.keys_max = keys_max
         self.counters = AdmissionCounters()
         self.prefill_tokens_per_s: float | None = None
-        self._ids = (f"k{n}" for n in itertools.count(1))
+        self._ids = itertools.count(1)
         # Hit counts by key, least recently seen first, and each key's id in its namespace's index.
         self._hits: OrderedDict[RecordKey, int] = OrderedDict()
         self._key_ids: dict[RecordKey, str] = {}
@@ -231,7 +231,7 @@ class AdmissionCore:
             self._hits[key] = hits
             return
         if key.tokens:
-            key_id = next(self._ids)
+            key_id = f"k{next(self._ids)}"
             self._indexes.setdefault(key.namespace, PrefixIndex()).add(
                 key_id, key.tokens, trimmable=True, minimum_reusable_offset=0
             )
