@@ -18,263 +18,41 @@ queues a removal behind anything in flight, so an in-flight write of that
 attempt is renamed before its file is removed, and a removal never erases a
 newer attempt (`CheckpointStore.remove`). Removals are never dropped.
 
-`CheckpointQueueCore` is the sans-IO core; `CheckpointWriter` its Trio shell.
+`CheckpointQueueCore` (`actors/checkpoint_queue_core.py`: the one queue core
+with the checkpoint policy) is the sans-IO core; `CheckpointWriter` its Trio
+shell.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, assert_never
 
-import attrs
 import trio
 
-from kvcellar.actors.one_in_flight import OneInFlight
-from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
-from kvcellar.errors import DiskError, IllegalTransition
-from kvcellar.store.actor_events import CheckpointNotWritten
+from kvcellar.actors.checkpoint_queue_core import (
+    AwaitIdle,
+    CheckpointMessage,
+    CheckpointQueueCore,
+    Enqueue,
+    Invalidate,
+    OpDone,
+    Release,
+    RemoveCheckpoint,
+    Shutdown,
+    Wake,
+    WriteCheckpoint,
+)
+from kvcellar.actors.runtime import ActorShell, Reply
+from kvcellar.errors import DiskError
 from kvcellar.store.checkpoints import CheckpointSnapshot, CheckpointStore
 
 log = logging.getLogger("kvcellar.checkpoint_writer")
 
 # The share of the spill queue's byte budget checkpoints get when they are on.
 SPILL_QUEUE_SHARE = 0.25
-
-
-# -- messages ---------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class Enqueue:
-    op_id: int
-    request_key: str
-    attempt: int
-    emitted_tokens: int
-    bytes: int = attrs.field(validator=attrs.validators.ge(0))
-
-
-@attrs.frozen(kw_only=True)
-class Invalidate:
-    op_id: int
-    request_key: str
-    attempt: int
-
-
-OP_OUTCOMES = ("stored", "stale", "failed", "removed")
-
-
-@attrs.frozen(kw_only=True)
-class OpDone:
-    """`outcome`: stored, stale (its attempt completed meanwhile), failed, removed."""
-
-    op_id: int
-    outcome: str = attrs.field(validator=attrs.validators.in_(OP_OUTCOMES))
-    detail: str = ""
-
-
-@attrs.frozen(kw_only=True)
-class AwaitIdle:
-    waiter_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Shutdown:
-    pass
-
-
-CheckpointMessage = Enqueue | Invalidate | OpDone | AwaitIdle | Shutdown
-
-# -- effects ----------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class WriteCheckpoint:
-    op_id: int
-
-
-@attrs.frozen(kw_only=True)
-class RemoveCheckpoint:
-    op_id: int
-    request_key: str
-    attempt: int
-
-
-@attrs.frozen(kw_only=True)
-class Release:
-    """Drop every reference to this snapshot now."""
-
-    op_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Wake:
-    waiter_id: int
-
-
-CheckpointEffect = WriteCheckpoint | RemoveCheckpoint | Release | Wake | JournalEvent
-
-
-class QueueState(enum.Enum):
-    IDLE = "idle"
-    BUSY = "busy"
-    CLOSED = "closed"
-
-
-_ANY = frozenset(QueueState)
-_ACCEPTS = {
-    Enqueue: _ANY,
-    Invalidate: _ANY,
-    OpDone: frozenset({QueueState.BUSY}),
-    AwaitIdle: _ANY,
-    Shutdown: _ANY,
-}
-_MOVES = {
-    QueueState.IDLE: {QueueState.BUSY, QueueState.CLOSED},
-    QueueState.BUSY: {QueueState.BUSY, QueueState.IDLE, QueueState.CLOSED},
-    QueueState.CLOSED: {QueueState.CLOSED},
-}
-
-
-class CheckpointQueueCore:
-    """A FIFO of writes and removals, one in flight (see the module doc)."""
-
-    def __init__(self, bytes_max: int) -> None:
-        self.bytes_max = bytes_max
-        self.state = QueueState.IDLE
-        self._ops: OneInFlight[Enqueue | Invalidate] = OneInFlight(lambda op: op.op_id)
-        self.counts: Counter[str] = Counter()
-
-    def handle(self, msg: CheckpointMessage, now: float) -> list[CheckpointEffect]:
-        accepted = _ACCEPTS.get(type(msg))
-        if accepted is None or self.state not in accepted:
-            raise IllegalTransition(f"the checkpoint queue cannot take {type(msg).__name__} in state {self.state.name}")
-        if isinstance(msg, Enqueue | Invalidate) and self._ops.holds(msg.op_id):
-            raise IllegalTransition(f"operation {msg.op_id} is already held by the checkpoint queue")
-        match msg:
-            case Enqueue():
-                return self._on_enqueue(msg)
-            case Invalidate():
-                return self._on_invalidate(msg)
-            case OpDone():
-                return self._on_done(msg)
-            case AwaitIdle():
-                if self.state is QueueState.BUSY:
-                    self._ops.add_waiter(msg.waiter_id)
-                    return []
-                return [Wake(waiter_id=msg.waiter_id)]
-            case Shutdown():
-                return self._on_shutdown()
-            case _:
-                assert_never(msg)
-
-    def stats(self) -> dict[str, int]:
-        writes = [op for op in self._ops.queued() if isinstance(op, Enqueue)]
-        in_flight = self._ops.in_flight if isinstance(self._ops.in_flight, Enqueue) else None
-        pending = writes + ([in_flight] if in_flight is not None else [])
-        return {
-            "pending": len(pending),
-            "pending_bytes": sum(op.bytes for op in pending),
-            "pending_removals": sum(isinstance(op, Invalidate) for op in (*self._ops.queued(), self._ops.in_flight)),
-            "queue_bytes_max": self.bytes_max,
-            **{name: self.counts[name] for name in ("enqueued", "stored", "stale", "failed", "dropped", "removals")},
-        }
-
-    def _move(self, to: QueueState) -> None:
-        if to not in _MOVES[self.state]:
-            raise IllegalTransition(f"the checkpoint queue cannot move from {self.state.name} to {to.name}")
-        self.state = to
-
-    def _on_enqueue(self, msg: Enqueue) -> list[CheckpointEffect]:
-        self.counts["enqueued"] += 1
-        if self.state is QueueState.CLOSED:
-            return self._drop(msg, "shutdown")
-        effects: list[CheckpointEffect] = []
-        for op in [op for op in self._ops.queued() if isinstance(op, Enqueue)]:
-            if op.request_key == msg.request_key and op.attempt <= msg.attempt:
-                self._ops.remove(op)
-                effects += self._drop(op, "superseded")
-        self._ops.append(msg)
-        while self._write_bytes() > self.bytes_max:
-            oldest = next((op for op in self._ops.queued() if isinstance(op, Enqueue) and op is not msg), None)
-            if oldest is None:
-                break
-            self._ops.remove(oldest)
-            effects += self._drop(oldest, "byte_cap")
-        return effects + self._dispatch_if_idle()
-
-    def _on_invalidate(self, msg: Invalidate) -> list[CheckpointEffect]:
-        if self.state is QueueState.CLOSED:
-            return []
-        effects: list[CheckpointEffect] = []
-        for op in [op for op in self._ops.queued() if isinstance(op, Enqueue)]:
-            if op.request_key == msg.request_key and op.attempt <= msg.attempt:
-                self._ops.remove(op)
-                effects += self._drop(op, "invalidated")
-        self._ops.append(msg)
-        return effects + self._dispatch_if_idle()
-
-    def _on_done(self, msg: OpDone) -> list[CheckpointEffect]:
-        op = self._ops.finish(msg.op_id)
-        if op is None:
-            raise IllegalTransition(f"OpDone for {msg.op_id}, which is not in flight (state {self.state.name})")
-        effects: list[CheckpointEffect] = []
-        if isinstance(op, Enqueue):
-            effects.append(Release(op_id=op.op_id))
-            if msg.outcome == "failed":
-                effects += self._not_written(op, "failed", msg.detail)
-            self.counts[msg.outcome] += 1
-        else:
-            self.counts["removals"] += 1
-        if self._ops:
-            return effects + self._dispatch_next()
-        self._move(QueueState.IDLE)
-        return effects + self._wake_all()
-
-    def _on_shutdown(self) -> list[CheckpointEffect]:
-        effects: list[CheckpointEffect] = []
-        in_flight = self._ops.take_in_flight()
-        if isinstance(in_flight, Enqueue):
-            effects += self._drop(in_flight, "shutdown")
-        for op in self._ops.clear():
-            if isinstance(op, Enqueue):
-                effects += self._drop(op, "shutdown")
-        self._move(QueueState.CLOSED)
-        return effects + self._wake_all()
-
-    def _dispatch_if_idle(self) -> list[CheckpointEffect]:
-        return self._dispatch_next() if self.state is QueueState.IDLE and self._ops else []
-
-    def _dispatch_next(self) -> list[CheckpointEffect]:
-        op = self._ops.start_oldest()
-        self._move(QueueState.BUSY)
-        if isinstance(op, Enqueue):
-            return [WriteCheckpoint(op_id=op.op_id)]
-        return [RemoveCheckpoint(op_id=op.op_id, request_key=op.request_key, attempt=op.attempt)]
-
-    def _drop(self, op: Enqueue, reason: str) -> list[CheckpointEffect]:
-        self.counts["dropped"] += 1
-        return [Release(op_id=op.op_id), *self._not_written(op, reason)]
-
-    def _not_written(self, op: Enqueue, reason: str, detail: str = "") -> list[CheckpointEffect]:
-        event = CheckpointNotWritten(
-            request_key=op.request_key,
-            attempt=op.attempt,
-            emitted_tokens=op.emitted_tokens,
-            reason=reason,
-            detail=detail,
-        )
-        return [JournalEvent(event=event)]
-
-    def _write_bytes(self) -> int:
-        queued = sum(op.bytes for op in self._ops.queued() if isinstance(op, Enqueue))
-        return queued + (self._ops.in_flight.bytes if isinstance(self._ops.in_flight, Enqueue) else 0)
-
-    def _wake_all(self) -> list[CheckpointEffect]:
-        return [Wake(waiter_id=w) for w in self._ops.take_waiters()]
 
 
 RunBlocking = Callable[..., Awaitable[Any]]

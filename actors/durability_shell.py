@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar, assert_never
 import attrs
 import trio
 
-from kvcellar.actors.durability import (
+from kvcellar.actors.durability_core import (
     BUSY_REARM_S_DEFAULT,
     DEBOUNCE_S_DEFAULT,
     RETRY_MAX_S_DEFAULT,
@@ -44,6 +44,7 @@ from kvcellar.actors.durability import (
     StartAttempt,
 )
 from kvcellar.actors.runtime import ActorShell, Journal, Reply
+from kvcellar.actors.spill_queue import REFUSED
 from kvcellar.store.prompt_cache import SpillSnapshot
 
 log = logging.getLogger("kvcellar.actors.durability")
@@ -68,8 +69,10 @@ class DurabilityPorts(Protocol):
         """Whether a committed SSD entry serves all of `tokens` (cheap, no I/O)."""
         ...
 
-    async def submit(self, snapshot: SpillSnapshot) -> str:
-        """Hand a snapshot to the spill queue; "stored", "dropped" or "failed" once settled."""
+    async def submit(self, snapshot: SpillSnapshot, *, forced: bool) -> str:
+        """Hand a snapshot to the spill queue's one entrance (`SpillQueue.submit`):
+        "stored", "dropped" or "failed" once settled, `REFUSED` at once when SSD
+        admission refused it (never for a `forced` one, a flush's)."""
         ...
 
     async def wait_queue_idle(self) -> None: ...
@@ -77,11 +80,8 @@ class DurabilityPorts(Protocol):
 
 class AdmissionPort(Protocol):
     """SSD write admission as the coordinator sees it (`actors/admission.py`;
-    Trio thread only). Without one every snapshot is written."""
-
-    def admits(self, snapshot: SpillSnapshot) -> bool:
-        """Whether a timed attempt may write `snapshot` (a refusal is remembered as held)."""
-        ...
+    Trio thread only). Its decisions are the spill queue's entrance's; the
+    coordinator only asks what became of a spill."""
 
     def was_skipped(self, key: RecordKey) -> bool:
         """Whether `key` left RAM unwritten because admission refused its spill."""
@@ -255,14 +255,14 @@ class DurabilityCoordinator:
             return "failed"
         if isinstance(found, str):
             return self._why_missing(key) if found == "missing" else found
-        if not forced and self._admission is not None and not self._admission.admits(found):
-            # Held back: the snapshot's views go now; a flush forces the record.
-            return "held"
         try:
-            outcome = await ports.submit(found)
+            outcome = await ports.submit(found, forced=forced)
         except Exception:
             log.exception("submitting a snapshot of %d tokens failed", len(tokens))
             return "failed"
+        if outcome == REFUSED and not forced:
+            # Held back by admission: the snapshot's views went with the refusal; a flush forces the record.
+            return "held"
         if outcome not in SUBMIT_OUTCOMES:
             log.error("spill queue answered %r; counted as failed", outcome)
             return "failed"

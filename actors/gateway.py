@@ -31,276 +31,34 @@ next request runs and a shutdown's drain never waits on such an orphan.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, assert_never
 
-import attrs
 import outcome
 import trio
 
-from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
+from kvcellar.actors.gateway_core import (
+    LANE_SERIAL,
+    AwaitDrained,
+    Drained,
+    GatewayCore,
+    Generate,
+    GenerationFinished,
+    OtherLaneIdle,
+    Rejected,
+    RunStep,
+    RunWhenIdle,
+    StartGeneration,
+    StepFinished,
+    StopAdmission,
+    Withdraw,
+)
+from kvcellar.actors.runtime import ActorShell, Reply
 from kvcellar.engine.engine import EngineThread
 from kvcellar.engine.generation import GenerationDone, TokenDelta
-from kvcellar.errors import AdmissionClosed, IllegalTransition
-from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
-
-# -- messages -------------------------------------------------------------------
-
-
-LANE_SERIAL = "serial"
-LANE_BATCH = "batch"
-
-
-@attrs.frozen(kw_only=True)
-class Generate:
-    request_id: int
-    prompt_tokens: int
-    lane: str = LANE_SERIAL
-
-
-@attrs.frozen(kw_only=True)
-class GenerationFinished:
-    request_id: int
-    completion_tokens: int
-    outcome: str
-
-
-@attrs.frozen(kw_only=True)
-class Withdraw:
-    """The caller of `Generate` stopped waiting for its decision (its client
-    left): take the request off the queue, or release the lane it was given.
-    A no-op for a request the gateway no longer holds (rejected, finished)."""
-
-    request_id: int
-
-
-@attrs.frozen(kw_only=True)
-class RunWhenIdle:
-    step_id: int
-
-
-@attrs.frozen(kw_only=True)
-class StepFinished:
-    step_id: int
-
-
-@attrs.frozen(kw_only=True)
-class OtherLaneIdle:
-    """Another lane (the Scheduler) has no row active or waiting any more: the
-    steps held back for its rows may run."""
-
-
-@attrs.frozen(kw_only=True)
-class StopAdmission:
-    pass
-
-
-@attrs.frozen(kw_only=True)
-class AwaitDrained:
-    waiter_id: int
-
-
-GatewayMessage = (
-    Generate | GenerationFinished | Withdraw | RunWhenIdle | StepFinished | OtherLaneIdle | StopAdmission | AwaitDrained
-)
-
-# -- effects --------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class StartGeneration:
-    request_id: int
-
-
-@attrs.frozen(kw_only=True)
-class RunStep:
-    step_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Rejected:
-    request_id: int
-    reason: str
-
-
-@attrs.frozen(kw_only=True)
-class Drained:
-    waiter_id: int
-
-
-GatewayEffect = StartGeneration | RunStep | Rejected | Drained | JournalEvent
-
-# -- core -----------------------------------------------------------------------
-
-
-class Lane(enum.Enum):
-    IDLE = "idle"
-    GENERATING = "generating"
-    BATCHING = "batching"
-    BACKGROUND = "background"
-
-
-_HOLDER_LANES = {LANE_SERIAL: Lane.GENERATING, LANE_BATCH: Lane.BATCHING}
-
-# Which messages each lane state takes, and the legal state changes: the one
-# place where the gateway's transitions are decided.
-_ANY_LANE = frozenset(Lane)
-_ACCEPTS: dict[type, frozenset[Lane]] = {
-    Generate: _ANY_LANE,
-    RunWhenIdle: _ANY_LANE,
-    OtherLaneIdle: _ANY_LANE,
-    StopAdmission: _ANY_LANE,
-    AwaitDrained: _ANY_LANE,
-    GenerationFinished: frozenset({Lane.GENERATING, Lane.BATCHING}),
-    Withdraw: _ANY_LANE,
-    StepFinished: frozenset({Lane.BACKGROUND}),
-}
-_MOVES = {
-    Lane.IDLE: {Lane.GENERATING, Lane.BATCHING, Lane.BACKGROUND},
-    Lane.GENERATING: {Lane.IDLE},
-    Lane.BATCHING: {Lane.IDLE},
-    Lane.BACKGROUND: {Lane.IDLE},
-}
-
-
-class GatewayCore:
-    """Sans-IO lane scheduler. Admission is open until `StopAdmission`.
-
-    `other_lane_busy` says whether another lane holds rows this lane has not
-    seen yet: the Scheduler's, from their admission until their batch job
-    queues here, and while one waits for the next batch as the last one ends.
-    A step waits for those as for a waiting request; `OtherLaneIdle` says
-    when to look again.
-
-    `handle` raises `IllegalTransition` for a message its lane state does not
-    take, a `Generate` for an unknown lane or of an id already held, and a
-    `GenerationFinished` or `StepFinished` for what is not running: protocol
-    bugs between the shell and its callers (kvcellar's fault). The core is
-    unchanged when it raises."""
-
-    def __init__(self, other_lane_busy: Callable[[], bool] = lambda: False) -> None:
-        self.other_lane_busy = other_lane_busy
-        self.lane = Lane.IDLE
-        self.admitting = True
-        self.running: int | None = None
-        self.waiting: deque[int] = deque()
-        # The lane each waiting or running holder asked for (LANE_SERIAL or LANE_BATCH).
-        self.holder_lanes: dict[int, str] = {}
-        self.steps: deque[int] = deque()
-        self.drain_waiters: list[int] = []
-
-    @property
-    def busy(self) -> bool:
-        return self.lane in (Lane.GENERATING, Lane.BATCHING) or bool(self.waiting)
-
-    def handle(self, msg: GatewayMessage, now: float) -> list[GatewayEffect]:
-        accepted = _ACCEPTS.get(type(msg))
-        if accepted is None or self.lane not in accepted:
-            raise IllegalTransition(f"gateway in lane state {self.lane.value} got {type(msg).__name__}")
-        effects: list[GatewayEffect]
-        match msg:
-            case Generate():
-                effects = self._on_generate(msg)
-            case GenerationFinished():
-                effects = self._on_generation_finished(msg)
-            case Withdraw():
-                effects = self._on_withdraw(msg)
-            case RunWhenIdle():
-                self.steps.append(msg.step_id)
-                effects = []
-            case StepFinished():
-                self._release(Lane.BACKGROUND, msg.step_id, msg)
-                effects = []
-            case OtherLaneIdle():
-                effects = []  # dispatch below looks at the other lane again
-            case StopAdmission():
-                self.admitting, effects = False, []
-            case AwaitDrained():
-                self.drain_waiters.append(msg.waiter_id)
-                effects = []
-            case _:
-                assert_never(msg)
-        return effects + self._dispatch()
-
-    def _on_generate(self, msg: Generate) -> list[GatewayEffect]:
-        if msg.lane not in _HOLDER_LANES:
-            raise IllegalTransition(f"gateway in lane state {self.lane.value} got Generate for lane {msg.lane!r}")
-        if msg.request_id in self.holder_lanes:
-            raise IllegalTransition(
-                f"gateway in lane state {self.lane.value} got Generate for request "
-                f"{msg.request_id}, which it holds already"
-            )
-        serial = msg.lane == LANE_SERIAL
-        if serial and not self.admitting:
-            return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
-        self.waiting.append(msg.request_id)
-        self.holder_lanes[msg.request_id] = msg.lane
-        if not serial:
-            return []
-        return [JournalEvent(event=RequestAdmitted(request_id=msg.request_id, prompt_tokens=msg.prompt_tokens))]
-
-    def _on_generation_finished(self, msg: GenerationFinished) -> list[GatewayEffect]:
-        holder_lane = self.holder_lanes.get(msg.request_id, LANE_SERIAL)
-        self._release(_HOLDER_LANES[holder_lane], msg.request_id, msg)
-        del self.holder_lanes[msg.request_id]
-        if holder_lane != LANE_SERIAL:
-            return []
-        return [
-            JournalEvent(
-                event=RequestFinished(
-                    request_id=msg.request_id, completion_tokens=msg.completion_tokens, outcome=msg.outcome
-                )
-            )
-        ]
-
-    def _on_withdraw(self, msg: Withdraw) -> list[GatewayEffect]:
-        holder_lane = self.holder_lanes.get(msg.request_id)
-        if holder_lane is None:
-            return []
-        if msg.request_id in self.waiting:
-            self.waiting.remove(msg.request_id)
-        else:
-            # Dispatched as its caller left: it holds the lane, which nobody will use.
-            self._release(_HOLDER_LANES[holder_lane], msg.request_id, msg)
-        del self.holder_lanes[msg.request_id]
-        if holder_lane != LANE_SERIAL:
-            return []
-        finished = RequestFinished(request_id=msg.request_id, completion_tokens=0, outcome="cancelled")
-        return [JournalEvent(event=finished)]
-
-    def _release(self, expected: Lane, ident: int, msg: GatewayMessage) -> None:
-        if self.lane is not expected or self.running != ident:
-            raise IllegalTransition(
-                f"gateway in lane state {self.lane.value} (running {self.running}) got {type(msg).__name__} for {ident}"
-            )
-        self._move(Lane.IDLE)
-        self.running = None
-
-    def _move(self, to: Lane) -> None:
-        if to not in _MOVES[self.lane]:
-            raise IllegalTransition(f"gateway cannot move from lane state {self.lane.value} to {to.value}")
-        self.lane = to
-
-    def _dispatch(self) -> list[GatewayEffect]:
-        effects: list[GatewayEffect] = []
-        if self.lane is Lane.IDLE and self.waiting:
-            running = self.waiting.popleft()
-            self._move(_HOLDER_LANES[self.holder_lanes[running]])
-            self.running = running
-            effects.append(StartGeneration(request_id=running))
-        elif self.lane is Lane.IDLE and self.steps and not self.other_lane_busy():
-            self._move(Lane.BACKGROUND)
-            self.running = self.steps.popleft()
-            effects.append(RunStep(step_id=self.running))
-        if not self.busy and self.drain_waiters:
-            effects.extend(Drained(waiter_id=w) for w in self.drain_waiters)
-            self.drain_waiters.clear()
-        return effects
-
+from kvcellar.errors import AdmissionClosed
 
 # -- shell ----------------------------------------------------------------------
 
@@ -439,7 +197,7 @@ class Gateway:
     def stats(self) -> dict[str, Any]:
         return {
             "busy": self.core.busy,
-            "lane": self.core.lane.value,
+            "lane": self.core.state.value,
             "waiting": len(self.core.waiting),
             "background_waiting": len(self.core.steps),
             "admitting": self.core.admitting,

@@ -34,9 +34,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol
 
-import attrs
 import trio
 
+from kvcellar.actors.effects import ArmTimer, CancelTimer, JournalEvent, TimerFired
 from kvcellar.engine.reply import CrossThreadReply, Reply
 
 __all__ = [
@@ -53,31 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcellar.actors")
-
-
-@attrs.frozen(kw_only=True)
-class ArmTimer:
-    """Send `TimerFired(key)` to this actor after `delay_s` (re-arming replaces)."""
-
-    key: Hashable
-    delay_s: float
-
-
-@attrs.frozen(kw_only=True)
-class CancelTimer:
-    key: Hashable
-
-
-@attrs.frozen(kw_only=True)
-class TimerFired:
-    key: Hashable
-
-
-@attrs.frozen(kw_only=True)
-class JournalEvent:
-    """Append `event` (an attrs event registered in `store.events`) to the journal."""
-
-    event: Any
 
 
 class Core(Protocol):

@@ -37,165 +37,51 @@ job has reported its end, so a job never sees rows after its end-of-batch.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import logging
 import math
 import queue
 import threading
-from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections import Counter
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import attrs
 import trio
 
-# StopAdmission, AwaitDrained, Rejected and Drained mean for the Scheduler what they mean for the Gateway.
-from kvcellar.actors.gateway import LANE_BATCH, AwaitDrained, Drained, Gateway, Rejected, StopAdmission
-from kvcellar.actors.runtime import ActorShell, Journal, JournalEvent, Reply
+from kvcellar.actors.gateway import Gateway
+from kvcellar.actors.gateway_core import LANE_BATCH, AwaitDrained, Drained, Rejected, StopAdmission
+from kvcellar.actors.runtime import ActorShell, Journal, Reply
+from kvcellar.actors.scheduler_core import (
+    KV_BUDGET_BYTES_DEFAULT,
+    ROWS_MAX_DEFAULT,
+    AdmitRow,
+    BatchEnded,
+    Cancel,
+    CancelRow,
+    EndBatch,
+    RowAborted,
+    RowFinished,
+    SchedulerCore,
+    SchedulerMessage,
+    StartBatch,
+    Submit,
+    WentIdle,
+    Withdrawn,
+    padded_kv_bytes,
+    summed_kv_bytes,
+)
 from kvcellar.engine.batch import END_OF_BATCH, BatchLoop, BatchRow, BatchStep, RowDone, RowToken, batch_lane_refusal
 from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import SNAPSHOT_PREFILL_TOKENS_MIN, GenerationDone, GenerationRequest, TokenDelta
 from kvcellar.engine.memory import MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv, blocks_for
-from kvcellar.errors import AdmissionClosed, BatchAborted, IllegalTransition, UsageError
-from kvcellar.store.actor_events import RequestAdmitted, RequestFinished
+from kvcellar.errors import AdmissionClosed, BatchAborted
 from kvcellar.store.prompt_cache import PromptCache
 from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 
 log = logging.getLogger("kvcellar.actors.scheduler")
-
-ROWS_MAX_DEFAULT = 8
-KV_BUDGET_BYTES_DEFAULT = 4 * 10**9
-OUTCOMES = ("completed", "cancelled", "failed")
-
-# -- messages -------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class Submit:
-    """A request asks for a row; `kv_bytes` is its projected KV footprint."""
-
-    request_id: int
-    prompt_tokens: int
-    kv_bytes: int
-
-
-@attrs.frozen(kw_only=True)
-class Cancel:
-    """The client went away. A no-op for a request that has already ended."""
-
-    request_id: int
-
-
-@attrs.frozen(kw_only=True)
-class RowFinished:
-    request_id: int
-    outcome: str
-    completion_tokens: int
-
-
-@attrs.frozen(kw_only=True)
-class BatchEnded:
-    """The batch job is over; `error` says why when it ended with rows active."""
-
-    batch_id: int
-    error: str = ""
-
-
-SchedulerMessage = Submit | Cancel | RowFinished | BatchEnded | StopAdmission | AwaitDrained
-
-# -- effects --------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class StartBatch:
-    """Open a new batch (its inbox) and queue its engine job on the Gateway's lane."""
-
-    batch_id: int
-
-
-@attrs.frozen(kw_only=True)
-class AdmitRow:
-    """Hand the request to the batch's engine job as a row."""
-
-    request_id: int
-    batch_id: int
-
-
-@attrs.frozen(kw_only=True)
-class CancelRow:
-    """Ask the engine job to end the row between two steps (its caches are still put back)."""
-
-    request_id: int
-
-
-@attrs.frozen(kw_only=True)
-class EndBatch:
-    """Tell the engine job that no row will come: it ends once it has read this."""
-
-    batch_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Withdrawn:
-    """A waiting request was cancelled before it got a row."""
-
-    request_id: int
-
-
-@attrs.frozen(kw_only=True)
-class RowAborted:
-    """The row's batch ended before the row did: fail the request."""
-
-    request_id: int
-    reason: str
-
-
-@attrs.frozen(kw_only=True)
-class WentIdle:
-    """No row is active or waiting and no batch job is left: the Gateway may
-    start the background steps it held back for this lane (its busy probe)."""
-
-
-SchedulerEffect = (
-    StartBatch | AdmitRow | CancelRow | EndBatch | Rejected | Withdrawn | RowAborted | Drained | WentIdle | JournalEvent
-)
-
-# -- core -----------------------------------------------------------------------
-
-
-class BatchState(enum.Enum):
-    IDLE = "idle"
-    RUNNING = "running"
-    ENDING = "ending"
-
-
-# Which messages each state takes, and the legal state changes: the one place
-# where the scheduler's transitions are decided.
-_ANY_STATE = frozenset(BatchState)
-_ACCEPTS: dict[type, frozenset[BatchState]] = {
-    Submit: _ANY_STATE,
-    Cancel: _ANY_STATE,
-    StopAdmission: _ANY_STATE,
-    AwaitDrained: _ANY_STATE,
-    RowFinished: frozenset({BatchState.RUNNING}),
-    BatchEnded: frozenset({BatchState.RUNNING, BatchState.ENDING}),
-}
-_MOVES = {
-    BatchState.IDLE: {BatchState.RUNNING},
-    BatchState.RUNNING: {BatchState.ENDING, BatchState.IDLE},
-    BatchState.ENDING: {BatchState.IDLE},
-}
-
-
-def padded_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
-    """What rows with these projected KV bytes take once merged: every row is
-    padded to the largest (mlx-lm's `BatchKVCache.extend` right-justifies the
-    rows to the longest index; `filter` trims only padding common to all)."""
-    sizes = list(row_kv_bytes)
-    return len(sizes) * max(sizes, default=0)
 
 
 def row_projected_kv_bytes(scheme: KvScheme, prototypes: list, tokens: int, paged_kv: PagedKv | None) -> int:
@@ -204,171 +90,6 @@ def row_projected_kv_bytes(scheme: KvScheme, prototypes: list, tokens: int, page
     if paged_kv is not None:
         tokens = blocks_for(tokens, paged_kv.block_size) * paged_kv.block_size
     return scheme.projected_bytes(prototypes, tokens)
-
-
-def summed_kv_bytes(row_kv_bytes: Iterable[int]) -> int:
-    """What paged rows take together (engine/paged_kv.py): each row its own
-    blocks, no padding to the longest. Sliding-window rings and recurrent
-    state stay unpaged and are billed here per row, not padded."""
-    return sum(row_kv_bytes)
-
-
-class SchedulerCore:
-    """Sans-IO admission of batch rows under `rows_max` and `kv_budget_bytes`.
-
-    `handle` raises `IllegalTransition` for a message its state does not take,
-    a duplicate request id, a `RowFinished` for a row that is not active or a
-    `BatchEnded` for another batch: protocol bugs between the shell and the
-    engine job (kvcellar's fault). The core is unchanged when it raises.
-    """
-
-    def __init__(
-        self, *, rows_max: int, kv_budget_bytes: int, billing: Callable[[Iterable[int]], int] = padded_kv_bytes
-    ) -> None:
-        if rows_max < 1:
-            raise UsageError(f"a batch needs at least 1 row, got {rows_max}")
-        if kv_budget_bytes < 0:
-            raise UsageError(f"the KV budget must be >= 0 bytes, got {kv_budget_bytes}")
-        self.rows_max = rows_max
-        self.kv_budget_bytes = kv_budget_bytes
-        # What admitted rows cost together: padded (the default) or, with paged KV, `summed_kv_bytes`.
-        self.billing = billing
-        self.state = BatchState.IDLE
-        self.admitting = True
-        self.batch_id = 0
-        self.waiting: OrderedDict[int, Submit] = OrderedDict()
-        self.active: dict[int, int] = {}
-        self.kv_bytes_peak = 0
-        self.drain_waiters: list[int] = []
-        self.counts = {"batches": 0, "admitted": 0, "rejected": 0, **{outcome: 0 for outcome in OUTCOMES}}
-
-    @property
-    def kv_bytes_active(self) -> int:
-        """The active rows' padded projection (see the module docstring)."""
-        return self.billing(self.active.values())
-
-    @property
-    def busy(self) -> bool:
-        """A batch job exists (running, queued for the lane or ending) or a request waits."""
-        return self.state is not BatchState.IDLE or bool(self.waiting)
-
-    def handle(self, msg: SchedulerMessage, now: float) -> list[SchedulerEffect]:
-        accepted = _ACCEPTS.get(type(msg))
-        if accepted is None or self.state not in accepted:
-            raise IllegalTransition(f"the scheduler cannot take {type(msg).__name__} in state {self.state.name}")
-        was_busy = self.busy
-        if isinstance(msg, Submit):
-            effects = self._on_submit(msg)
-        elif isinstance(msg, Cancel):
-            effects = self._on_cancel(msg)
-        elif isinstance(msg, RowFinished):
-            effects = self._on_row_finished(msg)
-        elif isinstance(msg, BatchEnded):
-            effects = self._on_batch_ended(msg)
-        elif isinstance(msg, StopAdmission):
-            self.admitting, effects = False, []
-        else:
-            self.drain_waiters.append(msg.waiter_id)
-            effects = []
-        effects += self._settle()
-        if was_busy and not self.busy:
-            effects.append(WentIdle())
-        return effects
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "state": self.state.value,
-            "rows_active": len(self.active),
-            "waiting": len(self.waiting),
-            "kv_bytes_active": self.kv_bytes_active,
-            "kv_bytes_peak": self.kv_bytes_peak,
-            "admitting": self.admitting,
-            **self.counts,
-        }
-
-    def _move(self, to: BatchState) -> None:
-        if to not in _MOVES[self.state]:
-            raise IllegalTransition(f"the scheduler cannot move from state {self.state.name} to {to.name}")
-        self.state = to
-
-    def _on_submit(self, msg: Submit) -> list[SchedulerEffect]:
-        if msg.request_id in self.waiting or msg.request_id in self.active:
-            raise IllegalTransition(
-                f"request {msg.request_id} is already held by the scheduler (state {self.state.name})"
-            )
-        if not self.admitting:
-            self.counts["rejected"] += 1
-            return [Rejected(request_id=msg.request_id, reason="the server is shutting down")]
-        self.waiting[msg.request_id] = msg
-        return [JournalEvent(event=RequestAdmitted(request_id=msg.request_id, prompt_tokens=msg.prompt_tokens))]
-
-    def _on_cancel(self, msg: Cancel) -> list[SchedulerEffect]:
-        if msg.request_id in self.active:
-            return [CancelRow(request_id=msg.request_id)]
-        if self.waiting.pop(msg.request_id, None) is None:
-            return []
-        return [Withdrawn(request_id=msg.request_id), *self._finished(msg.request_id, "cancelled", 0)]
-
-    def _on_row_finished(self, msg: RowFinished) -> list[SchedulerEffect]:
-        if msg.request_id not in self.active or msg.outcome not in OUTCOMES:
-            raise IllegalTransition(
-                f"RowFinished({msg.request_id}, {msg.outcome!r}) for a row that is not active "
-                f"(state {self.state.name}, active {sorted(self.active)})"
-            )
-        del self.active[msg.request_id]
-        return self._finished(msg.request_id, msg.outcome, msg.completion_tokens)
-
-    def _on_batch_ended(self, msg: BatchEnded) -> list[SchedulerEffect]:
-        if msg.batch_id != self.batch_id:
-            raise IllegalTransition(
-                f"BatchEnded for batch {msg.batch_id} while batch {self.batch_id} is current (state {self.state.name})"
-            )
-        effects: list[SchedulerEffect] = []
-        reason = msg.error or "the batch ended before the row did"
-        for request_id in list(self.active):
-            del self.active[request_id]
-            effects += [RowAborted(request_id=request_id, reason=reason), *self._finished(request_id, "failed", 0)]
-        self._move(BatchState.IDLE)
-        return effects
-
-    def _finished(self, request_id: int, outcome: str, completion_tokens: int) -> list[SchedulerEffect]:
-        self.counts[outcome] += 1
-        return [
-            JournalEvent(
-                event=RequestFinished(request_id=request_id, completion_tokens=completion_tokens, outcome=outcome)
-            )
-        ]
-
-    def _settle(self) -> list[SchedulerEffect]:
-        """Start a batch for waiting work, admit what fits, end an empty batch."""
-        effects: list[SchedulerEffect] = []
-        if self.state is BatchState.IDLE and self.waiting:
-            self._move(BatchState.RUNNING)
-            self.batch_id += 1
-            self.counts["batches"] += 1
-            effects.append(StartBatch(batch_id=self.batch_id))
-        if self.state is BatchState.RUNNING:
-            effects += self._admit_waiting()
-            if not self.active and not self.waiting:
-                self._move(BatchState.ENDING)
-                effects.append(EndBatch(batch_id=self.batch_id))
-        if not self.busy and self.drain_waiters:
-            effects += [Drained(waiter_id=w) for w in self.drain_waiters]
-            self.drain_waiters.clear()
-        return effects
-
-    def _admit_waiting(self) -> list[SchedulerEffect]:
-        effects: list[SchedulerEffect] = []
-        while self.waiting and len(self.active) < self.rows_max:
-            head = next(iter(self.waiting.values()))
-            if self.active and self.billing([*self.active.values(), head.kv_bytes]) > self.kv_budget_bytes:
-                break
-            del self.waiting[head.request_id]
-            self.active[head.request_id] = head.kv_bytes
-            self.kv_bytes_peak = max(self.kv_bytes_peak, self.kv_bytes_active)
-            self.counts["admitted"] += 1
-            effects.append(AdmitRow(request_id=head.request_id, batch_id=self.batch_id))
-        return effects
 
 
 # -- shell ----------------------------------------------------------------------

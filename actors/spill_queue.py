@@ -9,29 +9,38 @@ only the newest queued item plus the one in flight. A dropped spill is a
 future cache miss, never a wrong result. Every item settles exactly once
 ("stored", "failed" or "dropped") with exactly one `Release`.
 
-`SpillQueueCore` is the sans-IO core (design §3); `SpillQueue` is its Trio
-shell, which holds the snapshots by item id, runs the writes one at a time and
-drops its reference to a snapshot whenever the core says `Release`.
+`SpillQueueCore` (`actors/spill_queue_core.py`: the one queue core with the
+spill policy) is the sans-IO core (design §3); `SpillQueue` is its Trio
+shell, which holds the snapshots by item id, runs the writes one at a time
+and drops its reference to a snapshot whenever the core says `Release`.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math
 import os
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
-from typing import assert_never
+from typing import Protocol, assert_never
 
-import attrs
 import trio
 
-from kvcellar.actors.one_in_flight import OneInFlight
-from kvcellar.actors.runtime import ActorShell, Journal, JournalEvent, Reply
-from kvcellar.errors import IllegalTransition, UsageError
-from kvcellar.store.actor_events import SpillDispatched, SpillDropped, SpillEnqueued, SpillSettled
+from kvcellar.actors.runtime import ActorShell, Journal, Reply
+from kvcellar.actors.spill_queue_core import (
+    WRITE_OUTCOMES,
+    AwaitIdle,
+    Dispatch,
+    Enqueue,
+    Release,
+    Settled,
+    Shutdown,
+    SpillQueueCore,
+    Wake,
+    WriteResult,
+)
+from kvcellar.errors import UsageError
 from kvcellar.store.prompt_cache import SpillSnapshot
 
 log = logging.getLogger("kvcellar.actors.spill_queue")
@@ -40,80 +49,6 @@ SPILL_QUEUE_ENV_VAR = "KVCELLAR_SSD_SPILL_QUEUE_GB"
 GIB = 2**30
 # "GB" in the variable's name is read as GiB, so the default is exactly 2 GiB.
 BYTES_MAX_DEFAULT = 2 * GIB
-
-KINDS = ("evict", "oversize", "demote", "write-behind")
-WRITE_OUTCOMES = ("stored", "failed")
-OUTCOMES = ("stored", "dropped", "failed")
-
-
-# Messages (received by the core).
-
-
-@attrs.frozen(kw_only=True)
-class Enqueue:
-    """A producer hands over one snapshot of `bytes`; `kind` says which producer."""
-
-    item_id: int
-    bytes: int = attrs.field(validator=attrs.validators.ge(0))
-    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
-
-
-@attrs.frozen(kw_only=True)
-class WriteResult:
-    """The writer finished the in-flight item ("stored" or "failed")."""
-
-    item_id: int
-    outcome: str = attrs.field(validator=attrs.validators.in_(WRITE_OUTCOMES))
-
-
-@attrs.frozen(kw_only=True)
-class AwaitIdle:
-    """Answer `Wake(waiter_id)` once nothing is queued or in flight."""
-
-    waiter_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Shutdown:
-    """The shell is stopping: drop everything held; later Enqueues drop at once."""
-
-
-SpillMessage = Enqueue | WriteResult | AwaitIdle | Shutdown
-
-
-# Effects (emitted by the core, carried out by the shell).
-
-
-@attrs.frozen(kw_only=True)
-class Dispatch:
-    """Write this item's snapshot now (it is the only one in flight)."""
-
-    item_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Release:
-    """Drop every reference to this item's snapshot now."""
-
-    item_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Settled:
-    """The item's final outcome: "stored", "dropped" or "failed"."""
-
-    item_id: int
-    outcome: str = attrs.field(validator=attrs.validators.in_(OUTCOMES))
-
-
-@attrs.frozen(kw_only=True)
-class Wake:
-    """The answer to `AwaitIdle`: the queue is idle."""
-
-    waiter_id: int
-
-
-SpillEffect = Dispatch | Release | Settled | Wake | JournalEvent
 
 
 def bytes_max_from_env(environ: Mapping[str, str] = os.environ) -> int:
@@ -133,162 +68,19 @@ def bytes_max_from_env(environ: Mapping[str, str] = os.environ) -> int:
     return int(gib * GIB)
 
 
-class SpillState(enum.Enum):
-    IDLE = "idle"
-    WRITING = "writing"
-    CLOSED = "closed"
-
-
-# Which messages each state takes, and the legal state changes: the one place
-# where the queue's transitions are decided.
-_ANY_STATE = frozenset(SpillState)
-_ACCEPTS = {
-    Enqueue: _ANY_STATE,
-    WriteResult: frozenset({SpillState.WRITING}),
-    AwaitIdle: _ANY_STATE,
-    Shutdown: _ANY_STATE,
-}
-_MOVES = {
-    SpillState.IDLE: {SpillState.WRITING, SpillState.CLOSED},
-    SpillState.WRITING: {SpillState.WRITING, SpillState.IDLE, SpillState.CLOSED},
-    SpillState.CLOSED: {SpillState.CLOSED},
-}
-
-
-class SpillQueueCore:
-    """The sans-IO core: a FIFO of queued items, at most one in flight.
-
-    `handle` raises `IllegalTransition` for a `WriteResult` that is not for
-    the in-flight item, or an `Enqueue` of an id already held: a protocol bug
-    between the shell, the writer and the producers (kvcellar's fault). The
-    core is unchanged when it raises.
-    """
-
-    def __init__(self, bytes_max: int) -> None:
-        if bytes_max < 0:
-            raise UsageError(f"the spill queue's bytes_max must be >= 0, got {bytes_max}")
-        self.bytes_max = bytes_max
-        self.state = SpillState.IDLE
-        self._items: OneInFlight[Enqueue] = OneInFlight(lambda item: item.item_id)
-        self._queued_bytes = 0
-        self._counts = {"enqueued": 0, "stored": 0, "failed": 0, "dropped": 0}
-
-    def handle(self, msg: SpillMessage, now: float) -> list[SpillEffect]:
-        accepted = _ACCEPTS.get(type(msg))
-        if accepted is None or self.state not in accepted:
-            raise IllegalTransition(f"the spill queue cannot take {type(msg).__name__} in state {self.state.name}")
-        if isinstance(msg, Enqueue):
-            return self._on_enqueue(msg)
-        if isinstance(msg, WriteResult):
-            return self._on_write_result(msg)
-        if isinstance(msg, AwaitIdle):
-            if self.state is SpillState.WRITING:
-                self._items.add_waiter(msg.waiter_id)
-                return []
-            return [Wake(waiter_id=msg.waiter_id)]
-        return self._on_shutdown()
-
-    def stats(self) -> dict[str, int]:
-        """Counters: `pending` items (queued + in flight) and their bytes,
-        `queued`, `in_flight`, and the totals `enqueued`, `stored`, `failed`,
-        `dropped` (enqueued == stored + failed + dropped + pending)."""
-        in_flight = int(self._items.in_flight is not None)
-        return {
-            "pending": len(self._items) + in_flight,
-            "pending_bytes": self._queued_bytes + self._in_flight_bytes(),
-            "queued": len(self._items),
-            "in_flight": in_flight,
-            **self._counts,
-            "bytes_max": self.bytes_max,
-        }
-
-    def _move(self, to: SpillState) -> None:
-        if to not in _MOVES[self.state]:
-            raise IllegalTransition(f"the spill queue cannot move from state {self.state.name} to {to.name}")
-        self.state = to
-
-    def _on_enqueue(self, item: Enqueue) -> list[SpillEffect]:
-        if self._items.holds(item.item_id):
-            raise IllegalTransition(f"item {item.item_id} is already held by the spill queue (state {self.state.name})")
-        self._counts["enqueued"] += 1
-        if self.state is SpillState.CLOSED:
-            # A producer racing the shutdown: accepted, and dropped at once.
-            return self._drop(item, "closed")
-        self._items.append(item)
-        self._queued_bytes += item.bytes
-        effects: list[SpillEffect] = [
-            JournalEvent(event=SpillEnqueued(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind))
-        ]
-        # The newest item is last in the FIFO, so with two or more queued the
-        # head is the oldest item that is neither in flight nor just enqueued.
-        while self._queued_bytes + self._in_flight_bytes() > self.bytes_max and len(self._items) > 1:
-            oldest = self._items.pop_oldest()
-            self._queued_bytes -= oldest.bytes
-            effects += self._drop(oldest, "byte_cap")
-        if self.state is SpillState.IDLE:
-            effects += self._dispatch_next()
-        return effects
-
-    def _on_write_result(self, msg: WriteResult) -> list[SpillEffect]:
-        item = self._items.finish(msg.item_id)
-        if item is None:
-            in_flight = self._items.in_flight.item_id if self._items.in_flight is not None else None
-            raise IllegalTransition(
-                f"WriteResult for item {msg.item_id}, which is not in flight "
-                f"(state {self.state.name}, in flight: {in_flight})"
-            )
-        self._counts[msg.outcome] += 1
-        effects: list[SpillEffect] = [
-            Release(item_id=item.item_id),
-            Settled(item_id=item.item_id, outcome=msg.outcome),
-            JournalEvent(
-                event=SpillSettled(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind, outcome=msg.outcome)
-            ),
-        ]
-        if self._items:
-            return effects + self._dispatch_next()
-        self._move(SpillState.IDLE)
-        return effects + self._wake_all()
-
-    def _on_shutdown(self) -> list[SpillEffect]:
-        effects: list[SpillEffect] = []
-        in_flight = self._items.take_in_flight()
-        if in_flight is not None:
-            # The shell cancelled the write; whether it reached the disk is unknown.
-            effects += self._drop(in_flight, "shutdown")
-        for oldest in self._items.clear():
-            self._queued_bytes -= oldest.bytes
-            effects += self._drop(oldest, "shutdown")
-        self._move(SpillState.CLOSED)
-        return effects + self._wake_all()
-
-    def _dispatch_next(self) -> list[SpillEffect]:
-        item = self._items.start_oldest()
-        self._queued_bytes -= item.bytes
-        self._move(SpillState.WRITING)
-        return [
-            JournalEvent(event=SpillDispatched(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind)),
-            Dispatch(item_id=item.item_id),
-        ]
-
-    def _drop(self, item: Enqueue, reason: str) -> list[SpillEffect]:
-        self._counts["dropped"] += 1
-        return [
-            Release(item_id=item.item_id),
-            Settled(item_id=item.item_id, outcome="dropped"),
-            JournalEvent(
-                event=SpillDropped(item_id=item.item_id, bytes=item.bytes, spill_kind=item.kind, reason=reason)
-            ),
-        ]
-
-    def _wake_all(self) -> list[SpillEffect]:
-        return [Wake(waiter_id=w) for w in self._items.take_waiters()]
-
-    def _in_flight_bytes(self) -> int:
-        return self._items.in_flight.bytes if self._items.in_flight is not None else 0
-
-
 Writer = Callable[[SpillSnapshot], Awaitable[str]]
+# What `submit` answers for a snapshot admission refused (never queued, never counted).
+REFUSED = "refused"
+
+
+class SpillAdmission(Protocol):
+    """SSD write admission as the spill queue's entrance sees it (`AdmissionGate`)."""
+
+    def admits(self, snapshot: SpillSnapshot, *, forced: bool, covered: bool = False) -> bool: ...
+
+
+def _never_covered() -> bool:
+    return False
 
 
 class SpillQueue:
@@ -300,13 +92,24 @@ class SpillQueue:
     `write(snapshot)` is the SSD writer: it returns "stored" or "failed"; if it
     raises (or returns anything else) the item is "failed" and the error is
     logged. Call the methods from the Trio thread only.
+
+    `submit` and `submit_nowait` are the one way in, for spills leaving RAM
+    and write-behind snapshots alike, and `admission` (SSD write admission;
+    None admits everything without looking) is asked once there.
     """
 
     def __init__(
-        self, write: Writer, *, bytes_max: int | None = None, journal: Journal | None = None, name: str = "spill_queue"
+        self,
+        write: Writer,
+        *,
+        bytes_max: int | None = None,
+        journal: Journal | None = None,
+        name: str = "spill_queue",
+        admission: SpillAdmission | None = None,
     ) -> None:
         self.core = SpillQueueCore(bytes_max_from_env() if bytes_max is None else bytes_max)
         self._write = write
+        self._admission = admission
         self._shell = ActorShell(name, self.core, self._perform, journal=journal)
         self._snapshots: dict[int, SpillSnapshot] = {}
         # Each submitter's outcome, by item id, and each `wait_idle` caller's wake-up, by waiter id.
@@ -334,20 +137,36 @@ class SpillQueue:
         self._closed = True
         self._shell.cancel()
 
-    def submit_nowait(self, snapshot: SpillSnapshot) -> int:
-        """Hand a snapshot over without waiting; returns its item id. Raises
-        `UsageError` (the caller's fault) only before taking ownership, for a
-        snapshot whose `reason` is not a spill kind or whose `bytes` < 0;
-        once accepted it never raises."""
+    def submit_nowait(
+        self, snapshot: SpillSnapshot, *, forced: bool = False, covered: Callable[[], bool] = _never_covered
+    ) -> int | None:
+        """Hand a snapshot over without waiting; returns its item id, or None
+        when admission refused it (it leaves unwritten with this frame).
+        `forced`: a flush's write, always admitted; `covered()`, asked only
+        when admission looks, says whether the SSD tier already serves it.
+        Raises `UsageError` (the caller's fault) only before taking
+        ownership, for a snapshot whose `reason` is not a spill kind or whose
+        `bytes` < 0; once accepted it never raises."""
+        if not self._admits(snapshot, forced=forced, covered=covered):
+            return None
         item_id, _ = self._accept(snapshot)
         return item_id
 
-    async def submit(self, snapshot: SpillSnapshot) -> str:
+    async def submit(self, snapshot: SpillSnapshot, *, forced: bool = False) -> str:
         """Hand a snapshot over and wait for its outcome: "stored", "dropped"
-        or "failed". Cancelling the wait does not withdraw the snapshot."""
+        or "failed"; `REFUSED` at once when admission refused it. Cancelling
+        the wait does not withdraw the snapshot."""
+        if not self._admits(snapshot, forced=forced, covered=_never_covered):
+            return REFUSED
         _, settled = self._accept(snapshot)
         del snapshot  # a waiting submitter must not pin the snapshot past its Release
         return await settled.wait()
+
+    def _admits(self, snapshot: SpillSnapshot, *, forced: bool, covered: Callable[[], bool]) -> bool:
+        """The entrance's one admission check."""
+        if self._admission is None:
+            return True
+        return self._admission.admits(snapshot, forced=forced, covered=covered())
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or in flight (at once when stopped)."""

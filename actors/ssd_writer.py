@@ -9,140 +9,35 @@ and supersede or evict. The outcome is "stored" or "failed"; a failure never
 leaves a temp file behind, and a failed fsync is never retried on the same
 file: a later attempt writes a new one.
 
-The core tracks the write (IDLE → WRITING → IDLE); the shell performs it.
+The core (`actors/ssd_writer_core.py`) tracks the write (IDLE → WRITING →
+IDLE); the shell performs it.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, assert_never
 
-import attrs
 import trio
 
-from kvcellar.actors.runtime import ActorShell, JournalEvent, Reply
-from kvcellar.errors import DiskError, IllegalTransition
-from kvcellar.store.actor_events import WriteStarted
+from kvcellar.actors.runtime import ActorShell, Reply
+from kvcellar.actors.ssd_writer_core import (
+    Committed,
+    Report,
+    SsdWriterCore,
+    SsdWriterMessage,
+    Write,
+    WriteEntry,
+    WriteFailed,
+)
+from kvcellar.errors import DiskError
 from kvcellar.store.prompt_cache import SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.spill_plan import PlannedSpill, plan_spill, write_planned
 from kvcellar.store.ssd import PendingStore, SsdStore
 
 log = logging.getLogger("kvcellar.ssd_writer")
-
-
-@attrs.frozen(kw_only=True)
-class Write:
-    write_id: int
-    tensor_count: int
-    token_count: int
-    namespace: str
-
-
-@attrs.frozen(kw_only=True)
-class Committed:
-    write_id: int
-
-
-@attrs.frozen(kw_only=True)
-class WriteFailed:
-    write_id: int
-    reason: str
-
-
-@attrs.frozen(kw_only=True)
-class WriteEntry:
-    """Write every tensor of the planned entry and commit it, in one worker call."""
-
-    write_id: int
-
-
-@attrs.frozen(kw_only=True)
-class Report:
-    write_id: int
-    outcome: str
-
-
-SsdWriterMessage = Write | Committed | WriteFailed
-SsdWriterEffect = WriteEntry | Report | JournalEvent
-
-
-class WriterState(enum.Enum):
-    IDLE = "idle"
-    WRITING = "writing"
-
-
-# Which messages each state takes, and the legal state changes: the one place
-# where the writer's transitions are decided.
-_ACCEPTS: dict[type, frozenset[WriterState]] = {
-    Write: frozenset({WriterState.IDLE}),
-    Committed: frozenset({WriterState.WRITING}),
-    WriteFailed: frozenset({WriterState.WRITING}),
-}
-_MOVES = {
-    WriterState.IDLE: {WriterState.WRITING},
-    WriterState.WRITING: {WriterState.IDLE},
-}
-
-
-class SsdWriterCore:
-    """Sans-IO progress of one write at a time.
-
-    `handle` raises `IllegalTransition` for a message its state does not
-    take and for one about another write than the current one: protocol bugs
-    in the shell (kvcellar's fault). The core is unchanged when it raises."""
-
-    def __init__(self) -> None:
-        self.state = WriterState.IDLE
-        self.write_id: int | None = None
-
-    def handle(self, msg: SsdWriterMessage, now: float) -> list[SsdWriterEffect]:
-        accepted = _ACCEPTS.get(type(msg))
-        if accepted is None or self.state not in accepted:
-            raise IllegalTransition(f"ssd writer in state {self.state.value} got {type(msg).__name__}")
-        match msg:
-            case Write():
-                return self._on_write(msg)
-            case Committed():
-                self._check_current(msg)
-                return self._finish(msg.write_id, "stored")
-            case WriteFailed():
-                self._check_current(msg)
-                return self._finish(msg.write_id, "failed")
-            case _:
-                assert_never(msg)
-
-    def _on_write(self, msg: Write) -> list[SsdWriterEffect]:
-        self._move(WriterState.WRITING)
-        self.write_id = msg.write_id
-        started = JournalEvent(
-            event=WriteStarted(
-                write_id=msg.write_id,
-                namespace=msg.namespace,
-                token_count=msg.token_count,
-                tensor_count=msg.tensor_count,
-            )
-        )
-        return [started, WriteEntry(write_id=msg.write_id)]
-
-    def _check_current(self, msg: Committed | WriteFailed) -> None:
-        if msg.write_id != self.write_id:
-            raise IllegalTransition(
-                f"ssd writer in state {self.state.value} got {type(msg).__name__} "
-                f"for write {msg.write_id}, not the current write {self.write_id}"
-            )
-
-    def _move(self, to: WriterState) -> None:
-        if to not in _MOVES[self.state]:
-            raise IllegalTransition(f"ssd writer cannot move from state {self.state.value} to {to.value}")
-        self.state = to
-
-    def _finish(self, write_id: int, outcome: str) -> list[SsdWriterEffect]:
-        self._move(WriterState.IDLE)
-        self.write_id = None
-        return [Report(write_id=write_id, outcome=outcome)]
 
 
 RunWhenIdle = Callable[[Callable[[Any], Any]], Awaitable[Any]]

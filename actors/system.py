@@ -395,7 +395,9 @@ class System:
                     await self.queue.wait_idle()
             self._warn_not_durable(verdict)
             if self.restore_policy is not None:
-                await self.seams.run_blocking(self.restore_policy.book.persist)
+                # Inside the bound too; past it the copy written while serving (at most 10 s old) stands.
+                with trio.move_on_at(deadline):
+                    await self.seams.run_blocking(self.restore_policy.book.persist)
             self._shutdown_verdict = verdict
             return verdict
         finally:
@@ -720,7 +722,8 @@ async def _start_ssd_tier(
     if wear is not None and wear.budgeted:
         system.budgeted_writes = BudgetedWrites(wear, dropped_spills=lambda: queue.stats()["dropped"])
     write = system.budgeted_writes.wrap(writer.write) if system.budgeted_writes is not None else writer.write
-    queue = SpillQueue(write, bytes_max=queue_bytes, journal=store.journal)
+    # The spill queue's one entrance asks SSD write admission (the gate the write-behind port made).
+    queue = SpillQueue(write, bytes_max=queue_bytes, journal=store.journal, admission=system.admission)
     await nursery.start(queue.run)
     system.queue = queue
     if system.memory_guard is not None:

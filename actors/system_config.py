@@ -13,9 +13,9 @@ from typing import Any
 import attrs
 import trio
 
-from kvcellar.actors.admission import ADMISSION_POLICY_DEFAULT, COST_THRESHOLD_S_PER_GB_DEFAULT
+from kvcellar.actors.admission_core import ADMISSION_POLICY_DEFAULT, COST_THRESHOLD_S_PER_GB_DEFAULT
 from kvcellar.actors.recent_requests import RECENT_REQUESTS_MAX_DEFAULT
-from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT
+from kvcellar.actors.scheduler_core import KV_BUDGET_BYTES_DEFAULT
 from kvcellar.actors.uploader import SharedCacheConfig
 from kvcellar.engine.checkpointing import CheckpointListener
 from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_DEFAULT

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import trio
 
 from kvcellar.actors.admission import AdmissionCore, AdmissionGate
-from kvcellar.actors.durability import RecordKey
+from kvcellar.actors.durability_core import RecordKey
 from kvcellar.actors.durability_shell import DurabilityCoordinator
 from kvcellar.actors.gateway import Gateway
 from kvcellar.actors.spill_queue import SpillQueue
@@ -145,15 +145,14 @@ class WriteBehind:
     def _submit_spill(self, snapshot: SpillSnapshot) -> None:
         # Runs inside run_sync_soon, where an exception would end the whole Trio run.
         try:
-            store, queue, admission = self._store, self.queue, self.admission
+            store, queue = self._store, self.queue
             if store is None or queue is None:
                 log.warning("spill of %d tokens before the SSD tier started: dropped", len(snapshot.tokens))
                 return
-            if admission is not None and not admission.admits_spill(
-                snapshot, forced=self.flushing, covered=store.covers(snapshot.tokens, snapshot.namespace)
-            ):
-                return  # the snapshot's views go with this frame: it leaves RAM unwritten
-            queue.submit_nowait(snapshot)
+            # The queue's one entrance asks admission; refused, the snapshot's views go with this frame.
+            queue.submit_nowait(
+                snapshot, forced=self.flushing, covered=lambda: store.covers(snapshot.tokens, snapshot.namespace)
+            )
         except Exception as e:
             log.warning("spill of %d tokens refused: %s", len(snapshot.tokens), e)
 
@@ -187,8 +186,8 @@ class DurabilityPorts:
     def covers(self, tokens: Any, namespace: str) -> bool:
         return self._store.covers(tokens, namespace)
 
-    async def submit(self, snapshot: SpillSnapshot) -> str:
-        return await self._queue.submit(snapshot)
+    async def submit(self, snapshot: SpillSnapshot, *, forced: bool) -> str:
+        return await self._queue.submit(snapshot, forced=forced)
 
     async def wait_queue_idle(self) -> None:
         await self._queue.wait_idle()

@@ -39,13 +39,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from rich.console import Console
 
-from kvcellar.actors.scheduler import (
-    SchedulerCore,
-    Submit,
-    padded_kv_bytes,
-    row_projected_kv_bytes,
-    summed_kv_bytes,
-)
+from kvcellar.actors.scheduler import row_projected_kv_bytes
+from kvcellar.actors.scheduler_core import SchedulerCore, Submit, padded_kv_bytes, summed_kv_bytes
 from kvcellar.bench import quant_batch
 from kvcellar.bench.common import (
     describe_machine,

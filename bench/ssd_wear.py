@@ -35,7 +35,7 @@ import numpy as np
 import trio
 from rich.console import Console
 
-from kvcellar.actors.admission import ADMISSION_POLICIES, ADMISSION_POLICY_DEFAULT
+from kvcellar.actors.admission_core import ADMISSION_POLICIES, ADMISSION_POLICY_DEFAULT
 from kvcellar.actors.system import System, SystemConfig, open_system
 from kvcellar.bench.common import (
     Figures,

@@ -31,7 +31,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from kvcellar.actors.scheduler import KV_BUDGET_BYTES_DEFAULT
+from kvcellar.actors.scheduler_core import KV_BUDGET_BYTES_DEFAULT
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcellar.actors.admission import (
+from kvcellar.actors.admission_core import (
     GB,
     LEAVING_RAM_KINDS,
     AdmissionCore,
@@ -20,7 +20,7 @@ from kvcellar.actors.admission import (
     Reconsider,
     Taken,
 )
-from kvcellar.actors.durability import RecordKey
+from kvcellar.actors.durability_core import RecordKey
 from kvcellar.errors import UsageError
 from kvcellar.store.write_wear import DAY_NS, WriteBudget
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 from polling import DEADLINE_S, wait_until
 
-from kvcellar.actors.scheduler import BatchState
+from kvcellar.actors.scheduler_core import BatchState
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest

@@ -14,7 +14,7 @@ import pytest
 import trio
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.actors.checkpoint_writer import (
+from kvcellar.actors.checkpoint_queue_core import (
     CheckpointQueueCore,
     Enqueue,
     Invalidate,

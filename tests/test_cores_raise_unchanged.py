@@ -1,6 +1,7 @@
 """The rule of every actor core: a core that raises is unchanged.
 
-For each core (Gateway, Scheduler, SpillQueue, Durability, SsdWriter),
+For each core (Gateway, Scheduler, SpillQueue, CheckpointQueue, Durability,
+SsdWriter, Admission),
 hypothesis feeds arbitrary sequences of messages, legal and illegal: some
 drawn blindly from small id ranges (so duplicates, strangers and stale
 answers are common), some answering the effects the core emitted (so runs
@@ -21,12 +22,13 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcellar.actors import checkpoint_writer as ckw
-from kvcellar.actors import durability as dur
-from kvcellar.actors import gateway as gw
-from kvcellar.actors import scheduler as sch
-from kvcellar.actors import spill_queue as spq
-from kvcellar.actors import ssd_writer as ssw
+from kvcellar.actors import admission_core as adm
+from kvcellar.actors import checkpoint_queue_core as ckw
+from kvcellar.actors import durability_core as dur
+from kvcellar.actors import gateway_core as gw
+from kvcellar.actors import scheduler_core as sch
+from kvcellar.actors import spill_queue_core as spq
+from kvcellar.actors import ssd_writer_core as ssw
 from kvcellar.actors.runtime import ArmTimer, TimerFired
 from kvcellar.errors import IllegalTransition
 
@@ -71,6 +73,7 @@ def run_core(
     *,
     before_each: Callable[[], None] = lambda: None,
     steps_max: int = 40,
+    view: Callable[[Any], Any] = snapshot,
 ) -> None:
     """Feed `core` messages drawn from `blind` or answering its earlier
     effects; check every raise leaves it unchanged."""
@@ -79,12 +82,12 @@ def run_core(
         choices = [blind, st.just(Stranger())] + answerable[-6:]
         msg = data.draw(st.one_of(choices), label=f"message {step}")
         before_each()
-        before = snapshot(core)
+        before = view(core)
         try:
             effects = core.handle(msg, float(step))
         except Exception as e:
             assert isinstance(e, IllegalTransition), f"{type(e).__name__} is not IllegalTransition: {e}"
-            assert snapshot(core) == before, f"{type(core).__name__} changed before raising on {msg!r}"
+            assert view(core) == before, f"{type(core).__name__} changed before raising on {msg!r}"
             continue
         for effect in effects:
             answerable.extend(answers(effect))
@@ -330,3 +333,37 @@ def checkpoint_answers(effect: Any) -> list[st.SearchStrategy[Any]]:
 @given(st.data())
 def test_checkpoint_queue_core_is_unchanged_when_it_raises(data: st.DataObject) -> None:
     run_core(ckw.CheckpointQueueCore(bytes_max=60), data, CHECKPOINT_BLIND, checkpoint_answers)
+
+
+# -- Admission --------------------------------------------------------------------
+
+ADMISSION_TOKENS = st.sampled_from([(1, 2), (1, 2, 3), (4,)])
+ADMISSION_BLIND = st.one_of(
+    st.builds(adm.Taken, namespace=st.just("a"), tokens=ADMISSION_TOKENS),
+    st.builds(adm.Put, namespace=st.just("a"), tokens=ADMISSION_TOKENS),
+    st.builds(adm.PrefillMeasured, tokens=st.integers(0, 200), seconds=st.floats(0.0, 2.0)),
+    st.builds(
+        adm.Candidate,
+        namespace=st.just("a"),
+        tokens=ADMISSION_TOKENS,
+        bytes=st.integers(0, 100),
+        kind=st.sampled_from(["write-behind", "evict", "demote", "oversize"]),
+        forced=st.booleans(),
+        covered=st.booleans(),
+    ),
+)
+
+
+def admission_view(core: adm.AdmissionCore) -> Any:
+    """What admission knows, key by key (its prefix indexes link parents and
+    children, so the generic snapshot would recurse; they only index these keys)."""
+    keys = [adm.RecordKey(namespace="a", tokens=t) for t in ((1, 2), (1, 2, 3), (4,))]
+    knowledge = [(core.hits(k), core.lineage_hits(k), core.was_skipped(k)) for k in keys]
+    return (snapshot(core.counters), core.state, core.prefill_tokens_per_s, tuple(core.held_keys()), knowledge)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data(), st.sampled_from(adm.ADMISSION_POLICIES))
+def test_admission_core_is_unchanged_when_it_raises(data: st.DataObject, policy: str) -> None:
+    core = adm.AdmissionCore(policy, keys_max=3)
+    run_core(core, data, ADMISSION_BLIND, lambda effect: [], view=admission_view)

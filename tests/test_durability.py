@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcellar.actors.durability import (
+from kvcellar.actors.durability_core import (
     OUTCOMES,
     AdmissionGranted,
     AttemptDeferred,
@@ -427,7 +427,7 @@ class FakePorts:
     def covers(self, tokens: tuple[int, ...], namespace: str) -> bool:
         return any(n == namespace and t[: len(tokens)] == tokens for n, t in self.ssd)
 
-    async def submit(self, snapshot: SpillSnapshot) -> str:
+    async def submit(self, snapshot: SpillSnapshot, *, forced: bool) -> str:
         assert not self.in_turn, "the write waits outside the engine turn"
         self.submits.append((trio.current_time(), snapshot.namespace, snapshot.tokens))
         await trio.sleep(self.write_s)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcellar.actors.gateway import (
+from kvcellar.actors.gateway_core import (
     LANE_BATCH,
     AwaitDrained,
     Drained,
@@ -80,7 +80,7 @@ def test_the_batch_job_holds_the_lane_like_a_request_unjournaled_and_also_after_
     core.handle(StopAdmission(), 0)
     started = core.handle(Generate(request_id=1, prompt_tokens=0, lane=LANE_BATCH), 0)
     assert started == [StartGeneration(request_id=1)], "no journal event: the Scheduler journals its rows"
-    assert core.lane is Lane.BATCHING and core.busy
+    assert core.state is Lane.BATCHING and core.busy
     assert _starts(core.handle(RunWhenIdle(step_id=10), 0)) == [], "background work waits for the batch"
     after = core.handle(GenerationFinished(request_id=1, completion_tokens=7, outcome="completed"), 0)
     assert after == [RunStep(step_id=10)]
@@ -112,14 +112,14 @@ def test_a_withdrawn_request_leaves_the_queue_or_releases_the_lane_it_was_given(
     # Given the lane as its caller left: the lane is released at once, a drain wakes.
     core.handle(AwaitDrained(waiter_id=9), 0)
     assert Drained(waiter_id=9) in core.handle(Withdraw(request_id=3), 0)
-    assert (core.lane, core.running, core.busy) == (Lane.IDLE, None, False)
+    assert (core.state, core.running, core.busy) == (Lane.IDLE, None, False)
     # One it no longer holds: nothing.
     assert core.handle(Withdraw(request_id=1), 0) == []
 
 
 def test_a_result_for_work_that_is_not_running_is_an_illegal_transition():
     core = GatewayCore()
-    with pytest.raises(IllegalTransition, match="idle"):
+    with pytest.raises(IllegalTransition, match="IDLE"):
         core.handle(StepFinished(step_id=3), 0)
 
 

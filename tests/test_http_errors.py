@@ -23,7 +23,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from test_serve import Server, _free_port
 
-from kvcellar.actors.gateway import LANE_BATCH
+from kvcellar.actors.gateway_core import LANE_BATCH
 from kvcellar.actors.system import SystemConfig, SystemSeams, open_system
 from kvcellar.engine.engine import EngineThread, SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest

@@ -15,7 +15,7 @@ import trio
 from mlx_lm.models import cache as mlx_cache
 from polling import wait_until
 
-from kvcellar.actors.scheduler import SchedulerCore, Submit, padded_kv_bytes, summed_kv_bytes
+from kvcellar.actors.scheduler_core import SchedulerCore, Submit, padded_kv_bytes, summed_kv_bytes
 from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest

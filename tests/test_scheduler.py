@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcellar.actors.runtime import JournalEvent
-from kvcellar.actors.scheduler import (
+from kvcellar.actors.scheduler_core import (
     AdmitRow,
     AwaitDrained,
     BatchEnded,

@@ -16,29 +16,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcellar.actors.runtime import JournalEvent
-from kvcellar.actors.spill_queue import (
-    BYTES_MAX_DEFAULT,
-    GIB,
+from kvcellar.actors.spill_queue import BYTES_MAX_DEFAULT, GIB, REFUSED, SpillQueue, bytes_max_from_env
+from kvcellar.actors.spill_queue_core import (
     KINDS,
     AwaitIdle,
     Dispatch,
     Enqueue,
+    QueueState,
     Release,
     Settled,
     Shutdown,
-    SpillDispatched,
-    SpillDropped,
-    SpillEnqueued,
-    SpillQueue,
     SpillQueueCore,
-    SpillSettled,
-    SpillState,
     Wake,
     WriteResult,
-    bytes_max_from_env,
 )
 from kvcellar.errors import IllegalTransition, UsageError
 from kvcellar.serialization import from_cbor, to_cbor
+from kvcellar.store.actor_events import SpillDispatched, SpillDropped, SpillEnqueued, SpillSettled
 from kvcellar.store.events import EVENT_TYPES
 from kvcellar.store.prompt_cache import SpillSnapshot
 
@@ -176,7 +170,7 @@ class SpillQueueRules(RuleBasedStateMachine):
         self.closed = True
         assert set(self._check(effects)) == self.waiting
         self.waiting.clear()
-        assert self.core.state is SpillState.CLOSED
+        assert self.core.state is QueueState.CLOSED
 
     @invariant()
     def at_most_one_in_flight_and_counters_agree(self) -> None:
@@ -193,7 +187,7 @@ class SpillQueueRules(RuleBasedStateMachine):
         )
         assert stats["enqueued"] == stats["stored"] + stats["failed"] + stats["dropped"] + stats["pending"]
         assert self.released == set(self.settled)
-        assert (self.core.state is SpillState.WRITING) == (self.in_flight is not None)
+        assert (self.core.state is QueueState.BUSY) == (self.in_flight is not None)
         assert self.dispatched == sorted(self.dispatched), "dispatch order is not FIFO"
 
     def teardown(self) -> None:
@@ -219,7 +213,7 @@ def test_write_result_when_idle_names_the_state() -> None:
 def test_enqueue_of_an_id_already_held_is_illegal() -> None:
     core = SpillQueueCore(100)
     core.handle(Enqueue(item_id=1, bytes=10, kind="evict"), 0.0)
-    with pytest.raises(IllegalTransition, match="WRITING"):
+    with pytest.raises(IllegalTransition, match="BUSY"):
         core.handle(Enqueue(item_id=1, bytes=10, kind="evict"), 0.0)
 
 
@@ -496,3 +490,52 @@ def test_the_shell_journals_each_step_of_an_item() -> None:
 
     run_with_mock_clock(main)
     assert journal.kinds == [("spill", "spill.enqueued"), ("spill", "spill.dispatched"), ("spill", "spill.settled")]
+
+
+def test_the_one_entrance_asks_admission_once_per_snapshot_and_refused_ones_never_enter() -> None:
+    class Admission:
+        def __init__(self) -> None:
+            self.asked: list[tuple[tuple[int, ...], bool, bool]] = []
+
+        def admits(self, snapshot: SpillSnapshot, *, forced: bool, covered: bool = False) -> bool:
+            self.asked.append((snapshot.tokens, forced, covered))
+            return forced
+
+    admission, writer, refs = Admission(), FakeWriter(), {}
+    covered_asked: list[str] = []
+
+    def covered() -> bool:
+        covered_asked.append("asked")
+        return True
+
+    async def main() -> None:
+        queue = SpillQueue(writer, bytes_max=10_000, admission=admission)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.run)
+            assert await queue.submit(make_snapshot(10, refs, "a", reason="write-behind")) == REFUSED
+            assert queue.submit_nowait(make_snapshot(10, refs, "b"), covered=covered) is None
+            assert await queue.submit(make_snapshot(10, refs, "c", reason="write-behind"), forced=True) == "stored"
+            assert queue.stats()["enqueued"] == 1 and queue.stats()["held"] == 0
+            nursery.cancel_scope.cancel()
+
+    run_with_mock_clock(main)
+    tokens = {"a": (1,), "b": (2,), "c": (3,)}  # make_snapshot's tokens: the refs made so far
+    assert admission.asked == [(tokens["a"], False, False), (tokens["b"], False, True), (tokens["c"], True, False)]
+    assert covered_asked == ["asked"]
+    assert writer.written == [tokens["c"]]
+    assert refs["a"]() is None and refs["b"]() is None, "a refused snapshot is not held"
+
+
+def test_without_admission_the_entrance_never_asks_whether_a_spill_is_covered() -> None:
+    def covered() -> bool:
+        raise AssertionError("covered() asked without admission")
+
+    async def main() -> None:
+        queue = SpillQueue(FakeWriter(), bytes_max=10_000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.run)
+            assert queue.submit_nowait(make_snapshot(10, {}, "a"), covered=covered) == 1
+            await queue.wait_idle()
+            nursery.cancel_scope.cancel()
+
+    run_with_mock_clock(main)

@@ -21,10 +21,10 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.actors.gateway import RequestAdmitted
 from kvcellar.cli import cli
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
+from kvcellar.store.actor_events import RequestAdmitted
 from kvcellar.store.safeguards import SAFEGUARDS
 from kvcellar.store.ssd import SsdStore
 

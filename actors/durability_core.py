@@ -54,10 +54,12 @@ Decisions where the spec is open:
 - Dropped/failed retries back off exponentially from `retry_s` to
   `retry_max_s`: a full disk must not be hammered with multi-GB snapshots.
 
-`DurabilityCore` (here, with the messages, effects and journal events) is the
-sans-IO core (design §3); `DurabilityCoordinator` (`durability_shell`, also
-importable from here) is its Trio shell, which owns the ports
-(`DurabilityPorts`) and the flush waiters.
+`DurabilityCore` (here, with the messages and effects; the journal events
+are `store/actor_events.py`'s) is the sans-IO core (design §3), pure: it
+imports attrs, the messages and `errors`, never Trio or MLX. Its transitions
+are one table, `DURABILITY_TABLE`, looked up before any handler runs.
+`DurabilityCoordinator` (`durability_shell`) is its Trio shell, which owns
+the ports (`DurabilityPorts`) and the flush waiters.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ from typing import Any
 
 import attrs
 
-from kvcellar.actors.runtime import ArmTimer, CancelTimer, JournalEvent, TimerFired
+from kvcellar.actors.effects import ArmTimer, CancelTimer, JournalEvent, TimerFired
+from kvcellar.actors.transitions import TransitionTable, rows
 from kvcellar.errors import IllegalTransition
 from kvcellar.store.actor_events import (
     DurabilityAttempt,
@@ -290,7 +293,6 @@ class RecordStatus(enum.Enum):
 
 _S = DurabilityState
 _FLUSHING = frozenset({_S.FLUSH_SETTLING, _S.FLUSH_DRAINING, _S.FLUSH_FORCING, _S.FLUSH_RECHECK})
-_ENDS = frozenset({_S.RUNNING, _S.FLUSH_SETTLING})  # after a verdict: normal operation, or the next queued run
 # Records no timer moves on: a later put (or, for held ones, admission) does.
 _WAITING_FOR_A_PUT = frozenset({RecordStatus.MISSING, RecordStatus.HELD, RecordStatus.SKIPPED})
 # What a flush forces: everything still in RAM that is not durable, admission's refusals included.
@@ -298,25 +300,8 @@ _FORCED_BY_A_FLUSH = frozenset({RecordStatus.DIRTY, RecordStatus.HELD})
 # Gone from RAM: a flush re-checks them against the committed index.
 _RECHECKED = frozenset({RecordStatus.MISSING, RecordStatus.SKIPPED})
 
-# The transitions, all in one place.
-TRANSITIONS: dict[DurabilityState, frozenset[DurabilityState]] = {
-    _S.RUNNING: frozenset({_S.FLUSH_SETTLING}),
-    _S.FLUSH_SETTLING: frozenset({_S.FLUSH_DRAINING}),
-    _S.FLUSH_DRAINING: frozenset({_S.FLUSH_FORCING, _S.FLUSH_RECHECK}) | _ENDS,
-    _S.FLUSH_FORCING: frozenset({_S.FLUSH_FORCING, _S.FLUSH_RECHECK}) | _ENDS,
-    _S.FLUSH_RECHECK: frozenset({_S.FLUSH_FORCING}) | _ENDS,
-}
-
-_ALWAYS = frozenset({Dirty, TimerFired, Flush, FlushTimedOut, AdmissionGranted})
-# Which messages each state accepts; anything else is a protocol bug. No attempt
-# is in flight while draining or re-checking, and forced attempts are never deferred.
-ACCEPTS: dict[DurabilityState, frozenset[type]] = {
-    _S.RUNNING: _ALWAYS | {AttemptResult, AttemptDeferred},
-    _S.FLUSH_SETTLING: _ALWAYS | {AttemptResult, AttemptDeferred},
-    _S.FLUSH_DRAINING: _ALWAYS | {QueueDrained},
-    _S.FLUSH_FORCING: _ALWAYS | {AttemptResult},
-    _S.FLUSH_RECHECK: _ALWAYS | {CoverageChecked},
-}
+# A handler's answer: the state it leaves the core in, and the effects.
+Step = tuple[DurabilityState, list[Any]]
 
 
 @attrs.define(kw_only=True)
@@ -412,31 +397,7 @@ class DurabilityCore:
     # -- dispatch and transitions ----------------------------------------------
 
     def handle(self, msg: Any, now: float) -> list[Any]:
-        if type(msg) not in ACCEPTS[self.state]:
-            raise IllegalTransition(f"durability: {type(msg).__name__} is not accepted in state {self.state.name}")
-        if isinstance(msg, Dirty):
-            return self._on_dirty(msg)
-        if isinstance(msg, TimerFired):
-            return self._on_timer(msg)
-        if isinstance(msg, AttemptResult):
-            return self._on_result(msg, now)
-        if isinstance(msg, AttemptDeferred):
-            return self._on_deferred(msg, now)
-        if isinstance(msg, Flush):
-            return self._on_flush(msg, now)
-        if isinstance(msg, FlushTimedOut):
-            return self._on_flush_timed_out(msg, now)
-        if isinstance(msg, AdmissionGranted):
-            return self._on_admission_granted(msg)
-        if isinstance(msg, QueueDrained):
-            self._check_run(msg.flush_id)
-            return self._force_next(now)
-        return self._on_coverage(msg, now)
-
-    def _goto(self, state: DurabilityState) -> None:
-        if state not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"durability: no transition from {self.state.name} to {state.name}")
-        self.state = state
+        return DURABILITY_TABLE.fire(self, msg, now)
 
     def _check_run(self, flush_id: int) -> _FlushRun:
         run = self._run
@@ -446,7 +407,7 @@ class DurabilityCore:
 
     # -- normal operation ------------------------------------------------------
 
-    def _on_dirty(self, msg: Dirty) -> list[Any]:
+    def _on_dirty(self, msg: Dirty, now: float) -> Step:
         key = RecordKey(namespace=msg.namespace, tokens=msg.tokens)
         version = next(self._versions)
         self.counters.puts += 1
@@ -466,17 +427,17 @@ class DurabilityCore:
         # arms nothing (it forces scope records, and re-arms the rest after).
         if self.state is _S.RUNNING and record.status is RecordStatus.DIRTY and (retrying or not record.timer_armed):
             effects.append(self._arm(record, self.debounce_s))
-        return effects
+        return self.state, effects
 
-    def _on_timer(self, msg: TimerFired) -> list[Any]:
+    def _on_timer(self, msg: TimerFired, now: float) -> Step:
         record = self._records.get(msg.key) if isinstance(msg.key, RecordKey) else None
         if record is None or not record.timer_armed:
-            return []  # stale: the timer was cancelled after its message was queued
+            return self.state, []  # stale: the timer was cancelled after its message was queued
         record.timer_armed = False
         if self.state is not _S.RUNNING or record.status is not RecordStatus.DIRTY:
-            return []
+            return self.state, []
         # Cancelling kills a replacement timer should this fire have been a stale one.
-        return [CancelTimer(key=record.key), *self._start(record, forced=False)]
+        return self.state, [CancelTimer(key=record.key), *self._start(record, forced=False)]
 
     def _start(self, record: _Record, *, forced: bool) -> list[Any]:
         record.status = RecordStatus.ATTEMPTING
@@ -503,7 +464,7 @@ class DurabilityCore:
         self._in_flight -= 1
         return record
 
-    def _on_deferred(self, msg: AttemptDeferred, now: float) -> list[Any]:
+    def _on_deferred(self, msg: AttemptDeferred, now: float) -> Step:
         record = self._attempting(msg.key, msg.version)
         # Checked before anything changes: a core that raises is unchanged.
         if record.attempt_forced:
@@ -513,19 +474,19 @@ class DurabilityCore:
         self.counters.deferred += 1
         effects: list[Any] = [self._settled_event(record, msg.version, "deferred", clean=False)]
         if self.state is _S.RUNNING:
-            return [*effects, self._arm(record, self.busy_rearm_s)]
-        return [*effects, *self._progress(now)]
+            return self.state, [*effects, self._arm(record, self.busy_rearm_s)]
+        return self._progress(self.state, now, effects)
 
-    def _on_admission_granted(self, msg: AdmissionGranted) -> list[Any]:
+    def _on_admission_granted(self, msg: AdmissionGranted, now: float) -> Step:
         record = self._records.get(msg.key)
         if record is None or record.status is not RecordStatus.HELD:
-            return []  # stale: put again, forced by a flush, or clean meanwhile
+            return self.state, []  # stale: put again, forced by a flush, or clean meanwhile
         record.status = RecordStatus.DIRTY
         self.counters.admission_granted += 1
         # While a flush runs nothing is armed: it forces its scope and re-arms the rest after.
-        return [self._arm(record, self.debounce_s)] if self.state is _S.RUNNING else []
+        return self.state, [self._arm(record, self.debounce_s)] if self.state is _S.RUNNING else []
 
-    def _on_result(self, msg: AttemptResult, now: float) -> list[Any]:
+    def _on_result(self, msg: AttemptResult, now: float) -> Step:
         attempting = self._attempting(msg.key, msg.version)
         if msg.outcome == "held" and attempting.attempt_forced:
             raise IllegalTransition(f"durability: a forced attempt cannot be held back (state {self.state.name})")
@@ -549,10 +510,10 @@ class DurabilityCore:
         record.failures = record.failures + 1 if fault else 0
         effects: list[Any] = [self._settled_event(record, msg.version, outcome, clean=clean)]
         if self.state is not _S.RUNNING:
-            return [*effects, *self._progress(now)]
+            return self._progress(self.state, now, effects)
         if record.status is RecordStatus.DIRTY:
             effects.append(self._arm(record, self._rearm_delay(record)))
-        return effects
+        return self.state, effects
 
     def _rearm_delay(self, record: _Record) -> float:
         if record.failures == 0:
@@ -565,18 +526,17 @@ class DurabilityCore:
 
     # -- flush -----------------------------------------------------------------
 
-    def _on_flush(self, msg: Flush, now: float) -> list[Any]:
+    def _on_flush(self, msg: Flush, now: float) -> Step:
         if msg.flush_id in self._known_flushes:
             raise IllegalTransition(f"durability: flush {msg.flush_id} asked twice (state {self.state.name})")
         self._known_flushes.add(msg.flush_id)
         self._asked_s[msg.flush_id] = now
         if self._run is not None:
             self._queued_flushes.append(msg.flush_id)
-            return []
+            return self.state, []
         return self._begin((msg.flush_id,), now)
 
-    def _begin(self, flush_ids: tuple[int, ...], now: float) -> list[Any]:
-        self._goto(_S.FLUSH_SETTLING)
+    def _begin(self, flush_ids: tuple[int, ...], now: float) -> Step:
         effects: list[Any] = []
         for record in self._records.values():
             if record.timer_armed:
@@ -585,45 +545,46 @@ class DurabilityCore:
         self._run = _FlushRun(flush_ids=flush_ids, began_s=now, scope=frozenset(self._records))
         self.counters.flushes += len(flush_ids)
         begun = FlushBegun(flush_ids=flush_ids, scope_records=len(self._records), in_flight=self._in_flight)
-        return [*effects, JournalEvent(event=begun), *self._progress(now)]
+        return self._progress(_S.FLUSH_SETTLING, now, [*effects, JournalEvent(event=begun)])
 
-    def _progress(self, now: float) -> list[Any]:
-        """Move a flush on after something settled."""
-        if self.state is _S.FLUSH_SETTLING:
+    def _progress(self, state: DurabilityState, now: float, effects: list[Any]) -> Step:
+        """Move a flush in `state` on after something settled; `effects` come first."""
+        if state is _S.FLUSH_SETTLING:
             if self._in_flight:
-                return []
-            self._goto(_S.FLUSH_DRAINING)
+                return state, effects
             assert self._run is not None
-            return [DrainQueue(flush_id=self._run.flush_id)]
-        if self.state is _S.FLUSH_FORCING:
-            return self._force_next(now)
-        return []
+            return _S.FLUSH_DRAINING, [*effects, DrainQueue(flush_id=self._run.flush_id)]
+        if state is _S.FLUSH_FORCING:
+            return self._force_next(state, now, effects)
+        return state, effects
 
-    def _force_next(self, now: float) -> list[Any]:
+    def _on_queue_drained(self, msg: QueueDrained, now: float) -> Step:
+        self._check_run(msg.flush_id)
+        return self._force_next(self.state, now, [])
+
+    def _force_next(self, state: DurabilityState, now: float, effects: list[Any]) -> Step:
         """Force the next unforced dirty version in scope, one at a time; when
         none is left, re-check the missing ones; then answer."""
         run = self._run
         assert run is not None
         if self._in_flight:
-            return []
+            return state, effects
         in_scope = [r for r in self._records.values() if r.key in run.scope]
         for record in in_scope:
             if record.status in _FORCED_BY_A_FLUSH and record.version not in run.forced_versions:
-                self._goto(_S.FLUSH_FORCING)
                 run.forced_versions.add(record.version)
                 run.forced += 1
-                return self._start(record, forced=True)
+                return _S.FLUSH_FORCING, [*effects, *self._start(record, forced=True)]
         recheck = {
             r.key: r.version for r in in_scope if r.status in _RECHECKED and r.version not in run.rechecked_versions
         }
         if recheck:
-            self._goto(_S.FLUSH_RECHECK)
             run.rechecked_versions.update(recheck.values())
             run.awaiting_recheck = recheck
-            return [CheckCoverage(flush_id=run.flush_id, keys=tuple(recheck))]
-        return self._finish(now)
+            return _S.FLUSH_RECHECK, [*effects, CheckCoverage(flush_id=run.flush_id, keys=tuple(recheck))]
+        return self._finish(now, effects)
 
-    def _on_coverage(self, msg: CoverageChecked, now: float) -> list[Any]:
+    def _on_coverage(self, msg: CoverageChecked, now: float) -> Step:
         run = self._check_run(msg.flush_id)
         effects: list[Any] = []
         for key, version in run.awaiting_recheck.items():
@@ -635,12 +596,11 @@ class DurabilityCore:
                 self.counters.rechecked_covered += 1
                 effects.append(self._settled_event(record, version, "recheck_covered", clean=True))
         run.awaiting_recheck = {}
-        return [*effects, *self._force_next(now)]
+        return self._force_next(self.state, now, effects)
 
-    def _finish(self, now: float) -> list[Any]:
+    def _finish(self, now: float, effects: list[Any]) -> Step:
         run = self._run
         assert run is not None
-        effects: list[Any] = []
         for flush_id in run.flush_ids:
             verdict = self._verdict(run, flush_id, now)
             self.counters.durable_flushes += verdict.durable
@@ -658,12 +618,12 @@ class DurabilityCore:
         self._run = None
         if self._queued_flushes:
             queued, self._queued_flushes = tuple(self._queued_flushes), []
-            return [*effects, *self._begin(queued, now)]
-        self._goto(_S.RUNNING)
+            state, begun = self._begin(queued, now)
+            return state, [*effects, *begun]
         for record in self._records.values():
             if record.status is RecordStatus.DIRTY:
                 effects.append(self._arm(record, self._rearm_delay(record)))
-        return effects
+        return _S.RUNNING, effects
 
     def _verdict(self, run: _FlushRun, flush_id: int, now: float, *, timed_out: bool = False) -> FlushVerdict:
         in_scope = [r for r in self._records.values() if r.key in run.scope]
@@ -699,13 +659,13 @@ class DurabilityCore:
             self._verdict(run, flush_id, now, timed_out=True), elapsed_s=now - self._asked_s.get(flush_id, now)
         )
 
-    def _on_flush_timed_out(self, msg: FlushTimedOut, now: float) -> list[Any]:
+    def _on_flush_timed_out(self, msg: FlushTimedOut, now: float) -> Step:
         flush_id = msg.flush_id
         if flush_id not in self._known_flushes:
-            return []  # stale: its verdict was produced before the caller's deadline passed
+            return self.state, []  # stale: its verdict was produced before the caller's deadline passed
         run = self._run if self._run is not None and flush_id in self._run.flush_ids else None
         if run is not None and flush_id in run.timed_out:
-            return []
+            return self.state, []
         verdict = self.timed_out_verdict(flush_id, now)
         if run is not None:
             run.timed_out.add(flush_id)
@@ -726,7 +686,7 @@ class DurabilityCore:
             forced=verdict.forced,
             elapsed_s=verdict.elapsed_s,
         )
-        return [JournalEvent(event=event)]
+        return self.state, [JournalEvent(event=event)]
 
     # -- views -----------------------------------------------------------------
 
@@ -777,3 +737,32 @@ class DurabilityCore:
             # Running totals; `missing_records` above is the current count.
             **{f"{name}_total": value for name, value in attrs.asdict(self.counters).items()},
         }
+
+
+# The one table: (state, message type) -> (the states the handler may leave the
+# core in, the handler). A forced attempt settles only while FLUSH_FORCING and
+# none is in flight while draining or re-checking, so those states take no
+# attempt answer; a flush asked during a flush is queued for the next run.
+_EVERY_STATE = list(DurabilityState)
+# Where a flush goes once something settled: the next forced attempt, the
+# re-check, the verdict (back to RUNNING, or the next queued run's first steps).
+_AFTER_A_STEP = frozenset({_S.FLUSH_FORCING, _S.FLUSH_RECHECK, _S.RUNNING, _S.FLUSH_SETTLING, _S.FLUSH_DRAINING})
+_BEGUN = frozenset({_S.FLUSH_SETTLING, _S.FLUSH_DRAINING})
+DURABILITY_TABLE: TransitionTable[DurabilityState] = TransitionTable(
+    "durability",
+    {
+        **rows(_EVERY_STATE, [Dirty], DurabilityCore._on_dirty),
+        **rows(_EVERY_STATE, [TimerFired], DurabilityCore._on_timer),
+        **rows(_EVERY_STATE, [AdmissionGranted], DurabilityCore._on_admission_granted),
+        **rows(_EVERY_STATE, [FlushTimedOut], DurabilityCore._on_flush_timed_out),
+        **rows([_S.RUNNING], [Flush], DurabilityCore._on_flush, to=_BEGUN),
+        **rows(_FLUSHING, [Flush], DurabilityCore._on_flush),
+        **rows([_S.RUNNING], [AttemptResult], DurabilityCore._on_result),
+        **rows([_S.RUNNING], [AttemptDeferred], DurabilityCore._on_deferred),
+        **rows([_S.FLUSH_SETTLING], [AttemptResult], DurabilityCore._on_result, to=_BEGUN),
+        **rows([_S.FLUSH_SETTLING], [AttemptDeferred], DurabilityCore._on_deferred, to=_BEGUN),
+        **rows([_S.FLUSH_FORCING], [AttemptResult], DurabilityCore._on_result, to=_AFTER_A_STEP),
+        **rows([_S.FLUSH_DRAINING], [QueueDrained], DurabilityCore._on_queue_drained, to=_AFTER_A_STEP),
+        **rows([_S.FLUSH_RECHECK], [CoverageChecked], DurabilityCore._on_coverage, to=_AFTER_A_STEP),
+    },
+)
