@@ -47,6 +47,7 @@ calls give the same state.
 
 from __future__ import annotations
 
+import copy
 import errno as errno_codes
 import functools
 import hashlib
@@ -77,6 +78,11 @@ from kvcellar.store.disk import DirEntry, FileStat
 
 ROOT_DEFAULT = PurePosixPath("/sim")
 _ROOT_INODE = 1
+# Calls after which a power loss leaves what it would have left before them: they
+# change only handles, open counts and locks, which a crash resets anyway.
+CRASH_NEUTRAL_OPERATIONS = frozenset(
+    {"open_read", "read_into", "size", "scandir", "stat", "close", "unlock", "crash_point"}
+)
 _CLOCK_START_NS = 1_700_000_000_000_000_000
 _CLOCK_STEP_NS = 1_000
 
@@ -180,7 +186,11 @@ class SimDisk:
         self.trace: list[tuple[str, str | None]] | None = [] if trace else None
         # Told of every `Disk` call (not crash points): the simulator's ownership checks.
         self.on_operation: Callable[[str, str | None], None] | None = None
+        # Told of each crash point (`ops_done + 1`, the call's name) before it fires or runs: the crash images.
+        self.before_operation: Callable[[int, str], None] | None = None
         self.crashes = 0
+        # Calls so far that may have changed what a power loss leaves (all but the crash-neutral ones).
+        self.changes = 0
         self._mutex = threading.RLock()
         self._crashed = False
         self._generation = 0
@@ -198,11 +208,15 @@ class SimDisk:
         if self._crashed:
             raise SimulatedCrash(f"the disk crashed; call crash() or crash_clean() before {name} {subject}")
         number = self.ops_done + 1
+        if self.before_operation is not None:
+            self.before_operation(number, name)
         if self.crash_at_op == number:
             self._crashed = True
             self.crash_at_op = None
             raise SimulatedCrash(f"crash point at op {number}: {name} {subject}")
         self.ops_done = number
+        if name not in CRASH_NEUTRAL_OPERATIONS:
+            self.changes += 1
         if self.trace is not None:
             self.trace.append((name, subject))
         if self.on_operation is not None and name != "crash_point":
@@ -646,6 +660,18 @@ class SimDisk:
         if inode.mtime_ns != inode.durable_mtime_ns and rng.random() >= PERSIST_PROBABILITY:
             inode.mtime_ns = inode.durable_mtime_ns
         inode.durable_mtime_ns = inode.mtime_ns
+
+    def crashed_copy(self, rng: random.Random) -> SimDisk:
+        """A new disk holding what a power loss now would leave (`crash(rng)`
+        on a deep copy); this disk is unchanged. No faults, no trace."""
+        with self._mutex:
+            copied = SimDisk(rng=rng, root=self.root, clock_ns=self.clock_ns, bytes_max=self.bytes_max)
+            copied._inodes = copy.deepcopy(self._inodes)
+            copied._dir_ops = list(self._dir_ops)
+            copied._next_inode = self._next_inode
+            copied._generation = self._generation
+        copied.crash(rng)
+        return copied
 
     def crash_clean(self) -> None:
         """The process died (kill -9) but the machine did not: nothing written
