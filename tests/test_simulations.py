@@ -90,7 +90,17 @@ def test_the_default_sweep_holds_every_invariant(first_seed):
 
 
 # chat runs on the batch lane (its burst shares decode steps), fork and hybrid on the serial lane.
-@pytest.mark.parametrize("workload,seed,batch_rows", [("chat", 1, 3), ("fork", 2, 1), ("hybrid", 5, 1)])
+# A crash-point run replays the workload, so enumerating them costs a run per point: the default
+# test run enumerates chat's, and covers every crash point of many more seeds as crash images
+# (test_sim_crash_images.py); fork's and hybrid's are `slow`.
+@pytest.mark.parametrize(
+    "workload,seed,batch_rows",
+    [
+        ("chat", 1, 3),
+        pytest.param("fork", 2, 1, marks=pytest.mark.slow),
+        pytest.param("hybrid", 5, 1, marks=pytest.mark.slow),
+    ],
+)
 def test_every_crash_point_of_a_small_workload_recovers(workload, seed, batch_rows):
     outcome = run_sweep(
         SweepPlan(seed=seed, runs=1, faults="none", shape_name=workload, crash_points="all", batch_rows=batch_rows)
