@@ -90,7 +90,7 @@ def image_rng(seed: int, key: tuple[Any, ...]) -> random.Random:
 def explore(options: RunOptions, *, points: Collection[int] | None = None) -> ExploredRun:
     """Run `options` once; check the crash image before every disk operation
     of its workload (or only those numbered in `points`)."""
-    explored = ExploredRun(run=None)  # type: ignore[arg-type]  # set below, once the run ends
+    images: list[ImageResult] = []
 
     def watch(run: _Run) -> Callable[[int, str], None]:
         last: list[tuple[tuple[Any, ...], ImageResult]] = []
@@ -104,12 +104,11 @@ def explore(options: RunOptions, *, points: Collection[int] | None = None) -> Ex
             else:
                 image = _check_image(run, number, operation, key)
                 last[:] = [(key, image)]
-            explored.images.append(image)
+            images.append(image)
 
         return before_operation
 
-    explored.run = simulate(options, watch=watch)
-    return explored
+    return ExploredRun(run=simulate(options, watch=watch), images=images)
 
 
 def _check_image(run: _Run, point: int, operation: str, key: tuple[Any, ...]) -> ImageResult:

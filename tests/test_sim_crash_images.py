@@ -113,7 +113,7 @@ def test_crash_images_of_the_default_workload(first_seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", [*CI_IMAGE_WORKLOADS, "checkpoints"])
-def test_crash_images_of_many_more_small_workload_seeds(workload):
-    outcome = run_sweep(SweepPlan(seed=1000, runs=100, faults="mixed", shape_name=workload, crash_points="images"))
+@pytest.mark.parametrize(("workload", "seeds"), [*((name, 100) for name in CI_IMAGE_WORKLOADS), ("checkpoints", 20)])
+def test_crash_images_of_many_more_small_workload_seeds(workload, seeds):
+    outcome = run_sweep(SweepPlan(seed=1000, runs=seeds, faults="mixed", shape_name=workload, crash_points="images"))
     assert not outcome.failures, _describe(outcome)
