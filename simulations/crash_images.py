@@ -129,7 +129,7 @@ def _check_image(run: _Run, point: int, operation: str, key: tuple[Any, ...]) ->
     )
     claims_checked = 0
     try:
-        claims_checked = _verify_recovery(image, claims_on_second_recovery=True)
+        claims_checked = _verify_recovery(image)
     except Exception as error:
         observer.violate("no_unexpected_error", f"recovering the image raised {error!r}", kind="crash")
     return ImageResult(

@@ -577,12 +577,10 @@ def _index_of(store: SsdStore) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(entry.entry_id, entry.namespace, tuple(int(t) for t in entry.tokens)) for entry in _indexed_entries(store)]
 
 
-def _verify_recovery(run: _Run, *, claims_on_second_recovery: bool = False) -> int:
+def _verify_recovery(run: _Run) -> int:
     """After the workload, with faults off: the startup index equals a fresh
     scan and the reconciled journal; recovering again changes nothing; every
-    live durable claim restores byte-identical. Returns the claims checked.
-    `claims_on_second_recovery` checks the claims on the store of the second
-    recovery (the crash images: one store open fewer) instead of a third."""
+    live durable claim restores byte-identical. Returns the claims checked."""
     run.disk.faults_off()
     run.disk.crash_at_op = None
     observer = run.observer
@@ -598,9 +596,6 @@ def _verify_recovery(run: _Run, *, claims_on_second_recovery: bool = False) -> i
         observer.violate("journal_replays_to_projection", "replaying the events does not rebuild `entries`")
     if sorted(row["entry_id"] for row in projection) != [row[0] for row in journaled]:
         observer.violate("index_matches_journal", "the startup index and the journal's entries differ")
-    if claims_on_second_recovery:
-        _check_fresh_scan(run, journaled)
-        return _check_idempotent(run, journaled, check_claims=True)
     _check_idempotent(run, journaled)
     _check_fresh_scan(run, journaled)
     store = _open_store(run)
@@ -649,26 +644,20 @@ def _check_fresh_scan(run: _Run, journaled: list[Any]) -> None:
         )
 
 
-def _check_idempotent(run: _Run, journaled: list[Any], *, check_claims: bool = False) -> int:
+def _check_idempotent(run: _Run, journaled: list[Any]) -> None:
     """A second recovery right after the first finds the same index and
-    journals nothing (every committed event passes `JournalImage.committed`);
-    with `check_claims`, its store then restores the claims (their count returned)."""
+    journals nothing (every committed event passes `JournalImage.committed`)."""
     seq_before = run.journal.followed_seq
     store = _open_store(run)
     try:
         again = _index_of(store)
-        # Counted before the claims' restores, which journal what they touch.
-        added = run.journal.followed_seq - seq_before if check_claims else 0
-        claims_checked = run.observer.check_claims(store) if check_claims else 0
     finally:
         store.close()
-    if not check_claims:
-        added = run.journal.followed_seq - seq_before
+    added = run.journal.followed_seq - seq_before
     if again != journaled or added:
         run.observer.violate(
             "recovery_is_idempotent", f"a second recovery changed the index or journaled {added} new events"
         )
-    return claims_checked
 
 
 class _quiet_logs:
