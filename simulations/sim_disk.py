@@ -202,6 +202,7 @@ class SimDisk:
         self.changes = 0
         self._mutex = threading.RLock()
         self._parts_by_path: dict[str, tuple[str, ...]] = {}
+        self._above_root_by_path: dict[str, bool] = {}
         self._crashed = False
         self._generation = 0
         self._next_inode = _ROOT_INODE
@@ -301,8 +302,12 @@ class SimDisk:
         """Whether `path` is a strict ancestor of the root: those exist durably
         for `makedirs` and `fsync_dir` (a caller syncing up the tree), and for
         nothing else."""
-        pure = PurePosixPath(posixpath.normpath(str(self.root / PurePosixPath(str(path)))))
-        return pure in self.root.parents
+        text = path if isinstance(path, str) else str(path)
+        above = self._above_root_by_path.get(text)
+        if above is None:
+            pure = PurePosixPath(posixpath.normpath(str(self.root / PurePosixPath(text))))
+            above = self._above_root_by_path[text] = pure in self.root.parents
+        return above
 
     def _directory_at(self, parts: tuple[str, ...], operation: str, path: object) -> DirectoryInode:
         directory = self._inodes[_ROOT_INODE]
@@ -686,6 +691,7 @@ class SimDisk:
             copied._inodes = {number: _copy_inode(inode) for number, inode in self._inodes.items()}
             copied._dir_ops = list(self._dir_ops)
             copied._parts_by_path = self._parts_by_path
+            copied._above_root_by_path = self._above_root_by_path
             copied._next_inode = self._next_inode
             copied._generation = self._generation
         copied.crash(rng)
