@@ -195,10 +195,11 @@ class SimDisk:
         self.trace: list[tuple[str, str | None]] | None = [] if trace else None
         # Told of every `Disk` call (not crash points): the simulator's ownership checks.
         self.on_operation: Callable[[str, str | None], None] | None = None
-        # Told of each crash point (`ops_done + 1`, the call's name) before it fires or runs: the crash images.
+        # Told of each crash point (`ops_done + 1`, the call's name) before it runs, unless it is the one
+        # `crash_at_op` fires at (the run crashes there itself): the crash images.
         self.before_operation: Callable[[int, str], None] | None = None
         self.crashes = 0
-        # Calls so far that may have changed what a power loss leaves (all but the crash-neutral ones).
+        # Calls so far that may have changed what a power loss leaves (all but the crash-neutral ones), and crashes.
         self.changes = 0
         self._mutex = threading.RLock()
         self._parts_by_path: dict[str, tuple[str, ...]] = {}
@@ -219,7 +220,7 @@ class SimDisk:
         if self._crashed:
             raise SimulatedCrash(f"the disk crashed; call crash() or crash_clean() before {name} {subject}")
         number = self.ops_done + 1
-        if self.before_operation is not None:
+        if self.before_operation is not None and self.crash_at_op != number:
             self.before_operation(number, name)
         if self.crash_at_op == number:
             self._crashed = True
@@ -652,6 +653,7 @@ class SimDisk:
             self._dir_ops = []
             self._process_died()
             self.crashes += 1
+            self.changes += 1
 
     @staticmethod
     def _reachable(entries: dict[int, dict[str, int]]) -> list[int]:
