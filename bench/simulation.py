@@ -13,6 +13,7 @@ default test sweep and tell how long a long sweep takes. Run `python -m kvcellar
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvcellar.bench.common import (
     describe_machine,
     docs_markers,
     docs_section,
+    load_note,
     publish_figures,
     publish_options,
 )
@@ -89,6 +91,8 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], image_seeds: int, prog
             for index, name in enumerate(crash_workloads)
         ]
     )
+    # The machine's load while the images ran: a shared 2-CPU machine can halve the wall-clock rate.
+    images_load_average = os.getloadavg()[0]
     progress.print(f"every crash point of {', '.join(crash_workloads)} as a run of its own")
     runs = _crash_sweeps(
         [
@@ -112,6 +116,7 @@ def measure(seeds: int, crash_workloads: tuple[str, ...], image_seeds: int, prog
         "crash_images_s": round(images["s"], 3),
         "crash_points_per_s": _rate(images["points"], images["s"]),
         "crash_points_per_cpu_s": _rate(images["points"], images["cpu_s"]),
+        "images_load_average": round(images_load_average, 2),
         "crash_point_runs": runs["points"],
         "crash_s": round(runs["s"], 3),
         "crash_runs_per_s": _rate(runs["points"], runs["s"]),
@@ -160,7 +165,8 @@ def markdown_section(result: dict[str, Any], command: str, run_date: str) -> str
             f"{machine['python']}, mlx {machine['mlx']}. Target: at least {CRASH_POINTS_PER_S_TARGET} crash points "
             f"per second ({'met' if result['crash_points_per_s'] >= CRASH_POINTS_PER_S_TARGET else 'missed'} at "
             f"{result['crash_points_per_s']}; {result['crash_points_per_cpu_s']} per CPU second), so that the "
-            "default test run covers 10^4 crash points; the other figures size the default test sweep."
+            "default test run covers 10^4 crash points; the other figures size the default test sweep. "
+            f"Load average as the images ended: {result['images_load_average']:.1f}; {load_note()}"
         ],
         Figures(title="simulator throughput", columns=columns, rows=rows, text_columns=columns),
         [
