@@ -287,7 +287,7 @@ class SimDisk:
 
     def _parts(self, path: PurePosixPath | Path | str, operation: str) -> tuple[str, ...]:
         # Remembered per path text: a run names the same few hundred paths over and
-        # over, and parsing them was a tenth of its time.
+        # over, and parsing them was a tenth of a crash image's time.
         text = path if isinstance(path, str) else str(path)
         parts = self._parts_by_path.get(text)
         if parts is None:
