@@ -15,7 +15,7 @@ PYTEST_JOBS ?= 2
 # (design §1): it finds them through a link of that name in the venv.
 TYPECHECK_PATH := $(VENV)/typecheck
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,13 @@ serve: $(STAMP)
 	$(BIN)/kvcellar serve --ssd-cache .kvcellar-cache $(ARGS)
 
 # pytest exits 5 when it collects no test; that is a failure here, never a pass.
+# `make test` leaves out the tests marked `slow`; `make test-slow` runs only those (nightly: the
+# simulator's long crash sweeps, docs/development.md).
 test: $(STAMP) $(if $(filter 1,$(LINT)),lint)
-	$(BIN)/python -m pytest -n $(PYTEST_JOBS) $(ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m "not slow" $(ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_JOBS) -m slow $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -34,11 +34,17 @@ from kvcellar.store.mutations import ALL_MUTATIONS
 )
 @click.option(
     "--crash-points",
-    type=click.Choice(["all", "random"]),
+    type=click.Choice(["all", "random", "images"]),
     default=None,
-    help="Also crash at every disk operation of each seed's workload, or at one drawn at random.",
+    help="Also crash at every disk operation of each seed's workload, or at one drawn at random (a run "
+    "each); images: run each seed once and check recovery on a crashed copy before every disk operation.",
 )
-@click.option("--crash-at", type=click.IntRange(min=1), default=None, help="Crash at this disk operation (replay).")
+@click.option(
+    "--crash-at",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Crash at this disk operation (replay); with --crash-points images, check only its image.",
+)
 @click.option(
     "--workload",
     "workload_name",
@@ -115,7 +121,7 @@ def simulate_command(
     plan.options(seed, None)  # validates the workload name before any run
     console = Console(stderr=True)
     outcome = _run_with_progress(plan, console, show=runs > 1 or crash_points is not None)
-    _print_summary(outcome, console)
+    _print_summary(plan, outcome, console)
     if outcome.failures:
         _print_failures(plan, outcome, console)
     if keep is not None:
@@ -156,14 +162,15 @@ JOURNAL_ROWS = (
 )
 
 
-def _print_summary(outcome: SweepOutcome, console: Console) -> None:
+def _print_summary(plan: SweepPlan, outcome: SweepOutcome, console: Console) -> None:
     results = [result for result, _ in outcome.results]
     table = Table(title="simulation summary")
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [
         ("runs", len(results)),
-        ("crash-point runs", outcome.crash_points),
+        ("crash-point images" if plan.crash_points == "images" else "crash-point runs", outcome.crash_points),
+        *((("images recovered", outcome.image_recoveries),) if plan.crash_points == "images" else ()),
         ("failed runs", len(outcome.failures)),
         *((name.replace("_", " "), value) for name, value in outcome.lane_counts().items()),
         ("requests", sum(r.requests for r in results)),
@@ -200,7 +207,8 @@ def _print_failures(plan: SweepPlan, outcome: SweepOutcome, console: Console) ->
 def _keep(plan: SweepPlan, outcome: SweepOutcome, keep: Path, console: Console) -> None:
     """Re-run the last (or first failing) run and export its final image."""
     result, point = outcome.failures[0] if outcome.failures else outcome.results[-1]
-    kept = simulate(plan.options(result.seed, point), keep=True)
+    # An image's crash is not the run's: keep the run that the images were taken from.
+    kept = simulate(plan.options(result.seed, None if plan.crash_points == "images" else point), keep=True)
     if kept.kept_disk is None:
         raise UsageError("the run left no disk image to keep")
     export_image(kept.kept_disk, kept.kept_journal, keep)
@@ -246,6 +254,7 @@ def _summary_json(plan: SweepPlan, outcome: SweepOutcome) -> dict[str, Any]:
         "seed": plan.seed,
         "runs": len(results),
         "crash_point_runs": outcome.crash_points,
+        "image_recoveries": outcome.image_recoveries,
         "failed": len(failures),
         "failures": failures[:20],
         "journal_digest": outcome.journal_digest(),

@@ -145,8 +145,9 @@ def cache_arrays(caches: Sequence[Any], token_count: int) -> list[np.ndarray]:
         if isinstance(cache, ArraysCache):
             arrays.extend(np.array(slot) for slot in cache.cache if slot is not None)
             continue
-        arrays.append(np.array(cache.keys[..., :token_count, :]))
-        arrays.append(np.array(cache.values[..., :token_count, :]))
+        # Sliced in numpy: slicing in MLX would schedule one more evaluation per array.
+        arrays.append(np.array(cache.keys)[..., :token_count, :])
+        arrays.append(np.array(cache.values)[..., :token_count, :])
     return arrays
 
 

@@ -480,10 +480,14 @@ async def _workload(run: _Run, steps: list[Step]) -> None:
             return
 
 
-def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
+def simulate(
+    options: RunOptions, *, keep: bool = False, watch: Callable[[_Run], Callable[[int, str], None]] | None = None
+) -> RunResult:
     """Run one seed to the end; never raises for what the system under test
     does wrong (that is a violation in the result). With `keep`, the result
-    carries the final disk and journal image."""
+    carries the final disk and journal image. `watch(run)` returns what the
+    disk tells of each crash point of the workload (`SimDisk.before_operation`;
+    the crash images), and must leave the run as it found it."""
     safeguards = mutations.safeguards_without(options.mutations)
     determinism.seed_trio(options.seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
@@ -516,9 +520,14 @@ def simulate(options: RunOptions, *, keep: bool = False) -> RunResult:
     steps = build_workload(options.seed, options.shape)
     claims_checked = 0
     workload_ops = 0
+    if watch is not None:
+        disk.before_operation = watch(run)
     with _quiet_logs():
         try:
-            trio.run(_workload, run, steps, clock=clock)
+            try:
+                trio.run(_workload, run, steps, clock=clock)
+            finally:
+                disk.before_operation = None
             workload_ops = disk.ops_done
             claims_checked = _verify_recovery(run)
         except Exception as error:

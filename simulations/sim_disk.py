@@ -77,6 +77,11 @@ from kvcellar.store.disk import DirEntry, FileStat
 
 ROOT_DEFAULT = PurePosixPath("/sim")
 _ROOT_INODE = 1
+# Calls after which a power loss leaves what it would have left before them: they
+# change only handles, open counts and locks, which a crash resets anyway.
+CRASH_NEUTRAL_OPERATIONS = frozenset(
+    {"open_read", "read_into", "size", "scandir", "stat", "close", "unlock", "crash_point"}
+)
 _CLOCK_START_NS = 1_700_000_000_000_000_000
 _CLOCK_STEP_NS = 1_000
 
@@ -145,6 +150,16 @@ def _operation(method: Callable[Concatenate[SimDisk, _P], _R]) -> Callable[Conca
     return run
 
 
+def _copy_inode(inode: Inode) -> Inode:
+    """An inode sharing nothing a crash or a later call changes (pending
+    writes are only read by a crash, and replaced whole)."""
+    if isinstance(inode, DirectoryInode):
+        return attrs.evolve(inode, durable=dict(inode.durable), volatile=dict(inode.volatile))
+    return attrs.evolve(
+        inode, durable=bytearray(inode.durable), volatile=bytearray(inode.volatile), pending=list(inode.pending)
+    )
+
+
 class SimDisk:
     """An in-memory `Disk` with crash and fault simulation (see the module
     docstring for the model). Thread-safe: one mutex serialises all calls.
@@ -175,8 +190,15 @@ class SimDisk:
         self.trace: list[tuple[str, str | None]] | None = [] if trace else None
         # Told of every `Disk` call (not crash points): the simulator's ownership checks.
         self.on_operation: Callable[[str, str | None], None] | None = None
+        # Told of each crash point (`ops_done + 1`, the call's name) before it runs, unless it is the one
+        # `crash_at_op` fires at (the run crashes there itself): the crash images.
+        self.before_operation: Callable[[int, str], None] | None = None
         self.crashes = 0
+        # Calls so far that may have changed what a power loss leaves (all but the crash-neutral ones), and crashes.
+        self.changes = 0
         self._mutex = threading.RLock()
+        self._parts_by_path: dict[str, tuple[str, ...]] = {}
+        self._above_root_by_path: dict[str, bool] = {}
         self._crashed = False
         self._generation = 0
         self._next_inode = _ROOT_INODE
@@ -193,11 +215,15 @@ class SimDisk:
         if self._crashed:
             raise SimulatedCrash(f"the disk crashed; call crash() or crash_clean() before {name} {subject}")
         number = self.ops_done + 1
+        if self.before_operation is not None and self.crash_at_op != number:
+            self.before_operation(number, name)
         if self.crash_at_op == number:
             self._crashed = True
             self.crash_at_op = None
             raise SimulatedCrash(f"crash point at op {number}: {name} {subject}")
         self.ops_done = number
+        if name not in CRASH_NEUTRAL_OPERATIONS:
+            self.changes += 1
         if self.trace is not None:
             self.trace.append((name, subject))
         if self.on_operation is not None and name != "crash_point":
@@ -255,18 +281,29 @@ class SimDisk:
         return file
 
     def _parts(self, path: PurePosixPath | Path | str, operation: str) -> tuple[str, ...]:
-        pure = PurePosixPath(posixpath.normpath(str(self.root / PurePosixPath(str(path)))))
-        try:
-            return pure.relative_to(self.root).parts
-        except ValueError:
-            raise _error(operation, path, errno_codes.ENOENT) from None
+        # Remembered per path text: a run names the same few hundred paths over and
+        # over, and parsing them was a tenth of a crash image's time.
+        text = path if isinstance(path, str) else str(path)
+        parts = self._parts_by_path.get(text)
+        if parts is None:
+            pure = PurePosixPath(posixpath.normpath(str(self.root / PurePosixPath(text))))
+            try:
+                parts = pure.relative_to(self.root).parts
+            except ValueError:
+                raise _error(operation, path, errno_codes.ENOENT) from None
+            self._parts_by_path[text] = parts
+        return parts
 
     def _is_above_root(self, path: PurePosixPath | Path | str) -> bool:
         """Whether `path` is a strict ancestor of the root: those exist durably
         for `makedirs` and `fsync_dir` (a caller syncing up the tree), and for
         nothing else."""
-        pure = PurePosixPath(posixpath.normpath(str(self.root / PurePosixPath(str(path)))))
-        return pure in self.root.parents
+        text = path if isinstance(path, str) else str(path)
+        above = self._above_root_by_path.get(text)
+        if above is None:
+            pure = PurePosixPath(posixpath.normpath(str(self.root / PurePosixPath(text))))
+            above = self._above_root_by_path[text] = pure in self.root.parents
+        return above
 
     def _directory_at(self, parts: tuple[str, ...], operation: str, path: object) -> DirectoryInode:
         directory = self._inodes[_ROOT_INODE]
@@ -611,6 +648,7 @@ class SimDisk:
             self._dir_ops = []
             self._process_died()
             self.crashes += 1
+            self.changes += 1
 
     @staticmethod
     def _reachable(entries: dict[int, dict[str, int]]) -> list[int]:
@@ -641,6 +679,20 @@ class SimDisk:
         if inode.mtime_ns != inode.durable_mtime_ns and rng.random() >= PERSIST_PROBABILITY:
             inode.mtime_ns = inode.durable_mtime_ns
         inode.durable_mtime_ns = inode.mtime_ns
+
+    def crashed_copy(self, rng: random.Random) -> SimDisk:
+        """A new disk holding what a power loss now would leave (`crash(rng)`
+        on a deep copy); this disk is unchanged. No faults, no trace."""
+        with self._mutex:
+            copied = SimDisk(rng=rng, root=self.root, clock_ns=self.clock_ns, bytes_max=self.bytes_max)
+            copied._inodes = {number: _copy_inode(inode) for number, inode in self._inodes.items()}
+            copied._dir_ops = list(self._dir_ops)
+            copied._parts_by_path = self._parts_by_path
+            copied._above_root_by_path = self._above_root_by_path
+            copied._next_inode = self._next_inode
+            copied._generation = self._generation
+        copied.crash(rng)
+        return copied
 
     def crash_clean(self) -> None:
         """The process died (kill -9) but the machine did not: nothing written

@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 
 from kvcellar.errors import UsageError
+from kvcellar.simulations.crash_images import explore
 from kvcellar.simulations.harness import FAULTS, RunOptions, RunResult, simulate
 from kvcellar.simulations.workload import SMALL_SHAPES, WorkloadShape
 
@@ -61,7 +62,9 @@ class SweepPlan:
     seed: int
     runs: int = 1
     faults: str | frozenset[str] = "mixed"
-    crash_points: str | None = None  # None, "all" or "random"
+    # None, "all" or "random" (crash-point runs), or "images" (`crash_images.explore`).
+    crash_points: str | None = None
+    # The crash point of a replay; with "images", the one image to check.
     crash_at_op: int | None = None
     shape_name: str = "default"
     real_model_dir: Path | None = None
@@ -89,6 +92,8 @@ class SweepPlan:
         ]
         if self.shape_name != "default":
             parts.append(f"--workload {self.shape_name}")
+        if self.crash_points == "images":
+            parts.append("--crash-points images")
         if crash_at_op is not None:
             parts.append(f"--crash-at {crash_at_op}")
         if self.real_model_dir is not None:
@@ -103,11 +108,15 @@ class SweepPlan:
 class SweepOutcome:
     results: list[tuple[RunResult, int | None]] = attrs.Factory(list)
     crash_points: int = 0
+    # With crash images: the images recovered (crash points less repeated images), and
+    # each failed image as its run with the image's violations, at its point.
+    image_recoveries: int = 0
+    image_failures: list[tuple[RunResult, int | None]] = attrs.Factory(list)
     elapsed_s: float = 0.0
 
     @property
     def failures(self) -> list[tuple[RunResult, int | None]]:
-        return [(result, point) for result, point in self.results if not result.ok]
+        return [(result, point) for result, point in self.results if not result.ok] + self.image_failures
 
     def exit_code(self) -> int:
         kinds = {violation.kind for result, _ in self.failures for violation in result.violations}
@@ -150,6 +159,14 @@ def run_sweep(
     total = plan.runs
     done = 0
     for seed in range(plan.seed, plan.seed + plan.runs):
+        if plan.crash_points == "images":
+            _explore_seed(plan, seed, outcome)
+            done += 1
+            if progress:
+                progress(done, total)
+            if stop_on_failure and outcome.failures:
+                break
+            continue
         base = simulate(plan.options(seed, plan.crash_at_op))
         outcome.results.append((base, plan.crash_at_op))
         done += 1
@@ -170,6 +187,18 @@ def run_sweep(
             break
     outcome.elapsed_s = time.perf_counter() - started
     return outcome
+
+
+def _explore_seed(plan: SweepPlan, seed: int, outcome: SweepOutcome) -> None:
+    """One run of the seed with the image of every crash point (or of `crash_at_op` alone) checked."""
+    points = None if plan.crash_at_op is None else {plan.crash_at_op}
+    explored = explore(plan.options(seed, None), points=points)
+    outcome.results.append((explored.run, None))
+    outcome.crash_points += len(explored.images)
+    outcome.image_recoveries += explored.recoveries
+    for image in explored.failures:
+        failed = attrs.evolve(explored.run, violations=list(image.violations))
+        outcome.image_failures.append((failed, image.point))
 
 
 def _crash_points(plan: SweepPlan, seed: int, base: RunResult) -> list[int]:

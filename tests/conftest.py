@@ -66,6 +66,7 @@ def tools_tokenizer(tools_model_dir: Path):
 AGENT_CLIENT_TESTS = ("tests/test_agent_clients",)
 LONG_TESTS_FIRST = (
     "tests/test_simulations.py::test_the_default_sweep",
+    "tests/test_sim_crash_images.py::test_the_default_sweep",
     "tests/test_checkpoint_serve.py",
     "tests/test_bench_",
 )

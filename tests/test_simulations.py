@@ -71,11 +71,16 @@ def test_a_run_uses_no_worker_threads(monkeypatch, batch_rows):
     assert result.requests > 0
 
 
-# The default sweep runs as halves of its seeds, so the suite's two xdist workers can share it.
+# The sweep runs as halves of its seeds, so two xdist workers can share it. The default test run
+# sweeps the first half; the second is `slow` (make test-slow): crash points are covered by the
+# crash images (test_sim_crash_images.py), and the suite keeps its simulation share near 100 s.
 SWEEP_HALF_SEEDS = SWEEP_SEEDS_DEFAULT // 2
 
 
-@pytest.mark.parametrize("first_seed", [0, SWEEP_HALF_SEEDS], ids=["seeds-0-99", "seeds-100-199"])
+@pytest.mark.parametrize(
+    "first_seed",
+    [pytest.param(0, id="seeds-0-99"), pytest.param(SWEEP_HALF_SEEDS, id="seeds-100-199", marks=pytest.mark.slow)],
+)
 def test_the_default_sweep_holds_every_invariant(first_seed):
     outcome = run_sweep(SweepPlan(seed=first_seed, runs=SWEEP_HALF_SEEDS, faults="mixed", crash_points="random"))
     assert not outcome.failures, _describe(outcome)
@@ -90,7 +95,17 @@ def test_the_default_sweep_holds_every_invariant(first_seed):
 
 
 # chat runs on the batch lane (its burst shares decode steps), fork and hybrid on the serial lane.
-@pytest.mark.parametrize("workload,seed,batch_rows", [("chat", 1, 3), ("fork", 2, 1), ("hybrid", 5, 1)])
+# A crash-point run replays the workload, so enumerating them costs a run per point: the default
+# test run enumerates chat's, and covers every crash point of many more seeds as crash images
+# (test_sim_crash_images.py); fork's and hybrid's are `slow`.
+@pytest.mark.parametrize(
+    "workload,seed,batch_rows",
+    [
+        ("chat", 1, 3),
+        pytest.param("fork", 2, 1, marks=pytest.mark.slow),
+        pytest.param("hybrid", 5, 1, marks=pytest.mark.slow),
+    ],
+)
 def test_every_crash_point_of_a_small_workload_recovers(workload, seed, batch_rows):
     outcome = run_sweep(
         SweepPlan(seed=seed, runs=1, faults="none", shape_name=workload, crash_points="all", batch_rows=batch_rows)
