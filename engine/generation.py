@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator, Iterator
+from functools import partial
 from typing import Any
 
 import attrs
@@ -456,23 +457,19 @@ def run_generation(
     params = request.params
     prompt = list(request.prompt_ids)
     checkpoints = checkpointing.begin(request) if checkpointing is not None else None
+    prefill = partial(
+        _start,
+        scheme=scheme,
+        prefill_step_tokens=prefill_step_tokens,
+        snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
+        memory_guard=memory_guard,
+        safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
+        paged_kv=paged_kv,
+    )
     try:
-        start = _start(
-            loaded,
-            prompt_cache,
-            request,
-            checkpoints,
-            cancelled,
-            scheme=scheme,
-            prefill_step_tokens=prefill_step_tokens,
-            snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
-            memory_guard=memory_guard,
-            safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
-            paged_kv=paged_kv,
-        )
+        start = prefill(loaded, prompt_cache, request, checkpoints, cancelled)
     except PrefillCancelled:
-        # The client left mid-prefill and its prefix is kept: nobody waits for a token.
-        return
+        return  # the client left mid-prefill and its prefix is kept: nobody waits for a token
     tiers = prompt_cache if start.reuse.use_cache else None
     assembler = TextAssembler(loaded.tokenizer, params.stop_token_ids, request.stop_strings)
     fed: list[int] = []
@@ -496,15 +493,21 @@ def run_generation(
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
             tiers.put(prompt + fed, tier_form(start.cache, paged_kv), request.namespace)
         # MLX's buffer cache is the engine thread's to release (EngineThread._run), once idle.
-    yield GenerationDone(
-        finish_reason=assembler.finish_reason,
-        prompt_tokens=len(prompt),
+    yield _done(start.reuse, assembler.finish_reason, len(prompt), produced, checkpoints)
+
+
+def _done(
+    reuse: Reuse, finish_reason: str, prompt_tokens: int, produced: int, checkpoints: RequestCheckpoints | None
+) -> GenerationDone:
+    return GenerationDone(
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens,
         completion_tokens=produced,
-        cached_tokens=start.reuse.cached_tokens,
-        cache_tier=start.reuse.tier,
+        cached_tokens=reuse.cached_tokens,
+        cache_tier=reuse.tier,
         resumed_tokens=checkpoints.resumed_tokens if checkpoints is not None else 0,
-        restore_plan=start.reuse.restore_plan,
-        divergence=start.reuse.divergence,
+        restore_plan=reuse.restore_plan,
+        divergence=reuse.divergence,
     )
 
 

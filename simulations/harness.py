@@ -488,35 +488,10 @@ def simulate(
     carries the final disk and journal image. `watch(run)` returns what the
     disk tells of each crash point of the workload (`SimDisk.before_operation`;
     the crash images), and must leave the run as it found it."""
-    safeguards = mutations.safeguards_without(options.mutations)
     determinism.seed_trio(options.seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
-    disk_rng = random.Random(f"disk-{options.seed}")
-    disk = SimDisk(
-        rng=disk_rng,
-        root=SIM_ROOT,
-        faults=combined_faults(options.faults),
-        clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9),
-    )
-    loaded = _loaded_model(options)
-    observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
-    boundary = BoundaryChecks(observer.violate)
-    disk.on_operation = boundary.disk_operation
-    run = _Run(
-        options=options,
-        lane=lane_for_seed(options.seed, options.batch_rows),
-        disk=disk,
-        journal=JournalImage(disk, observer.follow, boundary.journal_transaction),
-        observer=observer,
-        boundary=boundary,
-        schedule=BoundarySchedule(random.Random(f"boundary-{options.seed}")),
-        safeguards=safeguards,
-        loaded=loaded,
-        clock=clock,
-        rng=random.Random(f"crash-{options.seed}"),
-        conversations={},
-        system_prompt=system_prompt(options.seed, options.shape),
-    )
+    run = _new_run(options, clock)
+    disk = run.disk
     steps = build_workload(options.seed, options.shape)
     claims_checked = 0
     workload_ops = 0
@@ -554,6 +529,37 @@ def simulate(
         checkpoint_resumes=run.observer.checkpoints.resumes,
         kept_disk=disk if keep else None,
         kept_journal=run.journal.durable if keep else None,
+    )
+
+
+def _new_run(options: RunOptions, clock: trio.testing.MockClock) -> _Run:
+    """A seed's run before its workload: the simulated disk, the model, the observer and its checks."""
+    safeguards = mutations.safeguards_without(options.mutations)
+    disk_rng = random.Random(f"disk-{options.seed}")
+    disk = SimDisk(
+        rng=disk_rng,
+        root=SIM_ROOT,
+        faults=combined_faults(options.faults),
+        clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9),
+    )
+    loaded = _loaded_model(options)
+    observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
+    boundary = BoundaryChecks(observer.violate)
+    disk.on_operation = boundary.disk_operation
+    return _Run(
+        options=options,
+        lane=lane_for_seed(options.seed, options.batch_rows),
+        disk=disk,
+        journal=JournalImage(disk, observer.follow, boundary.journal_transaction),
+        observer=observer,
+        boundary=boundary,
+        schedule=BoundarySchedule(random.Random(f"boundary-{options.seed}")),
+        safeguards=safeguards,
+        loaded=loaded,
+        clock=clock,
+        rng=random.Random(f"crash-{options.seed}"),
+        conversations={},
+        system_prompt=system_prompt(options.seed, options.shape),
     )
 
 

@@ -24,7 +24,7 @@ modelled for durability (a crash keeps them). Truncating the lock file (as
 `RealDisk.lock_exclusive` does) is durable at once; the owner text is a
 pending write.
 
-Faults (`FaultConfig`, drawn from the disk's own `random.Random`):
+Faults (`FaultConfig`, `simulations/sim_faults.py`, drawn from the disk's own `random.Random`):
 - fsync EIO: the file's pending writes are marked lost ("fsyncgate"): still
   readable, a later successful fsync skips them, a crash drops them.
 - write ENOSPC / EIO: a random 512-byte-aligned prefix (maybe empty) of the
@@ -61,6 +61,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import attrs
 
 from kvcellar.errors import DirectoryLocked, DiskError, SimulatedCrash
+from kvcellar.simulations.sim_faults import FaultConfig, TickClock
 from kvcellar.simulations.sim_platter import (
     PERSIST_PROBABILITY,
     SECTOR_SIZES_BYTES,
@@ -82,37 +83,6 @@ _ROOT_INODE = 1
 CRASH_NEUTRAL_OPERATIONS = frozenset(
     {"open_read", "read_into", "size", "scandir", "stat", "close", "unlock", "crash_point"}
 )
-_CLOCK_START_NS = 1_700_000_000_000_000_000
-_CLOCK_STEP_NS = 1_000
-
-
-def _rate(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
-
-
-@attrs.frozen(kw_only=True)
-class FaultConfig:
-    """Probability per call of each injected fault; all 0 by default."""
-
-    fsync_eio_rate: float = attrs.field(default=0.0, validator=_rate)
-    write_enospc_rate: float = attrs.field(default=0.0, validator=_rate)
-    write_eio_rate: float = attrs.field(default=0.0, validator=_rate)
-    read_bitflip_rate: float = attrs.field(default=0.0, validator=_rate)
-    misdirected_write_rate: float = attrs.field(default=0.0, validator=_rate)
-
-
-class TickClock:
-    """A deterministic clock: each call is `step_ns` later than the last."""
-
-    def __init__(self, start_ns: int = _CLOCK_START_NS, step_ns: int = _CLOCK_STEP_NS) -> None:
-        self._next_ns = start_ns
-        self._step_ns = step_ns
-
-    def __call__(self) -> int:
-        now_ns = self._next_ns
-        self._next_ns += self._step_ns
-        return now_ns
 
 
 @attrs.define(eq=False)

@@ -11,17 +11,13 @@ failure degrades to "no hit" or "not stored": the tier never takes serving down.
 `SsdStore` opens and closes the tier and is the one face its callers use; the
 work is cut like the actors, around an I/O-free core:
 
-- `SsdIndex` (`store/ssd_index.py`): the index, counters and LRU clock
-  behind the one lock; short critical sections, no I/O; it queues the events
-  about entries in the critical section that changes or checks them;
-- `StartupScanner` (`store/ssd_scan.py`): the startup scan and the journal's
-  reconciliation;
-- `EntryRestorer` (`store/ssd_restore.py`): `restore`, reading outside the lock;
-- `EntryCommitter` (`store/ssd_commit.py`): `store`, `prepare_store`,
-  `finish_store`, `fail_store`; a commit's mtime and unlinks;
-- `EntryAdopter` (`store/ssd_adopt.py`): `adopt`, a fetched file verified and committed;
-- `TierFiles` (`store/ssd_files.py`): the layout, durable directories, the
-  quarantine, the unlinks of removed entries.
+- `SsdIndex` (`ssd_index.py`): the index, counters and LRU clock behind the one lock; short
+  critical sections, no I/O; it queues the events about entries where it changes or checks them;
+- `StartupScanner` (`ssd_scan.py`): the startup scan and the journal's reconciliation;
+- `EntryRestorer` (`ssd_restore.py`): `restore`, reading outside the lock;
+- `EntryCommitter` (`ssd_commit.py`): `store`, `prepare_store`, `finish_store`, `fail_store`;
+- `EntryAdopter` (`ssd_adopt.py`): `adopt`, a fetched file verified and committed;
+- `TierFiles` (`ssd_files.py`): the layout, durable directories, quarantine, unlinks.
 
 Threads: the engine thread (`restore`, `prepare_store`), the Trio thread
 (`find`, `covers`, `stats`) and the writer's worker thread (`finish_store`)
@@ -62,8 +58,7 @@ from kvcellar.store.ssd_scan import JournalRows, StartupScanner, cyclic_gc_pause
 
 
 class SsdStore:
-    """The cold tier of one serving fingerprint. Thread-safe: its state is
-    `SsdIndex`'s, reached only through that core's short critical sections."""
+    """The cold tier of one serving fingerprint; thread-safe: its state is `SsdIndex`'s, behind that core's lock."""
 
     def __init__(
         self,
@@ -128,10 +123,13 @@ class SsdStore:
             timer_ns=timer_ns,
             restore_listeners=tuple(restore_listeners),
         )
-        self._adopter = EntryAdopter(
-            fingerprint=fingerprint,
-            disk=disk,
-            safeguards=safeguards,
+        self._adopter = self._new_adopter()
+
+    def _new_adopter(self) -> EntryAdopter:
+        return EntryAdopter(
+            fingerprint=self.fingerprint,
+            disk=self.disk,
+            safeguards=self.safeguards,
             new_entry_id=self._committer.new_entry_id,
             entry_path=self.files.entry_path,
             make_durable_dir=self.files.make_durable_dir,
@@ -199,19 +197,22 @@ class SsdStore:
         store._lock_handle = store.disk.lock_exclusive(store.directory / LOCK_FILE_NAME, owner)
         try:
             if journal:
-                journal_path = store.directory / JOURNAL_FILE_NAME
-                store.journal = (
-                    journal_opener(journal_path)
-                    if journal_opener is not None
-                    else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=safeguards)
-                )
-                store.index.attach_journal(store.journal)
+                store._open_journal(journal_opener, clock_ns)
             with cyclic_gc_paused():
                 store._open_index()
         except BaseException:
             store.close()
             raise
         return store
+
+    def _open_journal(self, journal_opener: Callable[[Path], Journal] | None, clock_ns: Callable[[], int]) -> None:
+        journal_path = self.directory / JOURNAL_FILE_NAME
+        self.journal = (
+            journal_opener(journal_path)
+            if journal_opener is not None
+            else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=self.safeguards)
+        )
+        self.index.attach_journal(self.journal)
 
     def _open_index(self) -> None:
         """Scan the directory into the index (`StartupScanner.scan`), bring the
