@@ -340,6 +340,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "minutes; keep it well under their idle timeout.",
 )
 @click.option(
+    "--kv-events-block-size",
+    "kv_events_block_size",
+    # store/kv_events.py's BLOCK_SIZE_DEFAULT, vLLM's default block size.
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1, max=4096),
+    help="Tokens per block of the KV events on GET /v1/kv_events (chained block digests, docs/cluster.md).",
+)
+@click.option(
     "--compute-dtype",
     "compute_dtype",
     default=COMPUTE_DTYPE_DEFAULT,
@@ -387,6 +396,7 @@ def serve_command(
     hosted_tools: str,
     prompt_normalize: str,
     keepalive_interval_s: float,
+    kv_events_block_size: int,
     compute_dtype: str,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API with the RAM and SSD cache tiers."""
@@ -447,6 +457,7 @@ def serve_command(
         hosted_tools="reject" if hosted_tools == "reject" else "omit",
         prompt_normalize=prompt_normalize == "on",
         keepalive_interval_s=keepalive_interval_s,
+        kv_events_block_size=kv_events_block_size,
     )
     try:
         trio.run(serve_forever, config, host, port, settings)

@@ -106,6 +106,14 @@ class _RamEntry:
     last_used_s: float
 
 
+class ResidencyListener(Protocol):
+    """Told of every entry the RAM tier gains (`stored`) and loses (`removed`)."""
+
+    def stored(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None: ...
+
+    def removed(self, entry_id: str) -> None: ...
+
+
 @attrs.define(kw_only=True)
 class PromptCacheCounters:
     # Running counts, published under these names as /stats's `prompt_cache`.
@@ -152,6 +160,9 @@ class PromptCache:
         # Each served take: the namespace and the exact tokens of the RAM entry lent
         # (from the cold tier: the prefix it served). SSD admission counts hits by it.
         self.on_take = on_take
+        # Each entry that enters or leaves the tier (KV events, store/kv_events.py); set after
+        # construction, called on the owner's thread inside the call that changed the tier.
+        self.residency: ResidencyListener | None = None
         self._clock_s = clock_s
         self._bill = bill
         self._entries: dict[str, _RamEntry] = {}
@@ -335,11 +346,15 @@ class PromptCache:
             minimum_reusable_offset=entry.minimum_reusable_offset,
         )
         self.bytes_total += entry.bytes
+        if self.residency is not None:
+            self.residency.stored(entry.entry_id, entry.namespace, entry.tokens)
 
     def _drop(self, entry_id: str) -> _RamEntry:
         entry = self._entries.pop(entry_id)
         self._indexes[entry.namespace].remove(entry_id)
         self.bytes_total -= entry.bytes
+        if self.residency is not None:
+            self.residency.removed(entry_id)
         return entry
 
     def _evict_until_under_cap(self, *, keep: str) -> None:
