@@ -248,6 +248,15 @@ SPECS += (
 )
 
 
+# The KV events' resident set (http/kv_events.py); the digests' sha256 is for replay checks, not a number.
+SPECS += (
+    _gauge("kv_events", "block_size", "Tokens per block of the KV events (GET /v1/kv_events)."),
+    _counter("kv_events", "sequence", "KV events published (the sequence number of the last one)."),
+    _gauge("kv_events", "blocks_ram", "Blocks the RAM tier holds, as the KV events publish them."),
+    _gauge("kv_events", "blocks_ssd", "Blocks the SSD tier holds, as the KV events publish them."),
+)
+_STRUCTURED.add(("kv_events", "resident_sha256"))
+
 _TOOL_GRAMMAR = "tool_call_grammar"
 
 # The tool-call grammar's counts (http/tool_grammar.py), appended after the others.

@@ -187,13 +187,13 @@ class KvEventLog:
             return {medium: sorted(counts) for medium, counts in self._counts.items()}
 
     def stats(self) -> dict[str, Any]:
-        """/stats `kv_events`: the block size, the last sequence, and per medium the
-        resident blocks' count and the sha256 of their sorted digests (decimal, one a line)."""
+        """/stats `kv_events`: the block size, the last sequence, each medium's resident
+        blocks (`blocks_ram`, `blocks_ssd`) and the sha256 of its sorted digests (decimal, one a line)."""
         resident = self.resident()
         return {
             "block_size": self.block_size,
             "sequence": self.sequence,
-            "blocks": {medium: len(digests) for medium, digests in resident.items()},
+            **{f"blocks_{medium.lower()}": len(digests) for medium, digests in resident.items()},
             "resident_sha256": {medium: resident_sha256(digests) for medium, digests in resident.items()},
         }
 

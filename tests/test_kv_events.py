@@ -132,12 +132,12 @@ def test_the_route_replays_to_the_servers_resident_set(model_dir_factory, tmp_pa
                     if stats["sequence"] == sequence:
                         break
                 ram = (await client.get("/stats")).json()["prompt_cache"]
-                assert stats["blocks"]["SSD"] > 0 and stats["blocks"]["RAM"] > 0 and ram["evictions"] > 0, (stats, ram)
+                assert stats["blocks_ssd"] > 0 and stats["blocks_ram"] > 0 and ram["evictions"] > 0, (stats, ram)
                 assert {"BlockStored", "BlockRemoved"} <= {e["type"] for e in followed} | {
                     e["type"] for e in await _events_since(client, 0)
                 }
                 for medium, digests in resident.items():
-                    assert len(digests) == stats["blocks"][medium]
+                    assert len(digests) == stats[f"blocks_{medium.lower()}"]
                     assert resident_sha256(digests) == stats["resident_sha256"][medium]
                 await wait_until(
                     lambda: bool(followed) and followed[-1]["sequence"] >= sequence,
