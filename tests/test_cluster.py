@@ -166,6 +166,10 @@ def test_a_conversation_keeps_hitting_and_moves_through_the_shared_tier_after_a_
     assert _cached_share(reply) >= 0.9, reply["usage"]
     survivor_stats = _stats(cluster.workers[survivor].url)
     assert survivor_stats["shared_cache"]["downloads"] > downloads_before
+    # Failover bookkeeping: /stats (and the journal's `restore.sourced`) say the bytes came from the shared tier.
+    last_restore = survivor_stats["shared_cache"]["recent_restores"][-1]
+    assert last_restore["origin"] == "shared_tier" and last_restore["key"], last_restore
+    assert survivor_stats["shared_cache"]["restores_shared_tier"] >= 1
     assert survivor_stats["requests"]["cached_tokens_ssd"] >= reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     # The killed worker comes back on its port and SSD directory and rejoins the gateway.
