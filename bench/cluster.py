@@ -16,6 +16,7 @@ Run `python -m kvcellar.bench.cluster --help` for the options.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import threading
@@ -147,6 +148,31 @@ def _wait(condition: Callable[[], bool], deadline_s: float = 120) -> None:
         time.sleep(0.1)
 
 
+def _cold_ttft_ms(base: str, like: Session) -> float:
+    """TTFT of a prompt as long as a session's, which no tier holds (a unique first line): c_miss."""
+    cold = Session(like.index, like.model)
+    cold.messages = [{**m} for m in like.messages]
+    cold.messages[0]["content"] = f"[{uuid.uuid4().hex}] " + cold.messages[0]["content"]
+    with httpx.Client(timeout=300) as client:
+        return 1000 * cold.turn(client, base, 0)["ttft_s"]
+
+
+def _model_rows(single: dict[str, Any]) -> list[str]:
+    """hit(N) and the mean TTFT it implies, per policy, from the single server's measured figures."""
+    h, s = single["cached_share"], single["first_turn_cached_share"]
+    c_hit, c_miss = single["ttft_p50_ms"], single["cold_ttft_ms"]
+
+    def ttft_ms(hit: float) -> float:
+        # The line through (0, c_miss) and (h, c_hit): the prefill left is what the hit did not cover.
+        return c_miss - (c_miss - c_hit) * hit / h
+
+    rows = []
+    for n in (1, 2, 4, 8):
+        robin = h / n + s * (1 - 1 / n)
+        rows.append(f"| {n} | {h:.2f} | {ttft_ms(h):.0f} | {robin:.2f} | {ttft_ms(robin):.0f} |")
+    return rows
+
+
 def _failover(cluster: Cluster, sessions: list[Session], turns: int) -> dict[str, float]:
     """Last pre-kill turn one session at a time (to see which worker served it), then SIGKILL worker 0."""
     homes: dict[int, int] = {}
@@ -206,7 +232,11 @@ def _measure(
             progress.print(f"{label}: {options['sessions']} sessions x {options['turns']} turns")
             results, wall_s = _run_turns(sessions, base, range(options["turns"]))
             figures: dict[str, Any] = _summary(results, wall_s)
-            if policy is not None:
+            first = [r for r in results if r["turn"] == 0]
+            figures["first_turn_cached_share"] = sum(r["cached"] for r in first) / sum(r["prompt"] for r in first)
+            if policy is None:
+                figures["cold_ttft_ms"] = _cold_ttft_ms(base, sessions[0])
+            else:
                 progress.print(f"{label}: SIGKILL of worker 0, then every session's next turn")
                 figures.update(_failover(cluster, sessions, options["turns"]))
             return figures
@@ -214,8 +244,26 @@ def _measure(
         moto.stop()
 
 
+def _placement(on_worker_0: int, sessions: int) -> str:
+    """What cache_aware did with the sessions (their last turn before the SIGKILL, by worker)."""
+    where = (
+        "every session on one worker: SMG's cache_aware matches the request text against a prefix tree per "
+        "worker, and the system prompt all sessions share matched the worker that held it first, the load "
+        "staying below SMG's balance thresholds. Its figures are one loaded worker's, and the SIGKILL moved "
+        "all the sessions that worker held at once"
+        if on_worker_0 in (0, sessions)
+        else f"{on_worker_0} of {sessions} sessions on worker 0 and the rest on worker 1"
+    )
+    return (
+        f"Placement: cache_aware ran the last turn before the SIGKILL of {where}. round_robin alternates, so a "
+        "turn often landed on the worker that did not serve the previous one and hit only the system prompt or "
+        "what the shared tier had listed."
+    )
+
+
 def _section(result: dict[str, Any], machine: dict[str, str], options: dict[str, Any]) -> Callable[[str, str], str]:
     def render(command: str, run_date: str) -> str:
+        single = result["single"]
         rows = []
         for label in ("single", "round_robin", "cache_aware"):
             f = result[label]
@@ -250,15 +298,27 @@ def _section(result: dict[str, Any], machine: dict[str, str], options: dict[str,
                 "cache, not on throughput. What transfers to more machines is the cached share and the failover "
                 "figures: they count tokens, not seconds.",
                 "",
-                "A model of N workers. Let a turn's prompt be P tokens of which a fraction h was served by the "
-                "previous turn (h ≈ the single server's cached share above). cache_aware keeps a session on one "
-                "worker, so its hit rate stays h for every N; round_robin sends a session's next turn to the "
-                "worker that served its previous one with probability 1/N, and otherwise hits only what that "
-                "worker holds of the shared system prompt (share s of P, or a shared-tier download when the "
-                "refresh has listed the previous turn): hit(N) ≈ h/N + s(1 - 1/N). With per-request costs c_hit "
-                "(a RAM hit's TTFT) and c_miss (a cold prefill of P), mean TTFT ≈ hit(N) c_hit + (1 - hit(N)) "
-                "c_miss, and on N machines throughput ≈ N / mean service time while cache_aware's sessions stay "
-                "spread (SMG falls back to the least loaded worker when the imbalance passes its thresholds).",
+                _placement(result["cache_aware"]["moved_sessions"], options["sessions"]),
+                "",
+                "A model of N workers, from this run's single-server figures: h = "
+                f"{single['cached_share']:.2f} (cached share of turns 2+), s = {single['first_turn_cached_share']:.2f} "
+                "(a first turn's cached share: the shared system prompt), c_hit = "
+                f"{single['ttft_p50_ms']:.0f} ms (TTFT p50 at share h), c_miss = {single['cold_ttft_ms']:.0f} ms (TTFT "
+                "of the same length with nothing cached), TTFT(x) on the line between them. cache_aware keeps a "
+                "session on its worker: hit = h for every N. round_robin without a shared tier reaches the "
+                "previous turn's worker with probability 1/N and otherwise only the system prompt: hit(N) = h/N + "
+                "s(1 - 1/N). The shared tier lifts round_robin toward h when the previous turn was uploaded and "
+                "listed before the next one (idle-time uploads, a 1 s refresh here): the gap between the measured "
+                "round_robin share and this line is that effect.",
+                "",
+                "| workers N | cache_aware hit | its TTFT ms | round_robin hit (no shared tier) | its TTFT ms |",
+                "|---|---|---|---|---|",
+                *_model_rows(single),
+                "",
+                "Throughput on N machines is N times one worker's while the sessions stay spread; with a shared "
+                "system prompt cache_aware needs its balance thresholds (`--balance-abs-threshold`, "
+                "`--balance-rel-threshold`) low enough to spread them, at the cost of the first turn's hit on the "
+                "new worker (s of the prompt, and the shared tier's download when listed).",
             ]
         )
 
@@ -275,6 +335,7 @@ def _section(result: dict[str, Any], machine: dict[str, str], options: dict[str,
 def main(model_dir: Path | None, directory: Path | None, as_json: bool, write_docs: bool, **options: Any) -> None:
     """Single server vs SMG round_robin vs SMG cache_aware: cache hits, TTFT, req/s, failover."""
     console, progress = Console(), Console(stderr=True)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every S3 request otherwise
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
