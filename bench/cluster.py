@@ -9,7 +9,9 @@ set-up: the cached-token share of turns 2+, TTFT p50/p99 (streamed, to the first
 token), requests/s over the timed turns. Then, behind SMG, one worker is SIGKILLed
 once its entries reached the shared tier (polled from /stats, no flush), and every
 session sends its next turn: the cached share of the sessions that lived on the
-dead worker (moved) and the time until every session was served again.
+dead worker (moved) and the time until every session was served again. The
+worker killed is the one that served the most sessions' last turn (cache_aware
+may hold them all on one).
 
 Run `python -m kvcellar.bench.cluster --help` for the options.
 """
@@ -148,19 +150,27 @@ def _wait(condition: Callable[[], bool], deadline_s: float = 120) -> None:
         time.sleep(0.1)
 
 
-def _cold_ttft_ms(base: str, like: Session) -> float:
-    """TTFT of a prompt as long as a session's, which no tier holds (a unique first line): c_miss."""
-    cold = Session(like.index, like.model)
-    cold.messages = [{**m} for m in like.messages]
+def _probes(base: str, sessions: list[Session], turns: int) -> dict[str, float]:
+    """On the idle single server, one request at a time: c_hit (a session's next turn), c_miss (a prompt as
+    long, which no tier holds: a unique first line) and s (a new session's first turn: the system prompt)."""
+    cold = Session(sessions[0].index, sessions[0].model)
+    cold.messages = [{**m} for m in sessions[0].messages]
     cold.messages[0]["content"] = f"[{uuid.uuid4().hex}] " + cold.messages[0]["content"]
     with httpx.Client(timeout=300) as client:
-        return 1000 * cold.turn(client, base, 0)["ttft_s"]
+        hit = sessions[0].turn(client, base, turns)
+        miss = cold.turn(client, base, 0)
+        new = Session(len(sessions), sessions[0].model).turn(client, base, 0)
+    return {
+        "probe_hit_ttft_ms": 1000 * hit["ttft_s"],
+        "probe_cold_ttft_ms": 1000 * miss["ttft_s"],
+        "system_prompt_share": new["cached"] / new["prompt"],
+    }
 
 
 def _model_rows(single: dict[str, Any]) -> list[str]:
     """hit(N) and the mean TTFT it implies, per policy, from the single server's measured figures."""
-    h, s = single["cached_share"], single["first_turn_cached_share"]
-    c_hit, c_miss = single["ttft_p50_ms"], single["cold_ttft_ms"]
+    h, s = single["cached_share"], single["system_prompt_share"]
+    c_hit, c_miss = single["probe_hit_ttft_ms"], single["probe_cold_ttft_ms"]
 
     def ttft_ms(hit: float) -> float:
         # The line through (0, c_miss) and (h, c_hit): the prefill left is what the hit did not cover.
@@ -174,7 +184,8 @@ def _model_rows(single: dict[str, Any]) -> list[str]:
 
 
 def _failover(cluster: Cluster, sessions: list[Session], turns: int) -> dict[str, float]:
-    """Last pre-kill turn one session at a time (to see which worker served it), then SIGKILL worker 0."""
+    """Last pre-kill turn one session at a time (to see which worker served it), then SIGKILL the
+    worker that served the most sessions."""
     homes: dict[int, int] = {}
     with httpx.Client(timeout=300) as client:
         for session in sessions:
@@ -183,19 +194,28 @@ def _failover(cluster: Cluster, sessions: list[Session], turns: int) -> dict[str
             after = [_stats(w.url)["requests"]["finished"] for w in cluster.workers]
             homes[session.index] = next(i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b > a)
 
+    placement = [sum(1 for home in homes.values() if home == i) for i in range(len(cluster.workers))]
+    victim = max(range(len(placement)), key=placement.__getitem__)
+    survivor = next(i for i in range(len(placement)) if i != victim)
+
     def shared() -> bool:
-        dead, alive = _stats(cluster.workers[0].url), _stats(cluster.workers[1].url)
+        dead, alive = _stats(cluster.workers[victim].url), _stats(cluster.workers[survivor].url)
         settled = not dead["ssd_cache"]["pending_spills"] and not dead["shared_cache"]["upload_queue"]
         return settled and alive["shared_cache"]["objects"] >= dead["ssd_cache"]["entries"]
 
     _wait(shared)
-    cluster.kill_worker(0)
+    cluster.kill_worker(victim)
     killed = time.perf_counter()
     results, _ = _run_turns(sessions, cluster.gateway.url, range(turns + 1, turns + 2))
     recovered_s = time.perf_counter() - killed
-    moved = [r for r in results if homes[int(r["session"])] == 0]
+    moved = [r for r in results if homes[int(r["session"])] == victim]
     share = sum(r["cached"] for r in moved) / max(1, sum(r["prompt"] for r in moved))
-    return {"moved_sessions": len(moved), "moved_cached_share": share, "recovery_s": recovered_s}
+    return {
+        "placement": placement,
+        "moved_sessions": len(moved),
+        "moved_cached_share": share,
+        "recovery_s": recovered_s,
+    }
 
 
 def _measure(
@@ -232,27 +252,26 @@ def _measure(
             progress.print(f"{label}: {options['sessions']} sessions x {options['turns']} turns")
             results, wall_s = _run_turns(sessions, base, range(options["turns"]))
             figures: dict[str, Any] = _summary(results, wall_s)
-            first = [r for r in results if r["turn"] == 0]
-            figures["first_turn_cached_share"] = sum(r["cached"] for r in first) / sum(r["prompt"] for r in first)
             if policy is None:
-                figures["cold_ttft_ms"] = _cold_ttft_ms(base, sessions[0])
+                figures.update(_probes(base, sessions, options["turns"]))
             else:
-                progress.print(f"{label}: SIGKILL of worker 0, then every session's next turn")
+                progress.print(f"{label}: SIGKILL of the busier worker, then every session's next turn")
                 figures.update(_failover(cluster, sessions, options["turns"]))
             return figures
     finally:
         moto.stop()
 
 
-def _placement(on_worker_0: int, sessions: int) -> str:
+def _placement(placement: list[int]) -> str:
     """What cache_aware did with the sessions (their last turn before the SIGKILL, by worker)."""
+    sessions = sum(placement)
     where = (
         "every session on one worker: SMG's cache_aware matches the request text against a prefix tree per "
         "worker, and the system prompt all sessions share matched the worker that held it first, the load "
         "staying below SMG's balance thresholds. Its figures are one loaded worker's, and the SIGKILL moved "
         "all the sessions that worker held at once"
-        if on_worker_0 in (0, sessions)
-        else f"{on_worker_0} of {sessions} sessions on worker 0 and the rest on worker 1"
+        if max(placement) == sessions
+        else " and ".join(f"{n} sessions on worker {i}" for i, n in enumerate(placement))
     )
     return (
         f"Placement: cache_aware ran the last turn before the SIGKILL of {where}. round_robin alternates, so a "
@@ -287,7 +306,8 @@ def _section(result: dict[str, Any], machine: dict[str, str], options: dict[str,
                 + result["model"]
                 + f"; {options['workers']} workers behind SMG 1.13 (one SSD tier each, one moto S3 tier).",
                 "",
-                "| set-up | cached share (turns 2+) | TTFT p50 ms | TTFT p99 ms | req/s | after SIGKILL of worker 0: "
+                "| set-up | cached share (turns 2+) | TTFT p50 ms | TTFT p99 ms | req/s "
+                "| after SIGKILL of the worker holding most sessions: "
                 "sessions moved, their cached share, time until every session served |",
                 "|---|---|---|---|---|---|",
                 *rows,
@@ -298,12 +318,13 @@ def _section(result: dict[str, Any], machine: dict[str, str], options: dict[str,
                 "cache, not on throughput. What transfers to more machines is the cached share and the failover "
                 "figures: they count tokens, not seconds.",
                 "",
-                _placement(result["cache_aware"]["moved_sessions"], options["sessions"]),
+                _placement(result["cache_aware"]["placement"]),
                 "",
                 "A model of N workers, from this run's single-server figures: h = "
-                f"{single['cached_share']:.2f} (cached share of turns 2+), s = {single['first_turn_cached_share']:.2f} "
+                f"{single['cached_share']:.2f} (cached share of turns 2+), s = {single['system_prompt_share']:.2f} "
                 "(a first turn's cached share: the shared system prompt), c_hit = "
-                f"{single['ttft_p50_ms']:.0f} ms (TTFT p50 at share h), c_miss = {single['cold_ttft_ms']:.0f} ms (TTFT "
+                f"{single['probe_hit_ttft_ms']:.0f} ms (TTFT of a next turn, alone), c_miss = "
+                f"{single['probe_cold_ttft_ms']:.0f} ms (TTFT "
                 "of the same length with nothing cached), TTFT(x) on the line between them. cache_aware keeps a "
                 "session on its worker: hit = h for every N. round_robin without a shared tier reaches the "
                 "previous turn's worker with probability 1/N and otherwise only the system prompt: hit(N) = h/N + "

@@ -2,7 +2,7 @@
 
 `attach_kv_events` connects a `KvEventLog` to a started system: the RAM tier's
 residency hook (engine thread) and the SSD tier's event listener (its writer's
-thread), after which the SSD tier's current entries are reported (an entry
+thread), both relayed to the Trio thread, after which the SSD tier's current entries are reported (an entry
 stored in between is reported twice, which the log ignores). The route sends
 each event as `id: <sequence>`, `event: <type>`, `data: <json>`; a reader resumes
 with `?since=N` or the `Last-Event-ID` header, and without either starts from a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -32,36 +33,41 @@ KEEPALIVE_S = 15.0
 SSD_REMOVALS = (ev.EntrySuperseded, ev.EntryEvicted, ev.ReconcileRemoved, ev.EntryQuarantined)
 
 
-class _RamResidency:
-    def __init__(self, log: KvEventLog) -> None:
-        self._log = log
+class _OnTrioThread:
+    """Runs the log's updates on the Trio thread, in the order the tiers reported them
+    (`run_sync_soon` is FIFO): the block digests are hashed there, never on the engine
+    thread (the RAM tier's puts) or under the SSD tier's lock (its writer's events)."""
+
+    def __init__(self, log: KvEventLog, token: trio.lowlevel.TrioToken) -> None:
+        self._log, self._token = log, token
+
+    def later(self, update: Any, *args: Any) -> None:
+        with suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(update, *args)
 
     def stored(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None:
-        self._log.entry_stored("RAM", entry_id, tokens, namespace)
+        self.later(self._log.entry_stored, "RAM", entry_id, tokens, namespace)
 
     def removed(self, entry_id: str) -> None:
-        self._log.entry_removed("RAM", entry_id)
+        self.later(self._log.entry_removed, "RAM", entry_id)
 
-
-def _ssd_listener(log: KvEventLog) -> Any:
-    def listen(event: Any) -> None:
+    def ssd_event(self, event: Any) -> None:
         if isinstance(event, ev.EntryStored | ev.ReconcileAdded):
             tokens = np.frombuffer(event.entry.token_ids, dtype="<u4")
-            log.entry_stored("SSD", event.entry.entry_id, tokens, event.entry.namespace)
+            self.later(self._log.entry_stored, "SSD", event.entry.entry_id, tokens, event.entry.namespace)
         elif isinstance(event, SSD_REMOVALS) and event.entry_id:
             # A quarantined file that was never indexed has no entry id, and was never published.
-            log.entry_removed("SSD", event.entry_id)
-
-    return listen
+            self.later(self._log.entry_removed, "SSD", event.entry_id)
 
 
 def attach_kv_events(system: Any, log: KvEventLog) -> None:
     """Report the system's RAM and SSD tiers into `log` from now on (call on the Trio thread)."""
-    system.prompt_cache.residency = _RamResidency(log)
+    relay = _OnTrioThread(log, trio.lowlevel.current_trio_token())
+    system.prompt_cache.residency = relay
     store = system.store
     if store is None:
         return
-    store.add_event_listener(_ssd_listener(log))
+    store.add_event_listener(relay.ssd_event)
     for entry_id in store.entry_ids():
         entry = store.entry(entry_id)
         if entry is not None:

@@ -67,6 +67,7 @@ AGENT_CLIENT_TESTS = ("tests/test_agent_clients",)
 LONG_TESTS_FIRST = (
     "tests/test_simulations.py::test_the_default_sweep",
     "tests/test_checkpoint_serve.py",
+    "tests/test_cluster.py",
     "tests/test_bench_",
 )
 
