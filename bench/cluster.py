@@ -199,9 +199,14 @@ def _failover(cluster: Cluster, sessions: list[Session], turns: int) -> dict[str
     survivor = next(i for i in range(len(placement)) if i != victim)
 
     def shared() -> bool:
+        # Every entry the victim stored is committed (each is offered once at min-tokens 1) and listed by
+        # the survivor (its index holds both workers' uploads).
         dead, alive = _stats(cluster.workers[victim].url), _stats(cluster.workers[survivor].url)
-        settled = not dead["ssd_cache"]["pending_spills"] and not dead["shared_cache"]["upload_queue"]
-        return settled and alive["shared_cache"]["objects"] >= dead["ssd_cache"]["entries"]
+        ssd, up = dead["ssd_cache"], dead["shared_cache"]
+        settled = not ssd["pending_spills"] and not up["upload_queue"]
+        committed = up["uploads"] + up["already_shared"] >= ssd["spills"]
+        listed = alive["shared_cache"]["objects"] >= up["uploads"] + alive["shared_cache"]["uploads"]
+        return settled and committed and listed
 
     _wait(shared)
     cluster.kill_worker(victim)

@@ -9,6 +9,9 @@ only waits poll those counters (an upload landing, a worker healthy again)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -129,12 +132,13 @@ def _wait_until(condition, what: str, evidence=lambda: None, deadline_s: float =
 
 
 def _shared_with(cluster: Cluster, source: int, other: int) -> bool:
-    """Everything `source` holds on SSD is committed to the shared tier, in `other`'s index."""
-    held = _stats(cluster.workers[source].url)
-    ssd = held["ssd_cache"]
-    if ssd["pending_spills"] or held["shared_cache"]["upload_queue"]:
+    """Every entry `source` stored on SSD is committed to the shared tier (each is offered once: every
+    upload admitted at `--shared-upload-min-tokens 1`), and `other`'s index lists them all."""
+    held, seen = _stats(cluster.workers[source].url), _stats(cluster.workers[other].url)
+    ssd, shared = held["ssd_cache"], held["shared_cache"]
+    if ssd["pending_spills"] or shared["upload_queue"] or shared["uploads"] + shared["already_shared"] < ssd["spills"]:
         return False
-    return _stats(cluster.workers[other].url)["shared_cache"]["objects"] >= ssd["entries"] > 0
+    return seen["shared_cache"]["objects"] >= shared["uploads"] + seen["shared_cache"]["uploads"] > 0
 
 
 def test_a_conversation_keeps_hitting_and_moves_through_the_shared_tier_after_a_sigkill(cluster):
@@ -233,3 +237,51 @@ def test_every_api_works_through_the_gateway_with_the_official_sdks(cluster):
     assert [b.model_dump() for b in streamed_message.content] == [b.model_dump() for b in message.content]
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=model, max_tokens=0, messages=[{"role": "user", "content": "x"}])
+
+
+def test_the_launcher_command_stops_its_whole_tree_on_ctrl_c(model_dir_factory, tmp_path):
+    _smg_or_skip()
+    gateway_port = _free_port()
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvcellar.cli",
+            "cluster",
+            "--model",
+            str(model_dir_factory("llama")),
+            "--workers",
+            "1",
+            "--gateway-port",
+            str(gateway_port),
+            "--ssd-root",
+            str(tmp_path / "ssd"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        announced = launcher.stdout.readline()
+        assert announced.startswith(f"gateway http://127.0.0.1:{gateway_port}"), announced
+        worker_url = announced.split(" over ")[1].strip()
+        reply = httpx.post(
+            f"http://127.0.0.1:{gateway_port}/v1/completions",
+            json={"model": model_dir_factory("llama").name, "prompt": "def cellar():", "max_tokens": 4},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 0
+        rest = launcher.stdout.read()
+        assert "stopped: gateway" in rest and "worker-0 0" in rest, rest
+        for url in (f"http://127.0.0.1:{gateway_port}/health", f"{worker_url}/health"):
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url, timeout=5)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _print_logs(tmp_path / "logs")
