@@ -321,7 +321,10 @@ def _section(result: dict[str, Any], machine: dict[str, str], options: dict[str,
                 "requests/s cannot grow with workers here: two workers split the same two cores (and each keeps "
                 "its own engine thread busy), so round_robin and cache_aware measure the routing's effect on the "
                 "cache, not on throughput. What transfers to more machines is the cached share and the failover "
-                "figures: they count tokens, not seconds.",
+                "figures: they count tokens, not seconds. On this shared machine the timings moved by tens of "
+                "percent between runs (four runs: the single server's req/s 5.3-8.0, its TTFT p50 233-622 ms), "
+                "and cache_aware's higher req/s with every session on one worker is such noise: compare the "
+                "columns of one run, and the cached shares.",
                 "",
                 _placement(result["cache_aware"]["placement"]),
                 "",
