@@ -183,7 +183,7 @@ def _model_rows(single: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _failover(cluster: Cluster, sessions: list[Session], turns: int) -> dict[str, float]:
+def _failover(cluster: Cluster, sessions: list[Session], turns: int) -> dict[str, Any]:
     """Last pre-kill turn one session at a time (to see which worker served it), then SIGKILL the
     worker that served the most sessions."""
     homes: dict[int, int] = {}
