@@ -42,6 +42,7 @@ import trio
 from kvcellar.errors import CorruptEntry, DiskError, SharedObjectMissing, SharedStoreError, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store import shared_events as sev
+from kvcellar.store.restore_origin import RestoreOrigins
 from kvcellar.store.s3_objects import ObjectStore
 from kvcellar.store.shared_tier import (
     SharedIndex,
@@ -127,6 +128,7 @@ class SharedTier:
         self.index = SharedIndex(keys)
         self.policy = UploadPolicy(config.upload)
         self.counters = SharedCounters()
+        self.origins = RestoreOrigins()
         self._gateway_busy = gateway_busy
         self._journal = journal
         self._run_blocking = run_blocking
@@ -232,6 +234,12 @@ class SharedTier:
                 token.run_sync_soon(self._hit, event.entry_id)
             elif isinstance(event, ev.EntrySuperseded | ev.EntryEvicted):
                 token.run_sync_soon(self.policy.forget, event.entry_id)
+                token.run_sync_soon(self.origins.forget, event.entry_id)
+            elif isinstance(event, ev.EntryRestored):
+                token.run_sync_soon(self._restored, event.entry_id, event.usable_tokens)
+
+    def _restored(self, entry_id: str, usable_tokens: int) -> None:
+        self._record(self.origins.restored(entry_id, usable_tokens))
 
     def _candidate(self, entry_id: str, namespace: str, tokens: np.ndarray, size_bytes: int) -> UploadCandidate:
         return UploadCandidate(
@@ -386,6 +394,7 @@ class SharedTier:
             self.counters.downloads += 1
             self.counters.download_bytes += manifest.object_bytes
             token_count = len(manifest.token_ids) // 4
+            self.origins.downloaded(entry_id, key)
             self._record(
                 sev.SharedDownloaded(entry_id=entry_id, key=key, bytes=manifest.object_bytes, token_count=token_count)
             )
@@ -439,6 +448,7 @@ class SharedTier:
             "bytes": self.index.bytes,
             **attrs.asdict(self.counters),
             **self.policy.stats(),
+            **self.origins.stats(),
             "index_age_s": round(trio.current_time() - refreshed, 3) if refreshed is not None else -1.0,
         }
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import trio
 
 from kvcellar.actors.admission import AdmissionCore, AdmissionGate
@@ -42,6 +43,15 @@ from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
 from kvcellar.store.ssd import SsdStore
 
 log = logging.getLogger("kvcellar.write_behind")
+
+
+class ResidencyListener(Protocol):
+    """Told of every entry the RAM tier gains (`resident`) and loses (`gone`)."""
+
+    def resident(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None: ...
+
+    def gone(self, entry_id: str) -> None: ...
+
 
 T = TypeVar("T")
 
@@ -73,6 +83,7 @@ class WriteBehind:
         self.queue: SpillQueue | None = None
         self.durability: DurabilityCoordinator | None = None
         self._flushes_running = 0
+        self._residency_listeners: tuple[ResidencyListener, ...] = ()
 
     # -- the port: engine thread ------------------------------------------------
 
@@ -90,6 +101,22 @@ class WriteBehind:
 
     def spilled(self, snapshot: SpillSnapshot) -> None:
         self._trio_token.run_sync_soon(self._submit_spill, snapshot)
+
+    def resident(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None:
+        for listener in self._residency_listeners:
+            listener.resident(entry_id, namespace, tokens)
+
+    def gone(self, entry_id: str) -> None:
+        for listener in self._residency_listeners:
+            listener.gone(entry_id)
+
+    def add_residency_listener(self, listener: ResidencyListener) -> None:
+        """Tell `listener` of every entry the RAM tier gains or loses from now
+        on, on the engine thread inside the call that changed the tier (it must
+        hand the work on without waiting). Call on the Trio thread: the listeners
+        are an immutable tuple replaced whole, so the engine thread never sees
+        one half-changed."""
+        self._residency_listeners = (*self._residency_listeners, listener)
 
     # -- the pipeline: Trio thread ------------------------------------------------
 

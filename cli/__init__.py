@@ -1,8 +1,8 @@
-"""The `kvcellar` command line: serve, model, kv, journal, simulate and calibrate.
+"""The `kvcellar` command line: serve, model, kv, journal, simulate, calibrate and cluster.
 
 Each command group is one module of this room, a thin click layer over the
 library (`serve.py`, `model.py`, `kv.py`, `journal.py`, `simulate.py`,
-`calibrate.py`); this module only assembles them and turns a `KvCellarError`
+`calibrate.py`, `cluster.py`); this module only assembles them and turns a `KvCellarError`
 into a clear message and exit status 2 instead of a traceback. `python -m kvcellar.cli` runs it
 (`__main__.py`).
 """
@@ -26,6 +26,7 @@ def cli() -> None:
 
 def _register_commands() -> None:
     from kvcellar.cli.calibrate import calibrate_command
+    from kvcellar.cli.cluster import cluster_command
     from kvcellar.cli.journal import journal_group
     from kvcellar.cli.kv import kv_group
     from kvcellar.cli.model import model_group
@@ -38,6 +39,7 @@ def _register_commands() -> None:
     cli.add_command(journal_group)
     cli.add_command(simulate_command)
     cli.add_command(calibrate_command)
+    cli.add_command(cluster_command)
 
 
 _register_commands()

@@ -343,6 +343,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "minutes; keep it well under their idle timeout.",
 )
 @click.option(
+    "--kv-events-block-size",
+    "kv_events_block_size",
+    # store/kv_events.py's BLOCK_SIZE_DEFAULT, vLLM's default block size.
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1, max=4096),
+    help="Tokens per block of the KV events on GET /v1/kv_events (chained block digests, docs/cluster.md).",
+)
+@click.option(
     "--compute-dtype",
     "compute_dtype",
     default=COMPUTE_DTYPE_DEFAULT,
@@ -426,6 +435,7 @@ def _http_settings(flags: ServeFlags) -> HttpSettings:
         hosted_tools="reject" if flags.hosted_tools == "reject" else "omit",
         prompt_normalize=flags.prompt_normalize == "on",
         keepalive_interval_s=flags.keepalive_interval_s,
+        kv_events_block_size=flags.kv_events_block_size,
     )
 
 
@@ -492,6 +502,7 @@ class ServeFlags:
     hosted_tools: str
     prompt_normalize: str
     keepalive_interval_s: float
+    kv_events_block_size: int
     compute_dtype: str
 
 

@@ -52,6 +52,7 @@ from kvcellar.http.chat_reply import ChatReply
 from kvcellar.http.dashboard import dashboard_routes
 from kvcellar.http.failures import classify_failure
 from kvcellar.http.inbound import HostedTools, InboundPolicy
+from kvcellar.http.kv_events import kv_events_routes
 from kvcellar.http.metrics import metrics_registry, render_metrics
 from kvcellar.http.parsing import MAX_TOKENS_DEFAULT, CompletionJob, TokenizerLane
 from kvcellar.http.refusals import refused_unread
@@ -63,6 +64,7 @@ from kvcellar.http.streaming import (
     unless_client_leaves,
 )
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
+from kvcellar.store.kv_events import BLOCK_SIZE_DEFAULT, KvEventLog
 
 log = logging.getLogger("kvcellar.http")
 
@@ -80,6 +82,8 @@ class HttpSettings:
     hosted_tools: HostedTools = "omit"
     # `--prompt-normalize`: the prompt-normalisation rules (http/prompt_rules.py).
     prompt_normalize: bool = True
+    # `--kv-events-block-size`: tokens per block of the KV events (http/kv_events.py, docs/cluster.md).
+    kv_events_block_size: int = BLOCK_SIZE_DEFAULT
 
 
 def error_body(
@@ -186,7 +190,10 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     model_id = system.loaded.model_dir.name
     tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
     inbound = InboundPolicy(hosted_tools=settings.hosted_tools, prompt_normalize=settings.prompt_normalize)
-    stats_snapshot = partial(http_stats, system, tool_grammar, inbound)
+    kv_routes, kv_log = kv_events_routes(
+        system, settings.kv_events_block_size, partial(_guarded, lambda: settings.api_key)
+    )
+    stats_snapshot = partial(http_stats, system, tool_grammar, inbound, kv_log)
     tokenizer_lane = TokenizerLane(tool_grammar, inbound)
     completions = CompletionsRoute(system, tokenizer_lane, settings, model_id)
 
@@ -221,6 +228,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/stats", _guarded(admin_token, info.stats), methods=["GET"]),
         Route("/metrics", _guarded(admin_token, info.metrics), methods=["GET"]),
         Route("/admin/cache/flush", _guarded(admin_token, partial(_flush, system)), methods=["POST"]),
+        *kv_routes,
         *dashboard_routes(
             system,
             lambda handler: _guarded(admin_token, handler),
@@ -498,11 +506,15 @@ async def _shared_flush(system: System, timeout_s: float) -> Response:
     return JSONResponse(verdict, status_code=200 if local.durable and shared["durable"] else 503)
 
 
-def http_stats(system: System, tool_grammar: ToolGrammarPolicy, inbound: InboundPolicy) -> dict[str, Any]:
+def http_stats(
+    system: System, tool_grammar: ToolGrammarPolicy, inbound: InboundPolicy, kv_log: KvEventLog
+) -> dict[str, Any]:
     """`/stats`: the system's figures and the HTTP side's counts: the
-    tool-call grammar's, and what requests had clamped, left out and rewritten."""
+    tool-call grammar's, what requests had clamped, left out and rewritten,
+    and the KV events' resident set (what replaying `/v1/kv_events` yields)."""
     return {
         **system.stats(),
         "tool_call_grammar": tool_grammar.counts.snapshot(),
         "inbound": inbound.counts.snapshot(),
+        "kv_events": kv_log.stats(),
     }

@@ -174,6 +174,12 @@ SPECS += (
         _gauge(_SHARED, "objects", "Committed shared entries the local shared index knows."),
         _gauge(_SHARED, "bytes", "Bytes of the shared entries the local shared index knows."),
         _counter(_SHARED, "uploads", "Local entries committed to the shared store (object, then manifest)."),
+        _counter(_SHARED, "restores_local_ssd", "SSD restores of entries this server stored itself."),
+        _counter(_SHARED, "restores_shared_tier", "SSD restores of entries downloaded from the shared tier."),
+        _counter(_SHARED, "restored_tokens_local_ssd", "Tokens restored from entries this server stored itself."),
+        _counter(
+            _SHARED, "restored_tokens_shared_tier", "Tokens restored from entries downloaded from the shared tier."
+        ),
         _counter(_SHARED, "upload_bytes", "Bytes sent to the shared store by uploads."),
         _counter(_SHARED, "already_shared", "Uploads skipped because the entry's manifest already existed."),
         _counter(_SHARED, "conflicts_412", "Uploads whose conditional manifest put answered 412 (a lost race)."),
@@ -250,6 +256,16 @@ SPECS += (
     _counter("paged_kv", "pools_created", "Paged-KV block pools made since start."),
 )
 
+
+# The KV events' resident set (http/kv_events.py); the digests' sha256 is for replay checks, not a number.
+SPECS += (
+    _gauge("kv_events", "block_size", "Tokens per block of the KV events (GET /v1/kv_events)."),
+    _counter("kv_events", "sequence", "KV events published (the sequence number of the last one)."),
+    _gauge("kv_events", "blocks_ram", "Blocks the RAM tier holds, as the KV events publish them."),
+    _gauge("kv_events", "blocks_ssd", "Blocks the SSD tier holds, as the KV events publish them."),
+)
+_STRUCTURED.add(("kv_events", "resident_sha256"))
+_STRUCTURED.add((_SHARED, "recent_restores"))
 
 _TOOL_GRAMMAR = "tool_call_grammar"
 

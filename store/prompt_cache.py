@@ -76,6 +76,14 @@ class TierEvents(Protocol):
         write-behind); raising means it was not taken."""
         ...
 
+    def resident(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None:
+        """An entry entered the tier (KV events, store/kv_events.py)."""
+        ...
+
+    def gone(self, entry_id: str) -> None:
+        """An entry left the tier (evicted, superseded, spilled or taken whole)."""
+        ...
+
 
 class NoTierEvents:
     """The port of a tier nobody listens to: takes and puts go nowhere, and it
@@ -91,6 +99,12 @@ class NoTierEvents:
 
     def spilled(self, snapshot: SpillSnapshot) -> None:
         raise AssertionError("a tier without listeners makes no spill snapshots")
+
+    def resident(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None:
+        pass
+
+    def gone(self, entry_id: str) -> None:
+        pass
 
 
 NO_TIER_EVENTS = NoTierEvents()
@@ -373,11 +387,13 @@ class PromptCache:
             minimum_reusable_offset=entry.minimum_reusable_offset,
         )
         self.bytes_total += entry.bytes
+        self._events.resident(entry.entry_id, entry.namespace, entry.tokens)
 
     def _drop(self, entry_id: str) -> _RamEntry:
         entry = self._entries.pop(entry_id)
         self._indexes[entry.namespace].remove(entry_id)
         self.bytes_total -= entry.bytes
+        self._events.gone(entry_id)
         return entry
 
     def _evict_until_under_cap(self, *, keep: str) -> None:

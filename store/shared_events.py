@@ -69,10 +69,24 @@ class SharedDownloadFailed:
     reason: str
 
 
+@attrs.frozen(kw_only=True)
+class RestoreSourced:
+    """An SSD entry was restored for a request; `origin` says where its bytes came from:
+    "local_ssd" (this server stored it) or "shared_tier" (downloaded from `key`): failover
+    bookkeeping, after a gateway moved a session here (store/restore_origin.py)."""
+
+    kind: ClassVar[str] = "restore.sourced"
+    entry_id: str
+    origin: str
+    usable_tokens: int
+    key: str = ""
+
+
 SHARED_EVENT_TYPES: tuple[type[Any], ...] = (
     SharedUploaded,
     SharedUploadSkipped,
     SharedDownloaded,
     SharedRefused,
     SharedDownloadFailed,
+    RestoreSourced,
 )

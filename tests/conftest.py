@@ -68,6 +68,7 @@ LONG_TESTS_FIRST = (
     "tests/test_simulations.py::test_the_default_sweep",
     "tests/test_sim_crash_images.py::test_the_default_sweep",
     "tests/test_checkpoint_serve.py",
+    "tests/test_cluster.py",
     "tests/test_bench_",
 )
 

@@ -26,6 +26,8 @@ class RecordingEvents:
         self.accepts_spills = spill is not None
         self.takes: list[tuple[str, int]] = []
         self.puts: list[tuple[str, int]] = []
+        # What the port was told is resident: entry id -> (namespace, tokens).
+        self.residents: dict[str, tuple[str, int]] = {}
 
     def taken(self, namespace: str, tokens: tuple[int, ...]) -> None:
         self.takes.append((namespace, len(tokens)))
@@ -36,6 +38,13 @@ class RecordingEvents:
 
     def spilled(self, snapshot: SpillSnapshot) -> None:
         self._spill(snapshot)
+
+    def resident(self, entry_id: str, namespace: str, tokens) -> None:
+        assert entry_id not in self.residents
+        self.residents[entry_id] = (namespace, len(tokens))
+
+    def gone(self, entry_id: str) -> None:
+        del self.residents[entry_id]
 
 
 # -- a state machine against a reference model, on real (tiny) caches ---------
@@ -246,9 +255,11 @@ def test_the_port_hears_every_successful_put_and_every_served_take(llama):
     cache = PromptCache(events=events)
     cache.put(PROMPT, _prefill(llama, PROMPT)[0], namespace="x")
     assert events.puts == [("x", len(PROMPT))]
+    assert list(events.residents.values()) == [("x", len(PROMPT))], "the port hears each entry enter the tier"
     assert cache.take(PROMPT + [1], namespace="y").tier == "none" and events.takes == []
     assert cache.take(PROMPT + [1], namespace="x").tier == "ram"
     assert events.takes == [("x", len(PROMPT))]
+    assert len(events.residents) == cache.stats()["entries"], "and leave it"
 
 
 def test_cold_entry_wins_only_with_a_strictly_longer_prefix(llama, tmp_path):
