@@ -7,9 +7,10 @@ are converted at the boundary with `raise ... from e`, so a caller handles one
 family. Each docstring says when the error is raised and whose fault it is.
 
 Not errors, yet here too so that every exception class kvcellar defines is in
-one place: the crash signals of the simulator and the benchmarks (the last
-section), which stand for a machine or a process dying, not for something
-kvcellar raises on purpose, and so derive from no `KvCellarError`: no
+one place: the crash and stop signals of the simulator, the benchmarks and
+the cluster launcher (the last section), which stand for a machine or a
+process dying or being told to stop, not for something kvcellar raises on
+purpose, and so derive from no `KvCellarError`: no
 `except KvCellarError` of the code under test may handle a death as a failure.
 """
 
@@ -285,3 +286,8 @@ class SimulatedStoreCrash(Exception):
 class BenchProcessCrash(Exception):
     """Raised inside `open_system` by a benchmark (`bench/ssd_wear.py`) to end
     a process life without its shutdown flush."""
+
+
+class StopRequested(BaseException):
+    """Ctrl-C or SIGTERM while `kvcellar cluster` was starting (http/cluster.py):
+    a `BaseException`, like `KeyboardInterrupt`, so no `except Exception` takes it."""

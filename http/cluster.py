@@ -39,7 +39,7 @@ from typing import IO
 
 import attrs
 
-from kvcellar.errors import UsageError
+from kvcellar.errors import StopRequested, UsageError
 
 GATEWAY_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "prefix_hash", "consistent_hashing")
 HEALTH_POLL_S = 0.25
@@ -254,10 +254,6 @@ def _answers(url: str) -> bool:
             return bool(reply.status == 200)
     except (urllib.error.URLError, OSError):
         return False
-
-
-class StopRequested(BaseException):
-    """Ctrl-C or SIGTERM while the cluster was starting (a BaseException, like KeyboardInterrupt)."""
 
 
 def _status(member: Member) -> int | None:
