@@ -15,7 +15,13 @@ from kvcellar.http.cluster import GATEWAY_POLICIES, ClusterConfig, run_cluster
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="How many workers.")
 @click.option("--shared-cache", "shared_cache", default=None, help="s3://BUCKET/PREFIX: the tier every worker shares.")
 @click.option("--shared-cache-endpoint", default=None, help="The S3 endpoint URL (MinIO, R2, a local server).")
-@click.option("--gateway-port", type=click.IntRange(1, 65535), default=30000, show_default=True)
+@click.option(
+    "--gateway-port",
+    type=click.IntRange(1, 65535),
+    default=30000,
+    show_default=True,
+    help="The port the SMG gateway listens on: point clients here.",
+)
 @click.option("--gateway-host", default="127.0.0.1", show_default=True, help="Where the gateway listens.")
 @click.option("--worker-host", default="127.0.0.1", show_default=True, help="Where the workers listen.")
 @click.option(
@@ -25,7 +31,13 @@ from kvcellar.http.cluster import GATEWAY_POLICIES, ClusterConfig, run_cluster
     multiple=True,
     help="One per worker, in order (default: free ports).",
 )
-@click.option("--policy", type=click.Choice(GATEWAY_POLICIES), default="cache_aware", show_default=True)
+@click.option(
+    "--policy",
+    type=click.Choice(GATEWAY_POLICIES),
+    default="cache_aware",
+    show_default=True,
+    help="SMG's routing policy: cache_aware keeps a conversation on the worker that holds its prefix.",
+)
 @click.option(
     "--ssd-root",
     type=click.Path(file_okay=False, path_type=Path),

@@ -44,6 +44,10 @@ POLICIES = ("auto", *PLANS)
 EWMA_WEIGHT = 0.3
 # A split is chosen only when predicted at most this fraction of the better single path.
 SPLIT_GAIN_MIN = 0.9
+# Auto keeps the restore unless another plan is predicted to save at least this much: below it the
+# choice cannot be told from noise, and a restore keeps what a hit means (the cached tokens are
+# reported, the entry's LRU is touched). A short prefix is so always restored.
+RESTORE_KEEP_S = 0.02
 # Prefill buckets are powers of two of the context position, from this one up.
 BUCKET_TOKENS_MIN = 256
 
@@ -202,7 +206,8 @@ def predictions(model: CostModel, query: RestoreQuery) -> tuple[dict[str, float]
 def _fastest(predicted: Mapping[str, float]) -> str:
     single = min((PLAN_RESTORE, PLAN_RECOMPUTE), key=lambda plan: (predicted[plan], PLANS.index(plan)))
     split_s = predicted.get(PLAN_SPLIT)
-    return PLAN_SPLIT if split_s is not None and split_s <= SPLIT_GAIN_MIN * predicted[single] else single
+    best = PLAN_SPLIT if split_s is not None and split_s <= SPLIT_GAIN_MIN * predicted[single] else single
+    return best if predicted[PLAN_RESTORE] - predicted[best] >= RESTORE_KEEP_S else PLAN_RESTORE
 
 
 def plan_restore(model: CostModel, query: RestoreQuery) -> RestorePlan:

@@ -11,6 +11,7 @@ from kvcellar.store.restore_plan import (
     PLAN_RESTORE,
     PLAN_SPLIT,
     POLICIES,
+    RESTORE_KEEP_S,
     SPLIT_GAIN_MIN,
     CostModel,
     PrefillPoint,
@@ -67,7 +68,11 @@ def test_the_predicted_fastest_allowed_plan_is_chosen(model: CostModel, query: R
     if query.policy == "auto" or query.policy not in allowed:
         single = min(plan.predicted_s[PLAN_RESTORE], plan.predicted_s[PLAN_RECOMPUTE])
         split_s = plan.predicted_s.get(PLAN_SPLIT, float("inf"))
-        if query.policy == "auto" and split_s <= SPLIT_GAIN_MIN * single:
+        fastest = split_s if query.policy == "auto" and split_s <= SPLIT_GAIN_MIN * single else single
+        if plan.predicted_s[PLAN_RESTORE] - fastest < RESTORE_KEEP_S:
+            # Within the keep margin of the restore: the restore stays.
+            assert plan.kind == PLAN_RESTORE
+        elif query.policy == "auto" and split_s <= SPLIT_GAIN_MIN * single:
             assert plan.kind == PLAN_SPLIT
         else:
             assert plan.kind in (PLAN_RESTORE, PLAN_RECOMPUTE)
