@@ -129,6 +129,9 @@ class Exchange:
     # Which conversation a generation request continues ("" for others): a digest of its leading
     # instructions, so aider's commit-message requests are not counted as turns of its edit chat.
     conversation: str = ""
+    # For a non-2xx answer: the shape of what the client sent (its turns' types, roles and call ids,
+    # no text), so a failure names the offending item; else "".
+    request_outline: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -216,6 +219,7 @@ class RecordingProxy:
                     status=answer.status,
                     error_excerpt=excerpt,
                     conversation=conversation_of(body),
+                    request_outline="" if answer.status < 300 else outline_of(body),
                 )
                 proxy._record(exchange)
 
@@ -239,6 +243,26 @@ def conversation_of(body: bytes | None) -> str:
     turns = request.get("messages") or request.get("input") or [None]
     lead = request.get("system") or request.get("instructions") or (turns[0] if isinstance(turns, list) else turns)
     return hashlib.sha256(json.dumps(lead, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def outline_of(body: bytes | None) -> str:
+    """The turns of a generation request without their text: per message or input item its index,
+    type or role, and any call id, e.g. `[5] function_call call_id='c1' | [6] function_call_output`."""
+    try:
+        request = json.loads(body) if body else None
+    except ValueError:
+        return "(not JSON)"
+    turns = request.get("messages") or request.get("input") if isinstance(request, dict) else None
+    if not isinstance(turns, list):
+        return ""
+    parts = []
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            parts.append(f"[{index}] {type(turn).__name__}")
+            continue
+        ids = " ".join(f"{key}={turn[key]!r}" for key in ("call_id", "tool_call_id", "id") if key in turn)
+        parts.append(f"[{index}] {turn.get('type') or turn.get('role')} {ids}".rstrip())
+    return " | ".join(parts)
 
 
 def _stream_back(answer: http.client.HTTPResponse, out: Any, keep_chars: int) -> str:
@@ -546,5 +570,7 @@ def recorded_session(
 
 def describe(session: Session) -> str:
     """What an assertion message needs: exit code, non-2xx requests with the server's text, output tail."""
-    failures = "; ".join(f"{e.method} {e.path} -> {e.status} {e.error_excerpt}" for e in session.non_2xx)
+    failures = "; ".join(
+        f"{e.method} {e.path} -> {e.status} {e.error_excerpt} (sent: {e.request_outline})" for e in session.non_2xx
+    )
     return f"exit {session.exit_code}; non-2xx: [{failures}]; output tail: {session.output[-1500:]}"

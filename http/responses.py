@@ -405,10 +405,17 @@ def _call_id(item: dict[str, Any], param: str) -> str:
 
 
 def _output_call_id(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> str:
-    """A `function_call_output`'s `call_id`; one without answers the latest call no output answered yet."""
+    """A `function_call_output`'s `call_id`. One without, but named, is context the client adds
+    itself (Codex sends `{"name": "goal_objective", "namespace": "agent", "output": …}` after its
+    `create_goal` call's own output): it answers no call, and gets an id from its name. An unnamed
+    one answers the latest call no output answered yet."""
     value = item.get("call_id")
     if isinstance(value, str) and value:
         return value
+    name = item.get("name")
+    if isinstance(name, str) and name:
+        namespace = item.get("namespace")
+        return f"{namespace}.{name}" if isinstance(namespace, str) and namespace else name
     answered = {message.get("tool_call_id") for message in messages if message["role"] == "tool"}
     for message in reversed(messages):
         for call in reversed(message.get("tool_calls", [])):

@@ -68,16 +68,40 @@ def test_claude_code_runs_two_sessions_and_the_second_reads_its_prompt_from_the_
     assert_second_session_reused(sessions[1])
 
 
-def test_codex_runs_two_sessions_and_the_second_reads_its_prompt_from_the_cache(served, tmp_path):
-    require_client("codex")
-    proxy, server_url = served
-    home, project = agent_clients.make_workspace(tmp_path / "agent")
+def _model_cut_its_reply(session: Session) -> bool:
+    """Codex exited because the demo model's reply ran into the server's default reply bound (Codex
+    sends no `max_output_tokens`; `--max-tokens`, 256): every request was 2xx and the server's answer
+    was a well-formed `incomplete`. The tiny model does that on a few prompts in a hundred (its tool
+    call rambles), and which prompts depends on the workspace path and the date in Codex's prompt."""
+    return bool(session.exit_code and not session.non_2xx and MODEL_CUT_MARK in session.output)
+
+
+MODEL_CUT_MARK = "Incomplete response returned, reason: max_output_tokens"
+
+
+def _codex_pair(proxy: RecordingProxy, server_url: str, root) -> list[Session]:
+    home, project = agent_clients.make_workspace(root)
     sessions = []
     for prompt in ("List the files in this directory.", "Show what calc.py contains."):
         run = lambda prompt=prompt: agent_clients.codex_session(proxy.base_url, home, project, prompt)  # noqa: E731
         session, _ = recorded_session(proxy, server_url, run)
-        assert_session_passed(session)
         sessions.append(session)
+        if session.exit_code:
+            break
+    return sessions
+
+
+def test_codex_runs_two_sessions_and_the_second_reads_its_prompt_from_the_cache(served, tmp_path):
+    """A pair the model itself cut short (see `_model_cut_its_reply`) is run once more in a fresh
+    workspace, whose path changes the prompt; anything else fails at once."""
+    require_client("codex")
+    proxy, server_url = served
+    sessions = _codex_pair(proxy, server_url, tmp_path / "agent")
+    if _model_cut_its_reply(sessions[-1]):
+        print(f"codex: the demo model cut its reply; rerun in a fresh workspace: {describe(sessions[-1])[:300]}")
+        sessions = _codex_pair(proxy, server_url, tmp_path / "agent-rerun")
+    for session in sessions:
+        assert_session_passed(session)
     assert_second_session_reused(sessions[1])
 
 

@@ -216,6 +216,45 @@ def test_function_call_output_turn_renders_like_the_chat_api(served, tools_token
     assert response.usage.input_tokens == len(rendered.prompt_ids)
 
 
+def test_a_named_output_without_call_id_is_context_not_an_answer(served, tools_tokenizer):
+    """Codex answers its `create_goal` call, then adds a `function_call_output` with a `name` and a
+    `namespace` but no `call_id` (the goal's text): it is rendered as a tool turn of its own, named
+    after it, and the call's own answer stays the call's."""
+    _, client, script = served
+    script.push(ANSWER_PARIS)
+    items = [
+        {"role": "user", "content": "Paris weather?"},
+        {"type": "function_call", "call_id": "call_abc", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_abc", "output": "sunny, 24 C"},
+        {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "Keed"},
+    ]
+    response = _create(client, items, instructions=SYSTEM, tools=TOOLS)
+    assert response.status == "completed"
+    chat_messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Paris weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 24 C"},
+        {"role": "tool", "tool_call_id": "agent.goal_objective", "content": "Keed"},
+    ]
+    chat_tools = tuple(
+        {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
+        for tool in TOOLS
+    )
+    rendered = render_prompt(tools_tokenizer, chat_messages, ToolPlan(tools=chat_tools))
+    assert response.usage.input_tokens == len(rendered.prompt_ids)
+
+
 def test_max_output_tokens_is_incomplete(served):
     _, client, script = served
     script.push("one two three four five six seven eight nine ten", "one two three four five six seven")
