@@ -643,7 +643,8 @@ def verify_file(path: Path | str, *, disk: Disk | None = None, keyring: KeyRing 
             data = _read_exact(disk, handle, record.file_offset, record.length + tag_bytes, part, path)
             if _checksum(data) != record.checksum:
                 raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
-            if opener is not None and not opener.open(record, [memoryview(data)[: record.length]], data[record.length :]):
+            ciphertext, tag = memoryview(data)[: record.length], data[record.length :]
+            if opener is not None and not opener.open(record, [ciphertext], tag):
                 raise CorruptEntry(f"{path}: {part} fails its tag", part=part)
     finally:
         disk.close(handle)

@@ -41,6 +41,7 @@ import numpy as np
 from kvcellar.errors import DiskError, StoreError
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalThread
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.ssd_adopt import EntryAdopter, Fill
 from kvcellar.store.ssd_commit import EntryCommitter, PendingStore
@@ -49,6 +50,7 @@ from kvcellar.store.ssd_files import (
     LOCK_FILE_NAME,
     QUARANTINE_BYTES_MAX_DEFAULT,
     QUARANTINE_DIR_NAME,
+    SEALED_QUARANTINE_DIR_NAME,
     TierFiles,
     namespace_dir_name,
 )
@@ -77,8 +79,10 @@ class SsdStore:
         safeguards: Safeguards = SAFEGUARDS,
         event_listeners: Sequence[EventListener] = (),
         restore_listeners: Sequence[RestoreListener] = (),
+        keyring: KeyRing | None = None,
     ) -> None:
         self.root_dir = Path(root_dir)
+        self.keyring = keyring
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
         self.bytes_max = bytes_max or None
@@ -113,6 +117,7 @@ class SsdStore:
             safeguards=safeguards,
             clock_ns=clock_ns,
             new_entry_id=new_entry_id or (lambda: uuid.uuid4().hex),
+            keyring=keyring,
         )
         self._restorer = EntryRestorer(
             index=self.index,
@@ -122,6 +127,7 @@ class SsdStore:
             safeguards=safeguards,
             timer_ns=timer_ns,
             restore_listeners=tuple(restore_listeners),
+            keyring=keyring,
         )
         self._adopter = self._new_adopter()
 
@@ -135,6 +141,7 @@ class SsdStore:
             make_durable_dir=self.files.make_durable_dir,
             quarantine_file=self.files.quarantine_file,
             index_written=self._committer.index_written,
+            keyring=self.keyring,
         )
 
     @classmethod
@@ -158,6 +165,7 @@ class SsdStore:
         safeguards: Safeguards = SAFEGUARDS,
         event_listeners: Sequence[EventListener] = (),
         restore_listeners: Sequence[RestoreListener] = (),
+        keyring: KeyRing | None = None,
     ) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
@@ -174,7 +182,9 @@ class SsdStore:
         reconciliation's batch: the journal's commits carry those), under
         the index lock: it must be quick, do no I/O and not call the store.
         Each of `restore_listeners` sees every successful restore, outside
-        the lock (the simulator's observer uses both).
+        the lock (the simulator's observer uses both). With `keyring`, every
+        entry is sealed under its first key and sealed entries open with any
+        of its keys; one whose key it lacks is moved to the sealed quarantine.
         """
         store = cls(
             Path(root_dir),
@@ -191,6 +201,7 @@ class SsdStore:
             safeguards=safeguards,
             event_listeners=event_listeners,
             restore_listeners=restore_listeners,
+            keyring=keyring,
         )
         store.files.make_durable_dirs(store.directory, store.root_dir.parent)
         owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
@@ -224,9 +235,11 @@ class SsdStore:
             fingerprint=self.fingerprint,
             disk=self.disk,
             safeguards=self.safeguards,
-            skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
+            skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, SEALED_QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
             index=scanned.append,
             quarantine=self.files.quarantine,
+            quarantine_sealed=self.files.quarantine_sealed,
+            keyring=self.keyring,
             record_event=self.index.record,
             relative=self.files.relative,
         )
