@@ -92,3 +92,29 @@ def test_a_key_given_twice_is_refused(tmp_path):
 def test_a_key_never_shows_in_its_repr(tmp_path):
     key = write_new_key_file(tmp_path / "k")
     assert key.key.hex() not in repr(key) and key.key_id in repr(key)
+
+
+def _serve(*args: str) -> int:
+    """`kvcellar serve` with `args`; every case here stops at its flag checks, before any model work."""
+    return main(["serve", "--model", "/nonexistent-model", *args])
+
+
+def test_serve_refuses_a_key_without_the_ssd_tier(tmp_path, capsys):
+    write_new_key_file(tmp_path / "k")
+    assert _serve("--encryption-key-file", str(tmp_path / "k")) == 2
+    assert "needs --ssd-cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--shared-cache", "s3://bucket/prefix"], "--shared-cache"), (["--generation-checkpoint", "64"], "--generation")],
+)
+def test_serve_refuses_what_would_still_write_in_the_clear(tmp_path, capsys, flags, named):
+    write_new_key_file(tmp_path / "k")
+    assert _serve("--ssd-cache", str(tmp_path / "ssd"), "--encryption-key-file", str(tmp_path / "k"), *flags) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_serve_stops_at_a_missing_key_file(tmp_path, capsys):
+    assert _serve("--ssd-cache", str(tmp_path / "ssd"), "--encryption-key-file", str(tmp_path / "absent.key")) == 2
+    assert "encryption key file missing" in capsys.readouterr().err
