@@ -191,3 +191,14 @@ def test_sealed_checkpoints_are_refused_for_now(llama_prefill, ring, tmp_path):
     )
     with pytest.raises(UsageError, match="not built yet"):
         kvfile.KvFileWriter(tmp_path / "c.kvc", cache, PROMPT_TOKENS, generation_checkpoint=checkpoint, keyring=ring)
+
+
+def test_a_sealed_entry_is_refused_a_split_restore(llama_prefill, ring, tmp_path):
+    from kvcellar.errors import RefusedCacheKind
+    from kvcellar.store.disk import RealDisk
+    from kvcellar.store.suffix_rows import read_suffix_rows
+
+    _, cache, _ = llama_prefill
+    kvfile.save(tmp_path / "e.kvc", cache, PROMPT_TOKENS, keyring=ring)
+    with pytest.raises(RefusedCacheKind, match="sealed"):
+        read_suffix_rows(RealDisk(), tmp_path / "e.kvc", 16, 32)
