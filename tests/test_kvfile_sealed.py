@@ -171,10 +171,11 @@ def test_a_flipped_payload_byte_fails_its_tag_even_unverified(llama_prefill, rin
     data = bytearray((tmp_path / "e.kvc").read_bytes())
     data[next(header.tensor_records()).file_offset + 5] ^= 0x01
     (tmp_path / "e.kvc").write_bytes(bytes(data))
-    with pytest.raises(CorruptEntry, match="fails its tag"):
-        kvfile.load(tmp_path / "e.kvc", keyring=ring, verify=False)
+    for verify in (True, False):
+        with pytest.raises(CorruptEntry, match="fails its tag"):
+            kvfile.load(tmp_path / "e.kvc", keyring=ring, verify=verify)
     with pytest.raises(CorruptEntry, match="checksum mismatch"):
-        kvfile.load(tmp_path / "e.kvc", keyring=ring)
+        kvfile.verify_file(tmp_path / "e.kvc", keyring=ring)  # the xxh3 of the ciphertext needs no key
 
 
 def test_sealed_checkpoints_are_refused_for_now(llama_prefill, ring, tmp_path):
