@@ -207,7 +207,10 @@ class KvFileWriter:
         if self._sealing_key is not None and self._on_disk.seal is not None:
             # Segment 0 is the token ids; tensor i is segment i + 1. The tag lands right after the ciphertext.
             sealed = sealing.seal_segments(self._sealing_key, self._on_disk.seal, self._binding, index + 1, segments)
-            segments = [memoryview(piece) for piece in sealed]
+            self._checksums[record.name] = tensor_io.write_stream_and_hash(
+                self.disk, self._handle, record.file_offset, sealed
+            )
+            return
         self._checksums[record.name] = tensor_io.write_and_hash(self.disk, self._handle, record.file_offset, segments)
 
     def write_tensor(self, index: int) -> None:

@@ -27,7 +27,7 @@ import copy
 import hashlib
 import secrets
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import cbor2
@@ -42,6 +42,9 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 _NONCE_SPACE = 1 << (8 * NONCE_BYTES)
 _SEGMENT_INDEX = struct.Struct("<I")
+# The piece a sealed write hands its writer thread: small enough that the
+# writer starts early and memory stays bounded, large enough to amortise a call.
+SEAL_PIECE_BYTES = 1 << 20
 
 
 def new_seal(key: EncryptionKey) -> SealRecord:
@@ -75,16 +78,26 @@ def _aad(binding: bytes, segment: int) -> bytes:
 
 
 def seal_segments(
-    key: EncryptionKey, seal: SealRecord, binding: bytes, segment: int, plaintext: Iterable[memoryview | bytes]
-) -> list[bytes]:
-    """One segment's ciphertext, piece by piece as `plaintext` comes, then its tag:
-    written back to back they are the segment's `length + TAG_BYTES` bytes."""
+    key: EncryptionKey,
+    seal: SealRecord,
+    binding: bytes,
+    segment: int,
+    plaintext: Iterable[memoryview | bytes],
+    piece_bytes: int = SEAL_PIECE_BYTES,
+) -> Iterator[bytes]:
+    """One segment's ciphertext, at most `piece_bytes` at a time as it is
+    sealed (lazily: the caller writes each piece while the next is sealed),
+    then its tag: back to back they are the segment's `length + TAG_BYTES` bytes."""
     encryptor = Cipher(algorithms.AES(key.key), modes.GCM(segment_nonce(seal, segment))).encryptor()
     encryptor.authenticate_additional_data(_aad(binding, segment))
-    sealed = [encryptor.update(piece) for piece in plaintext]
-    sealed.append(encryptor.finalize())
-    sealed.append(encryptor.tag)
-    return [piece for piece in sealed if piece]
+    for part in plaintext:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), piece_bytes):
+            yield encryptor.update(view[start : start + piece_bytes])
+    last = encryptor.finalize()  # GCM is a stream mode: nothing is held back, but the API asks for the call
+    if last:
+        yield last
+    yield encryptor.tag
 
 
 def seal_bytes(key: EncryptionKey, seal: SealRecord, binding: bytes, segment: int, plaintext: bytes) -> bytes:

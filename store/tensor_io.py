@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,60 @@ def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memo
         for segment in segments:
             hasher.update(segment)
     finally:
+        writer.join()
+    if failure:
+        raise failure[0]
+    return hasher.digest()
+
+
+# Pieces a streamed write may hold queued for its writer thread: bounds its memory to this many pieces.
+STREAM_QUEUE_PIECES = 4
+
+
+def write_stream_and_hash(disk: Disk, handle: Any, offset: int, pieces: Iterable[bytes]) -> bytes:
+    """`write_and_hash` for bytes made while they are written (a sealed
+    tensor's ciphertext, `sealing.seal_segments`): this thread makes and
+    hashes each piece and queues it, a helper thread writes them back to back
+    from `offset`, so sealing overlaps writing and at most
+    `STREAM_QUEUE_PIECES` pieces wait. Returns the xxh3-64 digest; raises the
+    write's error (after the helper stopped). Inline on a disk without `concurrent_io`."""
+    hasher = xxhash.xxh3_64()
+    if not disk.concurrent_io:
+        cursor = offset
+        for piece in pieces:
+            hasher.update(piece)
+            disk.write_at(handle, cursor, piece)
+            cursor += len(piece)
+        disk.start_writeback(handle, offset, cursor - offset)
+        return hasher.digest()
+    queued: queue.Queue[Any] = queue.Queue(maxsize=STREAM_QUEUE_PIECES)
+    failure: list[BaseException] = []
+
+    def write_all() -> None:
+        cursor = offset
+        # After a failure the queue is still drained, so the maker never blocks on a full queue.
+        while (piece := queued.get()) is not _FINISHED:
+            if failure:
+                continue
+            try:
+                disk.write_at(handle, cursor, piece)
+            except BaseException as e:  # re-raised on the calling thread below
+                failure.append(e)
+            cursor += len(piece)
+        if not failure:
+            try:
+                disk.start_writeback(handle, offset, cursor - offset)
+            except BaseException as e:  # re-raised on the calling thread below
+                failure.append(e)
+
+    writer = threading.Thread(target=write_all, name="kvc-writer", daemon=True)
+    writer.start()
+    try:
+        for piece in pieces:
+            hasher.update(piece)
+            queued.put(piece)
+    finally:
+        queued.put(_FINISHED)
         writer.join()
     if failure:
         raise failure[0]

@@ -203,3 +203,25 @@ def test_a_sealed_entry_is_refused_a_split_restore(llama_prefill, ring, tmp_path
     kvfile.save(tmp_path / "e.kvc", cache, PROMPT_TOKENS, keyring=ring)
     with pytest.raises(RefusedCacheKind, match="sealed"):
         read_suffix_rows(RealDisk(), tmp_path / "e.kvc", 16, 32)
+
+
+def test_a_failed_sealed_write_raises_and_leaves_no_temp_file(llama_prefill, ring, tmp_path):
+    from kvcellar.errors import DiskError
+    from kvcellar.store.disk import RealDisk
+
+    class FailingDisk(RealDisk):
+        """Fails the second payload write: the writer thread stops writing, the sealing thread goes on."""
+
+        writes = 0
+
+        def write_at(self, handle, offset, data):
+            self.writes += 1
+            if self.writes == 2:
+                raise DiskError("no space left", errno=28)
+            super().write_at(handle, offset, data)
+
+    _, cache, _ = llama_prefill
+    (tmp_path / "entries").mkdir()
+    with pytest.raises(DiskError, match="no space"):
+        kvfile.save(tmp_path / "entries" / "e.kvc", cache, PROMPT_TOKENS, disk=FailingDisk(), keyring=ring)
+    assert list((tmp_path / "entries").iterdir()) == []
