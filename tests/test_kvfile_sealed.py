@@ -225,3 +225,19 @@ def test_a_failed_sealed_write_raises_and_leaves_no_temp_file(llama_prefill, rin
     with pytest.raises(DiskError, match="no space"):
         kvfile.save(tmp_path / "entries" / "e.kvc", cache, PROMPT_TOKENS, disk=FailingDisk(), keyring=ring)
     assert list((tmp_path / "entries").iterdir()) == []
+
+
+def test_kv_inspect_and_verify_open_a_sealed_entry_with_its_key(llama_prefill, ring, tmp_path, capsys):
+    import json
+
+    from kvcellar.cli import main
+
+    _, cache, _ = llama_prefill
+    kvfile.save(tmp_path / "e.kvc", cache, PROMPT_TOKENS, keyring=ring)
+    key = ["--encryption-key-file", str(tmp_path / "first.key")]
+    assert main(["kv", "inspect", "--json", str(tmp_path / "e.kvc"), *key]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["tokens"] == PROMPT_TOKENS and shown["seal"]["key_id"] == ring.sealing.key_id
+    assert main(["kv", "verify", str(tmp_path / "e.kvc"), *key]) == 0
+    assert main(["kv", "verify", str(tmp_path / "e.kvc")]) == 1
+    assert ring.sealing.key_id in capsys.readouterr().err
