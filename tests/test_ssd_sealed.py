@@ -96,3 +96,15 @@ def test_a_missing_or_wrong_key_quarantines_warns_once_and_serves_cold(llama, ri
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and right.sealing.key_id in r.getMessage()]
     assert len(warnings) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r not in warnings]
+
+
+def test_journal_verify_opens_a_sealed_tier_with_its_key(llama, rings, tmp_path, capsys):
+    from kvcellar.cli import main
+
+    right, _ = rings
+    _store_one(tmp_path / "tier", llama, right)
+    key = ["--encryption-key-file", str(tmp_path / "keys" / "right.key")]
+    assert main(["journal", "verify", str(tmp_path / "tier"), *key]) == 0
+    assert "1 entries agree" in capsys.readouterr().out
+    assert main(["journal", "verify", "--json", str(tmp_path / "tier")]) == 1
+    assert right.sealing.key_id in capsys.readouterr().out
