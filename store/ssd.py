@@ -27,6 +27,7 @@ across file I/O.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -57,6 +58,8 @@ from kvcellar.store.ssd_files import (
 from kvcellar.store.ssd_index import EventListener, IndexedEntry, SsdCounters, SsdIndex, SsdMatch
 from kvcellar.store.ssd_restore import EntryRestorer, RestoreListener
 from kvcellar.store.ssd_scan import JournalRows, StartupScanner, cyclic_gc_paused, reconciliation
+
+log = logging.getLogger("kvcellar.ssd")
 
 
 class SsdStore:
@@ -229,6 +232,10 @@ class SsdStore:
         """Scan the directory into the index (`StartupScanner.scan`), bring the
         journal's projection in line with the files (the files are the truth:
         all corrections in one transaction), redo supersession, evict over the cap."""
+        if self.keyring is not None:
+            log.info(
+                "sealing SSD entries under key %s; opening with %s", self.keyring.sealing.key_id, self.keyring.key_ids
+            )
         scanned: list[IndexedEntry] = []
         scanner = StartupScanner(
             directory=self.directory,
@@ -402,6 +409,7 @@ class SsdStore:
 __all__ = [
     "CHECKPOINT_DIR_NAME",
     "QUARANTINE_DIR_NAME",
+    "SEALED_QUARANTINE_DIR_NAME",
     "IndexedEntry",
     "PendingStore",
     "SsdCounters",
