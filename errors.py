@@ -96,6 +96,24 @@ class CorruptEntry(StoreError):
         self.part = part
 
 
+class KeyFileError(StoreError):
+    """Raised when an encryption key file (`kvcellar keygen`, `serve
+    --encryption-key-file`) is missing, unreadable or not exactly 32 bytes.
+    The operator's fault, found at startup: the server does not start."""
+
+
+class KeyUnavailable(StoreError):
+    """Raised when a sealed `.kvc` entry names a key id the key ring does not
+    hold (a missing or wrong `--encryption-key-file`), or when it is read with
+    no key ring at all. Nobody's fault at runtime: the SSD tier quarantines the
+    file (never deletes it: the right key may come back) and serves cold. The
+    `key_id` attribute names the key."""
+
+    def __init__(self, message: str, *, key_id: str) -> None:
+        super().__init__(message)
+        self.key_id = key_id
+
+
 class DiskError(StoreError):
     """Raised when the file system fails an operation kvcellar asked of it
     (ENOSPC, EIO, permission). The environment's fault; the store degrades to

@@ -24,6 +24,7 @@ from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.memory import MemoryMeter
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.prompt_cache import BYTES_MAX_DEFAULT
 from kvcellar.store.s3_objects import ObjectStore
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
@@ -84,6 +85,9 @@ class SystemConfig:
     disk_throttle_bytes_per_s: float | None = None
     # `serve --compute-dtype` (engine/compute_dtype.py): `auto` computes small 16-bit models in float32 on the CPU.
     compute_dtype: str = COMPUTE_DTYPE_DEFAULT
+    # `serve --encryption-key-file` (docs/security.md): the SSD tier seals its entries under the first key
+    # and opens them with any; None: entries are written in the clear. Needs `ssd_dir`.
+    ssd_keyring: KeyRing | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]

@@ -85,6 +85,7 @@ async def open_store(
             verify=config.ssd_verify,
             safeguards=seams.safeguards,
             event_listeners=(wear.on_event,),
+            keyring=config.ssd_keyring,
         )
     )
     try:

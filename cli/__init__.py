@@ -1,8 +1,8 @@
-"""The `kvcellar` command line: serve, model, kv, journal, simulate, calibrate and cluster.
+"""The `kvcellar` command line: serve, model, kv, journal, simulate, calibrate, cluster and keygen.
 
 Each command group is one module of this room, a thin click layer over the
 library (`serve.py`, `model.py`, `kv.py`, `journal.py`, `simulate.py`,
-`calibrate.py`, `cluster.py`); this module only assembles them and turns a `KvCellarError`
+`calibrate.py`, `cluster.py`, `keygen.py`); this module only assembles them and turns a `KvCellarError`
 into a clear message and exit status 2 instead of a traceback. `python -m kvcellar.cli` runs it
 (`__main__.py`).
 """
@@ -28,6 +28,7 @@ def _register_commands() -> None:
     from kvcellar.cli.calibrate import calibrate_command
     from kvcellar.cli.cluster import cluster_command
     from kvcellar.cli.journal import journal_group
+    from kvcellar.cli.keygen import keygen_command
     from kvcellar.cli.kv import kv_group
     from kvcellar.cli.model import model_group
     from kvcellar.cli.serve import serve_command
@@ -40,6 +41,7 @@ def _register_commands() -> None:
     cli.add_command(simulate_command)
     cli.add_command(calibrate_command)
     cli.add_command(cluster_command)
+    cli.add_command(keygen_command)
 
 
 _register_commands()

@@ -30,6 +30,7 @@ from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalEvent
 from kvcellar.store.journal_checks import journal_stats, verify_journal
+from kvcellar.store.keyring import load_key_ring
 
 SORT_KEYS = {"bytes": "bytes", "mtime": "mtime_ns", "tokens": "token_count"}
 
@@ -573,7 +574,14 @@ def write_wear_table(wear: dict[str, Any]) -> Table:
 
 
 @journal_command("verify")
-def verify_command(directory: Path, fingerprint: str | None, as_json: bool) -> None:
+@click.option(
+    "--encryption-key-file",
+    "key_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A key that opens the tier's sealed entries (as given to `serve`; repeatable).",
+)
+def verify_command(directory: Path, fingerprint: str | None, as_json: bool, key_files: tuple[Path, ...]) -> None:
     """Check the stored index against a replay of the events and against a
     fresh header scan of the files.
 
@@ -582,7 +590,7 @@ def verify_command(directory: Path, fingerprint: str | None, as_json: bool) -> N
     a running server between the reads may show up as transient differences.
     """
     with opened_journal(directory, fingerprint) as (root, journal):
-        entry_count, mismatches = verify_journal(root, journal)
+        entry_count, mismatches = verify_journal(root, journal, keyring=load_key_ring(key_files) if key_files else None)
     if as_json:
         echo_json({"ok": not mismatches, "entries": entry_count, "mismatches": mismatches})
     elif mismatches:

@@ -13,6 +13,7 @@ from rich.table import Table
 from kvcellar.errors import StoreError
 from kvcellar.serialization import converter
 from kvcellar.store import kvfile
+from kvcellar.store.keyring import KeyRing, load_key_ring
 
 
 @click.group("kv")
@@ -31,6 +32,8 @@ def header_as_json(header: kvfile.Header) -> dict[str, Any]:
             hexify(record["children"])
 
     hexify(data["caches"])
+    if "seal" in data:
+        data["seal"]["nonce"] = data["seal"]["nonce"].hex()
     del data["token_ids"]
     data["tokens"] = list(header.tokens)
     data["payload_bytes"] = header.payload_bytes
@@ -82,16 +85,30 @@ def _print_header(header: kvfile.Header, path: Path) -> None:
     console.print(table)
 
 
+_KEY_FILE_OPTION = click.option(
+    "--encryption-key-file",
+    "key_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A key that opens a sealed entry (`kvcellar keygen`; repeatable, as for `serve`).",
+)
+
+
+def _keyring(key_files: tuple[Path, ...]) -> KeyRing | None:
+    return load_key_ring(key_files) if key_files else None
+
+
 @kv_group.command("inspect")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the header as one JSON object.")
-def inspect_command(file: Path, as_json: bool) -> None:
+@_KEY_FILE_OPTION
+def inspect_command(file: Path, as_json: bool, key_files: tuple[Path, ...]) -> None:
     """Show the header of FILE: tokens, namespace, fingerprint and every cache.
 
     Only the header is read and checked (its checksum and the file's length);
     use `kvcellar kv verify` to check every tensor.
     """
-    header = kvfile.read_header(file)
+    header = kvfile.read_header(file, keyring=_keyring(key_files))
     if as_json:
         click.echo(json.dumps(header_as_json(header)))
     else:
@@ -100,13 +117,15 @@ def inspect_command(file: Path, as_json: bool) -> None:
 
 @kv_group.command("verify")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def verify_command(file: Path) -> None:
-    """Check every byte of FILE: header checksum, length and each tensor checksum.
+@_KEY_FILE_OPTION
+def verify_command(file: Path, key_files: tuple[Path, ...]) -> None:
+    """Check every byte of FILE: header checksum, length and each tensor checksum (and tag, if sealed).
 
     Exits 0 when the entry is intact, 1 with the reason when it is not.
     """
+    keyring = _keyring(key_files)
     try:
-        header = kvfile.verify_file(file)
+        header = kvfile.verify_file(file, keyring=keyring)
     except StoreError as e:
         click.echo(f"FAILED: {e}", err=True)
         click.get_current_context().exit(1)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvcellar.actors.system import SystemConfig
     from kvcellar.actors.uploader import SharedCacheConfig
     from kvcellar.http.app import HttpSettings
+    from kvcellar.store.keyring import KeyRing
 
 log = logging.getLogger("kvcellar.serve")
 
@@ -264,6 +265,16 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     "tensor is restored as it is on disk; the header is always checked). Needs --ssd-cache.",
 )
 @click.option(
+    "--encryption-key-file",
+    "encryption_key_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Seal the SSD tier's entries at rest with AES-256-GCM (`kvcellar keygen FILE` makes a key). Repeatable: "
+    "the first key seals new entries, every key opens old ones (rotation). An entry whose key is not given is "
+    "moved to quarantine-sealed/ and its prompt served cold. Needs --ssd-cache; not yet with --shared-cache or "
+    "--generation-checkpoint (docs/security.md).",
+)
+@click.option(
     "--paged-kv",
     "paged_kv",
     is_flag=True,
@@ -382,6 +393,19 @@ def _check_flags(flags: ServeFlags) -> None:
         log.warning("--ssd-cache-max and --ssd-demote-idle need --ssd-cache; ignored")
     if ssd_dir is None and (flags.ssd_admission != "always" or flags.ssd_write_budget_gb_per_day is not None):
         log.warning("--ssd-admission and --ssd-write-budget need --ssd-cache; ignored")
+    check_encryption(flags, ssd_dir)
+
+
+def check_encryption(flags: ServeFlags, ssd_dir: Path | None) -> None:
+    """Encryption at rest covers the SSD tier's entries only so far: refuse what would still write in the clear."""
+    if not flags.encryption_key_files:
+        return
+    if ssd_dir is None:
+        raise UsageError("--encryption-key-file seals the SSD tier's entries: it needs --ssd-cache")
+    if flags.shared_cache_url is not None:
+        raise UsageError("--encryption-key-file cannot be combined with --shared-cache yet (docs/security.md)")
+    if flags.generation_checkpoint_tokens:
+        raise UsageError("--encryption-key-file cannot be combined with --generation-checkpoint yet (docs/security.md)")
 
 
 def _system_config(flags: ServeFlags) -> SystemConfig:
@@ -389,6 +413,7 @@ def _system_config(flags: ServeFlags) -> SystemConfig:
     from kvcellar.store.fingerprint import ShardDigestMemo
 
     ssd_dir = flags.ssd_dir
+    keyring = _keyring(flags.encryption_key_files)  # first: a bad key file stops the start before any model work
     return SystemConfig(
         model_dir=resolve_model_dir(flags.model),
         ssd_dir=ssd_dir,
@@ -421,7 +446,15 @@ def _system_config(flags: ServeFlags) -> SystemConfig:
         restore_policy=flags.restore_policy,
         disk_throttle_bytes_per_s=None if flags.disk_throttle_mbps is None else flags.disk_throttle_mbps * 1e6,
         compute_dtype=flags.compute_dtype,
+        ssd_keyring=keyring,
     )
+
+
+def _keyring(paths: tuple[Path, ...]) -> KeyRing | None:
+    """The key ring of `--encryption-key-file`, read at start-up: a missing or bad key file stops the server."""
+    from kvcellar.store.keyring import load_key_ring
+
+    return load_key_ring(paths) if paths else None
 
 
 def _http_settings(flags: ServeFlags) -> HttpSettings:
@@ -494,6 +527,7 @@ class ServeFlags:
     shared_cache_timeout_s: float
     shared_cache_refresh_s: float
     ssd_cache_verify: str
+    encryption_key_files: tuple[Path, ...]
     paged_kv: bool
     paged_kv_block_size: int
     tool_call_grammar: str

@@ -11,15 +11,17 @@ import errno
 from pathlib import Path
 from typing import Any
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
+from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.disk import DirEntry, Disk, RealDisk
 from kvcellar.store.journal import ENTRY_COLUMNS, Journal
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.write_wear import fold_journal
 
 # The SSD tier's quarantine directory (store/ssd.py names it the same).
 QUARANTINE_DIR_NAME = "quarantine"
+SEALED_QUARANTINE_DIR_NAME = "quarantine-sealed"  # store/ssd_files.py's, as QUARANTINE_DIR_NAME
 # Fields a fresh header scan can vouch for; hit and restore counters live only in the journal.
 FILE_CHECKED_FIELDS = tuple(column for column in ENTRY_COLUMNS if column not in ("hits", "restores"))
 
@@ -78,22 +80,25 @@ def _listing(disk: Disk, directory: Path) -> list[DirEntry]:
         raise
 
 
-def scan_files(root: Path, disk: Disk | None = None) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Rows for every entry file from a fresh header read, and a mismatch for
-    every file whose header cannot be read. Temp files and quarantine are skipped."""
+def scan_files(
+    root: Path, disk: Disk | None = None, keyring: KeyRing | None = None
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Rows for every entry file from a fresh header read (a sealed one opened
+    with `keyring`), and a mismatch for every file whose header cannot be
+    read. Temp files and both quarantines are skipped."""
     disk = disk or RealDisk()
     rows: dict[str, dict[str, Any]] = {}
     problems: list[dict[str, Any]] = []
     for ns_dir in sorted(disk.scandir(root), key=lambda entry: entry.name):
-        if not ns_dir.is_dir or ns_dir.name == QUARANTINE_DIR_NAME:
+        if not ns_dir.is_dir or ns_dir.name in (QUARANTINE_DIR_NAME, SEALED_QUARANTINE_DIR_NAME):
             continue
         files = [entry for entry in disk.scandir(root / ns_dir.name) if entry.name.endswith(kvfile.FILE_SUFFIX)]
         for file in sorted(files, key=lambda entry: entry.name):
             path = root / ns_dir.name / file.name
             relative = f"{ns_dir.name}/{file.name}"
             try:
-                header = kvfile.read_header(path, disk=disk, size_bytes=file.size_bytes)
-            except (CorruptEntry, UnsupportedFormat, DiskError) as e:
+                header = kvfile.read_header(path, disk=disk, size_bytes=file.size_bytes, keyring=keyring)
+            except (CorruptEntry, UnsupportedFormat, DiskError, KeyUnavailable) as e:
                 problems.append(_mismatch("files", path.stem, "header", relative, f"unreadable: {e}"))
                 continue
             rows[path.stem] = {
@@ -138,12 +143,14 @@ def compare_rows(
     return mismatches
 
 
-def verify_journal(root: Path, journal: Journal, disk: Disk | None = None) -> tuple[int, list[dict[str, Any]]]:
+def verify_journal(
+    root: Path, journal: Journal, disk: Disk | None = None, keyring: KeyRing | None = None
+) -> tuple[int, list[dict[str, Any]]]:
     """The number of indexed entries and every disagreement between the stored
     projection, a replay of the events, and the files on disk."""
     stored = {row["entry_id"]: row for row in journal.entries()}
     replayed = {row["entry_id"]: row for row in journal.replay()}
-    files, problems = scan_files(root, disk)
+    files, problems = scan_files(root, disk, keyring)
     mismatches = compare_rows("projection vs replay", stored, replayed, ENTRY_COLUMNS)
     mismatches += compare_rows("projection vs files", stored, files, FILE_CHECKED_FIELDS)
     return len(stored), mismatches + problems

@@ -4,6 +4,11 @@ Version 1 is an ordinary entry; version 2 an in-flight generation checkpoint
 pending token, the sampler state). A build that reads only version 1 refuses
 a checkpoint as an unsupported version rather than restore half of it, and
 this build refuses a header whose version and checkpoint part disagree.
+Version 3 is an ordinary entry sealed with AES-256-GCM (`store.sealing`):
+its header adds `seal` (key id, nonce), its `token_ids` are their ciphertext
+and tag, and each tensor's ciphertext is followed by its 16-byte tag. Reading
+one needs a `KeyRing` holding its key (`KeyUnavailable` otherwise); a failed
+tag is a `CorruptEntry` like a failed checksum.
 
 Layout (all integers little-endian):
 
@@ -39,23 +44,33 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
+import cbor2
 import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvcellar.errors import CorruptEntry, DecodeError, DiskError, UnsupportedFormat, UsageError
-from kvcellar.serialization import from_cbor, to_cbor
-from kvcellar.store import codecs, staged_load, tensor_io
+from kvcellar.errors import CorruptEntry, DecodeError, DiskError, KeyUnavailable, UnsupportedFormat, UsageError
+from kvcellar.serialization import converter, from_cbor, to_cbor
+from kvcellar.store import codecs, sealing, staged_load, tensor_io
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.image_disk import ImageDisk
-from kvcellar.store.records import CacheRecord, GenerationCheckpoint, Header, HeaderSummary, TensorRecord
+from kvcellar.store.keyring import EncryptionKey, KeyRing
+from kvcellar.store.records import (
+    CacheRecord,
+    GenerationCheckpoint,
+    Header,
+    HeaderSummary,
+    SealRecord,
+    TensorRecord,
+)
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 FORMAT_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = frozenset({FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION})
+SEALED_FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = frozenset({FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION, SEALED_FORMAT_VERSION})
 ALIGNMENT_BYTES = 16 * 1024
 FILE_SUFFIX = ".kvc"
 TEMP_SUFFIX = ".tmp"
@@ -125,7 +140,10 @@ class KvFileWriter:
         temp_id: str | None = None,
         safeguards: Safeguards = SAFEGUARDS,
         generation_checkpoint: GenerationCheckpoint | None = None,
+        keyring: KeyRing | None = None,
     ) -> None:
+        if keyring is not None and generation_checkpoint is not None:
+            raise UsageError("sealed generation checkpoints are not built yet (docs/security.md)")
         self.path = Path(path)
         self.disk = disk or RealDisk()
         self.safeguards = safeguards
@@ -136,8 +154,11 @@ class KvFileWriter:
         token_count = len(token_ids) // 4
         records, self._producers = codecs.plan_caches(caches, token_count)
         info = _coerce_meta(meta)
-        self._header = Header(
-            format_version=FORMAT_VERSION if generation_checkpoint is None else CHECKPOINT_FORMAT_VERSION,
+        self._sealing_key = keyring.sealing if keyring is not None else None
+        seal = sealing.new_seal(self._sealing_key) if self._sealing_key is not None else None
+        version = FORMAT_VERSION if generation_checkpoint is None else CHECKPOINT_FORMAT_VERSION
+        planned = Header(
+            format_version=SEALED_FORMAT_VERSION if seal is not None else version,
             fingerprint=dict(info.fingerprint),
             namespace=info.namespace,
             tokenizer_hash=info.tokenizer_hash,
@@ -149,8 +170,10 @@ class KvFileWriter:
             payload_offset=0,
             file_bytes=0,
             generation_checkpoint=generation_checkpoint,
+            seal=seal,
         )
-        self._header = _place_tensors(self._header)
+        self._header, self._on_disk = _plan_header(planned, self._sealing_key)
+        self._binding = _binding(self._on_disk) if seal is not None else b""
         self._tensors = list(self._header.tensor_records())
         self._checksums: dict[str, bytes] = {}
         self._handle: Any = None
@@ -181,6 +204,13 @@ class KvFileWriter:
     def write_segments(self, index: int, segments: list[memoryview]) -> None:
         """Write one materialised tensor at its aligned offset while checksumming it (no MLX)."""
         record = self._tensors[index]
+        if self._sealing_key is not None and self._on_disk.seal is not None:
+            # Segment 0 is the token ids; tensor i is segment i + 1. The tag lands right after the ciphertext.
+            sealed = sealing.seal_segments(self._sealing_key, self._on_disk.seal, self._binding, index + 1, segments)
+            self._checksums[record.name] = tensor_io.write_stream_and_hash(
+                self.disk, self._handle, record.file_offset, sealed
+            )
+            return
         self._checksums[record.name] = tensor_io.write_and_hash(self.disk, self._handle, record.file_offset, segments)
 
     def write_tensor(self, index: int) -> None:
@@ -196,9 +226,9 @@ class KvFileWriter:
 
     def commit_data(self) -> Header:
         """The first half of `commit`: header written, data fsynced, file closed."""
-        header = _with_checksums(self._header, self._checksums)
+        header = _with_checksums(self._on_disk, self._checksums)
         header_bytes = to_cbor(header)
-        planned_bytes = to_cbor(self._header)
+        planned_bytes = to_cbor(self._on_disk)
         if len(header_bytes) != len(planned_bytes):
             raise AssertionError("patched header changed length: checksum slots must be fixed-width")
         preamble = _preamble(header_bytes, header.payload_offset, header.format_version)
@@ -206,7 +236,7 @@ class KvFileWriter:
         self._fsync_data()
         self.disk.close(self._handle)
         self._handle = None
-        return header
+        return attrs.evolve(header, token_ids=self._header.token_ids)
 
     def _fsync_data(self) -> None:
         if not self.safeguards.fsync_entry_file:
@@ -242,6 +272,24 @@ def _packed_token_ids(tokens: Sequence[int]) -> bytes:
     return wide.astype("<u4").tobytes()
 
 
+def _plan_header(planned: Header, key: EncryptionKey | None) -> tuple[Header, Header]:
+    """The placed header as callers see it (plaintext token ids) and as it
+    goes on disk (a sealed entry's token ids sealed under `key`, bound to
+    every other field of the placed header)."""
+    if planned.seal is None or key is None:
+        placed = _place_tensors(planned)
+        return placed, placed
+    # Placement sees the sealed ids' length (ciphertext + tag); the binding never sees their bytes.
+    placeholder = bytes(len(planned.token_ids) + sealing.TAG_BYTES)
+    placed = _place_tensors(attrs.evolve(planned, token_ids=placeholder))
+    sealed_ids = sealing.seal_bytes(key, planned.seal, _binding(placed), 0, planned.token_ids)
+    return attrs.evolve(placed, token_ids=planned.token_ids), attrs.evolve(placed, token_ids=sealed_ids)
+
+
+def _binding(header: Header) -> bytes:
+    return sealing.header_binding(converter.unstructure(header))
+
+
 def _place_tensors(header: Header) -> Header:
     """Assign aligned file offsets. Offsets are CBOR integers whose width can
     change the header length, so iterate to the fixed point (2-3 rounds)."""
@@ -258,13 +306,14 @@ def _place_tensors(header: Header) -> Header:
 def _assign_offsets(header: Header, payload_offset: int) -> Header:
     cursor = payload_offset
     end = payload_offset
+    tag_bytes = sealing.TAG_BYTES if header.seal is not None else 0
 
     def place(record: CacheRecord) -> CacheRecord:
         nonlocal cursor, end
         tensors = []
         for tensor in record.tensors:
             tensors.append(attrs.evolve(tensor, file_offset=cursor, checksum=_ZERO_CHECKSUM))
-            end = cursor + tensor.length
+            end = cursor + tensor.length + tag_bytes
             cursor = _align(end)
         children = tuple(place(child) for child in record.children)
         return attrs.evolve(record, tensors=tuple(tensors), children=children)
@@ -306,14 +355,16 @@ def save(
     meta: EntryMeta | Mapping[str, Any] | None = None,
     *,
     disk: Disk | None = None,
+    keyring: KeyRing | None = None,
 ) -> Header:
-    """Write an entry atomically to `path` and return its header.
+    """Write an entry atomically to `path` and return its header; sealed
+    under the ring's first key when `keyring` is given.
 
     Raises `UnknownCacheKind` / `RefusedCacheKind` for caches without a codec,
     `UsageError` when the caches' offsets disagree with `tokens`, and
     `DiskError` when the file system fails (the temp file is removed).
     """
-    return write_entry(KvFileWriter(Path(path), caches, tokens, meta, disk))
+    return write_entry(KvFileWriter(Path(path), caches, tokens, meta, disk, keyring=keyring))
 
 
 def _read_exact(disk: Disk, handle: Any, offset: int, length: int, part: str, path: Path) -> bytearray:
@@ -334,10 +385,15 @@ _HeaderRecord = TypeVar("_HeaderRecord", Header, HeaderSummary)
 
 
 def _read_header_from(
-    disk: Disk, handle: Any, path: Path, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
+    disk: Disk,
+    handle: Any,
+    path: Path,
+    size_bytes: int | None = None,
+    safeguards: Safeguards = SAFEGUARDS,
+    keyring: KeyRing | None = None,
 ) -> Header:
     """Parse and check the preamble and header, every record structured."""
-    return _read_checked_header(disk, handle, path, size_bytes, safeguards, Header)
+    return _read_checked_header(disk, handle, path, size_bytes, safeguards, Header, keyring)
 
 
 def _read_checked_header(
@@ -347,13 +403,15 @@ def _read_checked_header(
     size_bytes: int | None,
     safeguards: Safeguards,
     record: type[_HeaderRecord],
+    keyring: KeyRing | None = None,
 ) -> _HeaderRecord:
     """Parse and check the preamble and header into `record` (`Header`, or
     `HeaderSummary` for a scan). One read covers both for headers up to
     ~4 KiB, two for longer ones, never a payload byte (a startup scan reads
     thousands of them); `size_bytes`, when the caller already knows it,
     saves an fstat. Every check but the structure of the cache records runs
-    for either record."""
+    for either record. A sealed header comes back with its token ids opened
+    (`_open_token_ids`)."""
     first = bytearray(_FIRST_READ_BYTES)
     got = disk.read_into(handle, 0, memoryview(first))
     if got == 0 or first[: min(got, len(MAGIC))] != MAGIC[: min(got, len(MAGIC))]:
@@ -384,34 +442,76 @@ def _read_checked_header(
         raise CorruptEntry(f"{path}: header disagrees with the preamble", part="header")
     if (header.generation_checkpoint is not None) != (version == CHECKPOINT_FORMAT_VERSION):
         raise CorruptEntry(f"{path}: a version {version} header with the wrong checkpoint part", part="header")
+    if (header.seal is not None) != (version == SEALED_FORMAT_VERSION):
+        raise CorruptEntry(f"{path}: a version {version} header with the wrong seal part", part="header")
     actual_bytes = size_bytes if size_bytes is not None else disk.size(handle)
     if actual_bytes < header.file_bytes:
         raise CorruptEntry(f"{path}: truncated ({actual_bytes} of {header.file_bytes} bytes)", part="size")
+    if header.seal is not None:
+        return attrs.evolve(
+            header, token_ids=_open_token_ids(header_bytes, header.seal, header.token_ids, keyring, path)
+        )
     return header
 
 
+def _open_token_ids(
+    header_bytes: memoryview, seal: SealRecord, sealed_ids: bytes, keyring: KeyRing | None, path: Path
+) -> bytes:
+    """A sealed header's token ids. Their tag also authenticates every other
+    header field (`sealing.header_binding`), so a header that opens is the
+    one sealed with its payload. Raises `KeyUnavailable` without the key,
+    `CorruptEntry(part="header")` when the tag fails."""
+    if seal.algorithm != sealing.ALGORITHM:
+        raise UnsupportedFormat(f"{path}: sealed with {seal.algorithm}; this build opens {sealing.ALGORITHM}")
+    if keyring is None:
+        raise KeyUnavailable(f"{path}: sealed under key {seal.key_id} and no encryption key given", key_id=seal.key_id)
+    key = keyring.opening(seal.key_id)
+    token_ids = sealing.open_bytes(key, seal, _binding_of_bytes(header_bytes), 0, sealed_ids)
+    if token_ids is None:
+        raise CorruptEntry(f"{path}: sealed header fails its tag (key {seal.key_id})", part="header")
+    return token_ids
+
+
+def _binding_of_bytes(header_bytes: memoryview) -> bytes:
+    try:
+        return sealing.header_binding(cbor2.loads(header_bytes))
+    except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CorruptEntry(f"a sealed header does not decode: {e}", part="header") from e
+
+
 def read_header(
-    path: Path | str, *, disk: Disk | None = None, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
+    path: Path | str,
+    *,
+    disk: Disk | None = None,
+    size_bytes: int | None = None,
+    safeguards: Safeguards = SAFEGUARDS,
+    keyring: KeyRing | None = None,
 ) -> Header:
     """Read and verify only the header (and that the file is long enough;
     pass `size_bytes` when a directory scan already knows the file's size).
 
     Raises `UnsupportedFormat` for a foreign file or another format version,
     `CorruptEntry` for a damaged header or a truncated file, `DiskError` when
-    the file cannot be read.
+    the file cannot be read, `KeyUnavailable` for a sealed entry whose key
+    `keyring` lacks.
     """
     disk = disk or RealDisk()
     # A scan passes thousands of Paths: re-parsing each (`Path(path)`) cost about as much as building it.
     path = path if isinstance(path, Path) else Path(path)
     handle = disk.open_read(path)
     try:
-        return _read_header_from(disk, handle, path, size_bytes, safeguards)
+        return _read_header_from(disk, handle, path, size_bytes, safeguards, keyring)
     finally:
         disk.close(handle)
 
 
 def read_header_summary(
-    path: Path, *, disk: Disk, size_bytes: int | None = None, safeguards: Safeguards = SAFEGUARDS
+    path: Path,
+    *,
+    disk: Disk,
+    size_bytes: int | None = None,
+    safeguards: Safeguards = SAFEGUARDS,
+    keyring: KeyRing | None = None,
 ) -> HeaderSummary:
     """`read_header` for a startup scan: the same reads and checks (magic,
     format version, header checksum, the header's agreement with the
@@ -422,7 +522,7 @@ def read_header_summary(
     `read_header`."""
     handle = disk.open_read(path)
     try:
-        return _read_checked_header(disk, handle, path, size_bytes, safeguards, HeaderSummary)
+        return _read_checked_header(disk, handle, path, size_bytes, safeguards, HeaderSummary, keyring)
     finally:
         disk.close(handle)
 
@@ -434,8 +534,9 @@ def load(
     disk: Disk | None = None,
     safeguards: Safeguards = SAFEGUARDS,
     staged: bool | None = None,
+    keyring: KeyRing | None = None,
 ) -> Entry:
-    """Load an entry into fresh MLX-owned caches.
+    """Load an entry into fresh MLX-owned caches (a sealed one opened with `keyring`).
 
     The header checksum is always verified; tensor checksums when `verify`.
     Pipelined (`tensor_io.TensorReadPipeline`): each tensor is read straight
@@ -453,11 +554,15 @@ def load(
     path = Path(path)
     handle = disk.open_read(path)
     try:
-        header = _read_header_from(disk, handle, path, safeguards=safeguards)
+        header = _read_header_from(disk, handle, path, safeguards=safeguards, keyring=keyring)
         # A policy without checksum checks reads the tensors unchecked too.
         checked = verify and safeguards.verify_checksums
         use_staged = (staged if staged is not None else staged_load_wanted()) and disk.concurrent_io
-        caches = _read_caches(disk, handle, path, header, verify=checked, staged=use_staged)
+        opener = _tensor_opener(header, keyring)
+        # A sealed entry opens in place in the read pipeline: the staged GPU path does not open yet.
+        caches = _read_caches(
+            disk, handle, path, header, verify=checked, staged=use_staged and opener is None, opener=opener
+        )
     finally:
         disk.close(handle)
     return Entry(caches=caches, tokens=header.tokens, header=header)
@@ -470,12 +575,13 @@ def load_image(
     name: str = "<received entry>",
     safeguards: Safeguards = SAFEGUARDS,
     staged: bool | None = None,
+    keyring: KeyRing | None = None,
 ) -> Entry:
     """`load` of a `.kvc` file's bytes held in memory (a shared-tier
     download, restored before its SSD copy lands): the same checks and the
     same restore paths, through `image_disk.ImageDisk`; `name` only labels
     errors. The caller keeps `image` unchanged until this returns."""
-    return load(Path(name), verify, disk=ImageDisk(image), safeguards=safeguards, staged=staged)
+    return load(Path(name), verify, disk=ImageDisk(image), safeguards=safeguards, staged=staged, keyring=keyring)
 
 
 def staged_load_wanted(device: Any = None, cuda_available: Callable[[], bool] | None = None) -> bool:
@@ -489,12 +595,32 @@ def staged_load_wanted(device: Any = None, cuda_available: Callable[[], bool] | 
     return bool((cuda_available or mx.cuda.is_available)())
 
 
-def _read_caches(disk: Disk, handle: Any, path: Path, header: Header, *, verify: bool, staged: bool) -> list[Any]:
+def _tensor_opener(header: Header, keyring: KeyRing | None) -> tensor_io.TensorOpener | None:
+    """What opens a sealed entry's tensors (the header already opened, so the key is in the ring)."""
+    if header.seal is None or keyring is None:
+        return None
+    segments = {record.name: index + 1 for index, record in enumerate(header.tensor_records())}
+    # The binding leaves out the token ids and checksums: the opened header gives the sealed one's.
+    return tensor_io.TensorOpener(
+        key=keyring.opening(header.seal.key_id), seal=header.seal, binding=_binding(header), segments=segments
+    )
+
+
+def _read_caches(
+    disk: Disk,
+    handle: Any,
+    path: Path,
+    header: Header,
+    *,
+    verify: bool,
+    staged: bool,
+    opener: tensor_io.TensorOpener | None = None,
+) -> list[Any]:
     pipeline: tensor_io.TensorReadPipeline | staged_load.StagedTensorLoad
     if staged:
         pipeline = staged_load.StagedTensorLoad(disk, handle, path, verify=verify)
     else:
-        pipeline = tensor_io.TensorReadPipeline(disk, handle, path, verify=verify)
+        pipeline = tensor_io.TensorReadPipeline(disk, handle, path, verify=verify, opener=opener)
     try:
         caches = codecs.rebuild_caches(header.caches, pipeline.allocate)
     except BaseException:
@@ -504,19 +630,25 @@ def _read_caches(disk: Disk, handle: Any, path: Path, header: Header, *, verify:
     return caches
 
 
-def verify_file(path: Path | str, *, disk: Disk | None = None) -> Header:
+def verify_file(path: Path | str, *, disk: Disk | None = None, keyring: KeyRing | None = None) -> Header:
     """Check every byte of an entry without building caches: header checksum,
-    size, and every tensor checksum. Raises like `load`."""
+    size, every tensor checksum and, for a sealed entry, every tag (which
+    needs its key in `keyring`). Raises like `load`."""
     disk = disk or RealDisk()
     path = Path(path)
     handle = disk.open_read(path)
     try:
-        header = _read_header_from(disk, handle, path)
+        header = _read_header_from(disk, handle, path, keyring=keyring)
+        opener = _tensor_opener(header, keyring)
+        tag_bytes = sealing.TAG_BYTES if opener is not None else 0
         for record in header.tensor_records():
             part = f"tensor {record.name}"
-            data = _read_exact(disk, handle, record.file_offset, record.length, part, path)
+            data = _read_exact(disk, handle, record.file_offset, record.length + tag_bytes, part, path)
             if _checksum(data) != record.checksum:
                 raise CorruptEntry(f"{path}: checksum mismatch in {part}", part=part)
+            ciphertext, tag = memoryview(data)[: record.length], data[record.length :]
+            if opener is not None and not opener.open(record, [ciphertext], tag):
+                raise CorruptEntry(f"{path}: {part} fails its tag", part=part)
     finally:
         disk.close(handle)
     return header

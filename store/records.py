@@ -74,6 +74,17 @@ class GenerationCheckpoint:
 
 
 @attrs.frozen(kw_only=True)
+class SealRecord:
+    """The header part of a sealed entry (format version 3, `store.sealing`):
+    the cipher, the id of the key that sealed it and the entry's random
+    96-bit nonce (segment i uses nonce + i)."""
+
+    algorithm: str
+    key_id: str
+    nonce: bytes
+
+
+@attrs.frozen(kw_only=True)
 class Header:
     format_version: int
     fingerprint: dict[str, str]
@@ -89,6 +100,10 @@ class Header:
     # Only a checkpoint entry has it (and only it is format version 2); an
     # ordinary header encodes without the key, byte for byte as before.
     generation_checkpoint: GenerationCheckpoint | None = None
+    # Only a sealed entry has it (format version 3). On disk its `token_ids`
+    # are then their ciphertext and tag; a header read with the key (or
+    # returned by a writer) holds the plaintext ids.
+    seal: SealRecord | None = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -125,6 +140,7 @@ class HeaderSummary:
     payload_offset: int
     file_bytes: int
     generation_checkpoint: dict[str, Any] | None = None
+    seal: SealRecord | None = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -139,5 +155,11 @@ def _walk_tensors(records: Sequence[CacheRecord]) -> Iterator[TensorRecord]:
 
 
 converter.register_unstructure_hook(
-    Header, make_dict_unstructure_fn(Header, converter, generation_checkpoint=override(omit_if_default=True))
+    Header,
+    make_dict_unstructure_fn(
+        Header,
+        converter,
+        generation_checkpoint=override(omit_if_default=True),
+        seal=override(omit_if_default=True),
+    ),
 )

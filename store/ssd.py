@@ -27,6 +27,7 @@ across file I/O.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -41,6 +42,7 @@ import numpy as np
 from kvcellar.errors import DiskError, StoreError
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.journal import JOURNAL_FILE_NAME, Journal, JournalThread
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.ssd_adopt import EntryAdopter, Fill
 from kvcellar.store.ssd_commit import EntryCommitter, PendingStore
@@ -49,12 +51,15 @@ from kvcellar.store.ssd_files import (
     LOCK_FILE_NAME,
     QUARANTINE_BYTES_MAX_DEFAULT,
     QUARANTINE_DIR_NAME,
+    SEALED_QUARANTINE_DIR_NAME,
     TierFiles,
     namespace_dir_name,
 )
 from kvcellar.store.ssd_index import EventListener, IndexedEntry, SsdCounters, SsdIndex, SsdMatch
 from kvcellar.store.ssd_restore import EntryRestorer, RestoreListener
 from kvcellar.store.ssd_scan import JournalRows, StartupScanner, cyclic_gc_paused, reconciliation
+
+log = logging.getLogger("kvcellar.ssd")
 
 
 class SsdStore:
@@ -77,8 +82,10 @@ class SsdStore:
         safeguards: Safeguards = SAFEGUARDS,
         event_listeners: Sequence[EventListener] = (),
         restore_listeners: Sequence[RestoreListener] = (),
+        keyring: KeyRing | None = None,
     ) -> None:
         self.root_dir = Path(root_dir)
+        self.keyring = keyring
         self.fingerprint = fingerprint
         self.directory = self.root_dir / fingerprint
         self.bytes_max = bytes_max or None
@@ -113,6 +120,7 @@ class SsdStore:
             safeguards=safeguards,
             clock_ns=clock_ns,
             new_entry_id=new_entry_id or (lambda: uuid.uuid4().hex),
+            keyring=keyring,
         )
         self._restorer = EntryRestorer(
             index=self.index,
@@ -122,6 +130,7 @@ class SsdStore:
             safeguards=safeguards,
             timer_ns=timer_ns,
             restore_listeners=tuple(restore_listeners),
+            keyring=keyring,
         )
         self._adopter = self._new_adopter()
 
@@ -135,6 +144,7 @@ class SsdStore:
             make_durable_dir=self.files.make_durable_dir,
             quarantine_file=self.files.quarantine_file,
             index_written=self._committer.index_written,
+            keyring=self.keyring,
         )
 
     @classmethod
@@ -158,6 +168,7 @@ class SsdStore:
         safeguards: Safeguards = SAFEGUARDS,
         event_listeners: Sequence[EventListener] = (),
         restore_listeners: Sequence[RestoreListener] = (),
+        keyring: KeyRing | None = None,
     ) -> SsdStore:
         """Lock the fingerprint directory, scan it and reconcile the journal.
 
@@ -174,7 +185,9 @@ class SsdStore:
         reconciliation's batch: the journal's commits carry those), under
         the index lock: it must be quick, do no I/O and not call the store.
         Each of `restore_listeners` sees every successful restore, outside
-        the lock (the simulator's observer uses both).
+        the lock (the simulator's observer uses both). With `keyring`, every
+        entry is sealed under its first key and sealed entries open with any
+        of its keys; one whose key it lacks is moved to the sealed quarantine.
         """
         store = cls(
             Path(root_dir),
@@ -191,6 +204,7 @@ class SsdStore:
             safeguards=safeguards,
             event_listeners=event_listeners,
             restore_listeners=restore_listeners,
+            keyring=keyring,
         )
         store.files.make_durable_dirs(store.directory, store.root_dir.parent)
         owner = owner or f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
@@ -218,15 +232,21 @@ class SsdStore:
         """Scan the directory into the index (`StartupScanner.scan`), bring the
         journal's projection in line with the files (the files are the truth:
         all corrections in one transaction), redo supersession, evict over the cap."""
+        if self.keyring is not None:
+            log.info(
+                "sealing SSD entries under key %s; opening with %s", self.keyring.sealing.key_id, self.keyring.key_ids
+            )
         scanned: list[IndexedEntry] = []
         scanner = StartupScanner(
             directory=self.directory,
             fingerprint=self.fingerprint,
             disk=self.disk,
             safeguards=self.safeguards,
-            skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
+            skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, SEALED_QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
             index=scanned.append,
             quarantine=self.files.quarantine,
+            quarantine_sealed=self.files.quarantine_sealed,
+            keyring=self.keyring,
             record_event=self.index.record,
             relative=self.files.relative,
         )
@@ -389,6 +409,7 @@ class SsdStore:
 __all__ = [
     "CHECKPOINT_DIR_NAME",
     "QUARANTINE_DIR_NAME",
+    "SEALED_QUARANTINE_DIR_NAME",
     "IndexedEntry",
     "PendingStore",
     "SsdCounters",

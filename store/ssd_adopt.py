@@ -21,6 +21,7 @@ import numpy as np
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
 from kvcellar.store import kvfile
 from kvcellar.store.disk import Disk
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import Safeguards
 
 # `fill(write)` streams a file's bytes through `write`.
@@ -41,6 +42,7 @@ class EntryAdopter:
     make_durable_dir: Callable[[Path], None]
     quarantine_file: Callable[[Path, str], None]  # (path, reason): a file that is not an indexed entry
     index_written: IndexWritten
+    keyring: KeyRing | None = None  # opens a sealed file to check it
 
     def adopt(self, namespace: str, tokens: np.ndarray, fill: Fill, *, verify_tensors: bool = True) -> str:
         """`fill(write)` streams the file's bytes through `write` into a temp
@@ -92,9 +94,9 @@ class EntryAdopter:
     def _verified(self, temp_path: Path, namespace: str, tokens: np.ndarray, verify_tensors: bool) -> kvfile.Header:
         try:
             if verify_tensors:
-                header = kvfile.verify_file(temp_path, disk=self.disk)
+                header = kvfile.verify_file(temp_path, disk=self.disk, keyring=self.keyring)
             else:
-                header = kvfile.read_header(temp_path, disk=self.disk, safeguards=self.safeguards)
+                header = kvfile.read_header(temp_path, disk=self.disk, safeguards=self.safeguards, keyring=self.keyring)
             if header.fingerprint.get("digest") != self.fingerprint:
                 raise CorruptEntry(f"{temp_path}: fingerprint is not this directory's", part="header")
             if header.namespace != namespace:

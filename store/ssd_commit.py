@@ -22,6 +22,7 @@ import numpy as np
 from kvcellar.errors import DiskError
 from kvcellar.store import kvfile
 from kvcellar.store.disk import Disk
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import Safeguards
 from kvcellar.store.ssd_files import TierFiles
 from kvcellar.store.ssd_index import IndexedEntry, SsdIndex
@@ -51,6 +52,7 @@ class EntryCommitter:
     safeguards: Safeguards
     clock_ns: Callable[[], int]
     new_entry_id: Callable[[], str]
+    keyring: KeyRing | None = None  # seals every entry under its first key
 
     def store(
         self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str, *, tokenizer_hash: str
@@ -81,7 +83,14 @@ class EntryCommitter:
             created_at_ns=self.clock_ns(),
         )
         writer = kvfile.KvFileWriter(
-            path, caches, token_array.tolist(), meta, self.disk, temp_id=entry_id, safeguards=self.safeguards
+            path,
+            caches,
+            token_array.tolist(),
+            meta,
+            self.disk,
+            temp_id=entry_id,
+            safeguards=self.safeguards,
+            keyring=self.keyring,
         )
         planned = writer.planned_header.file_bytes
         if self.bytes_max is not None and planned > self.bytes_max:

@@ -13,6 +13,7 @@ Layout under the root directory:
     <root>/<fingerprint>/<ns-hash>/<uuid>.kvc one file per entry
     <root>/<fingerprint>/checkpoints/         in-flight generation checkpoints (`store.checkpoints`)
     <root>/<fingerprint>/quarantine/          corrupt or mismatched files, capped
+    <root>/<fingerprint>/quarantine-sealed/   entries sealed under a key this server lacks, never purged
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from kvcellar.store.ssd_index import SsdIndex
 log = logging.getLogger("kvcellar.ssd")
 
 QUARANTINE_DIR_NAME = "quarantine"
+# Entries sealed under a key the server was not given (`KeyUnavailable`): kept
+# whole and uncapped, since the key may come back; moving a file back to its
+# namespace directory (the part of its name before the first "-" after the
+# clock) makes it an entry again at the next start.
+SEALED_QUARANTINE_DIR_NAME = "quarantine-sealed"
 # In-flight generation checkpoints (`store.checkpoints`): never prefix entries.
 CHECKPOINT_DIR_NAME = "checkpoints"
 LOCK_FILE_NAME = "lock"
@@ -71,6 +77,8 @@ class TierFiles:
         # path added after its directory is durable; two threads that both
         # miss it make and fsync it twice, which is harmless.
         self._durable_dirs: set[Path] = set()
+        # Key ids already warned about: one WARNING per missing key, not one per file.
+        self._missing_key_ids: set[str] = set()
 
     def entry_path(self, namespace: str, entry_id: str) -> Path:
         return self.directory / namespace_dir_name(namespace) / f"{entry_id}{kvfile.FILE_SUFFIX}"
@@ -112,9 +120,29 @@ class TierFiles:
     def quarantine(self, path: Path, entry_id: str, reason: str) -> None:
         """Move a bad file aside (kept for inspection), then keep quarantine
         under its cap. The file is no longer indexed (or never was)."""
-        self._index.count_quarantined()
         log.warning("quarantining %s: %s", path, reason)
-        quarantine_dir = self.directory / QUARANTINE_DIR_NAME
+        self._move_aside(path, entry_id, reason, QUARANTINE_DIR_NAME)
+        self._purge_quarantine()
+
+    def quarantine_sealed(self, path: Path, entry_id: str, key_id: str) -> None:
+        """Move an entry sealed under key `key_id`, which this server lacks,
+        to the uncapped sealed quarantine: never deleted. The first such
+        entry of each key id logs one WARNING naming it; later ones log at INFO."""
+        if key_id not in self._missing_key_ids:
+            self._missing_key_ids.add(key_id)
+            log.warning(
+                "entries sealed under encryption key %s cannot be opened (no --encryption-key-file holds it): "
+                "moving them to %s and serving their prompts cold",
+                key_id,
+                self.directory / SEALED_QUARANTINE_DIR_NAME,
+            )
+        else:
+            log.info("quarantining %s: sealed under missing key %s", path, key_id)
+        self._move_aside(path, entry_id, f"sealed under missing encryption key {key_id}", SEALED_QUARANTINE_DIR_NAME)
+
+    def _move_aside(self, path: Path, entry_id: str, reason: str, dir_name: str) -> None:
+        self._index.count_quarantined()
+        quarantine_dir = self.directory / dir_name
         target = quarantine_dir / f"{self._clock_ns()}-{path.parent.name}-{path.name}"
         try:
             self.disk.makedirs(quarantine_dir)
@@ -129,7 +157,6 @@ class TierFiles:
                 entry_id=entry_id, path=self.relative(path), quarantine_path=str(target.name), reason=reason
             )
         )
-        self._purge_quarantine()
 
     def quarantine_file(self, path: Path, reason: str) -> None:
         """Move a bad file that is not an indexed entry aside."""

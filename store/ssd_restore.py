@@ -16,9 +16,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
+from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable, UnsupportedFormat
 from kvcellar.store import kvfile
 from kvcellar.store.disk import Disk
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import Safeguards
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
 from kvcellar.store.ssd_files import TierFiles
@@ -41,18 +42,24 @@ class EntryRestorer:
     safeguards: Safeguards
     timer_ns: Callable[[], int]
     restore_listeners: Sequence[RestoreListener] = ()
+    keyring: KeyRing | None = None  # opens sealed entries
 
     def restore(self, match: SsdMatch) -> list[Any] | None:
         """Load the matched entry into fresh caches trimmed to `usable_tokens`.
 
         Returns None ("no hit") when the entry is gone, unreadable or fails a
-        check; a failing file is quarantined. Touches the file's mtime (LRU)."""
+        check; a failing file is quarantined, one sealed under a key the ring
+        lacks moved to the sealed quarantine. Touches the file's mtime (LRU)."""
         entry = self.index.entry(match.entry_id)
         if entry is None or match.usable_tokens > entry.tokens.size:
             return None
         started_ns = self.timer_ns()
         try:
             loaded = self._load(entry)
+        except KeyUnavailable as e:
+            if self.index.drop_bad_entry(entry.entry_id) is not None:
+                self.files.quarantine_sealed(entry.path, entry.entry_id, e.key_id)
+            return None
         except (CorruptEntry, UnsupportedFormat) as e:
             self._drop_bad_entry(entry, str(e))
             return None
@@ -82,7 +89,9 @@ class EntryRestorer:
     def _load(self, entry: IndexedEntry) -> kvfile.Entry:
         # Only the restore-holds-index-lock mutation reads under the index lock.
         with self.index.held(not self.safeguards.restore_outside_index_lock):
-            return kvfile.load(entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards)
+            return kvfile.load(
+                entry.path, verify=self.verify, disk=self.disk, safeguards=self.safeguards, keyring=self.keyring
+            )
 
     def _drop_bad_entry(self, entry: IndexedEntry, reason: str) -> None:
         if self.index.drop_bad_entry(entry.entry_id) is not None:

@@ -25,10 +25,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
+from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.disk import DirEntry, Disk
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import Safeguards
 from kvcellar.store.ssd_files import namespace_dir_name
 from kvcellar.store.ssd_index import IndexedEntry
@@ -54,6 +55,9 @@ class StartupScanner:
     quarantine: Callable[[Path, str, str], None]  # (path, entry id, reason): moves a bad file aside
     record_event: Callable[[ev.Event], None]
     relative: Callable[[Path], str]  # a path under `directory` -> its journaled form
+    # (path, entry id, key id): moves aside an entry sealed under a key the ring lacks
+    quarantine_sealed: Callable[[Path, str, str], None]
+    keyring: KeyRing | None = None  # opens sealed headers' token ids
 
     def scan(self, rows_later: Callable[[], list[dict[str, Any]]]) -> tuple[JournalRows, set[str]]:
         """Index every entry file; returns the journal's projection by entry
@@ -100,8 +104,11 @@ class StartupScanner:
         path = ns_dir / item.name
         try:
             header = kvfile.read_header_summary(
-                path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards
+                path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards, keyring=self.keyring
             )
+        except KeyUnavailable as e:
+            self.quarantine_sealed(path, "", e.key_id)
+            return
         except (UnsupportedFormat, CorruptEntry) as e:
             self.quarantine(path, "", str(e))
             return

@@ -25,7 +25,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, RefusedCacheKind
+from kvcellar.errors import CorruptEntry, KeyUnavailable, RefusedCacheKind
 from kvcellar.store import signature as sig
 from kvcellar.store.disk import Disk
 from kvcellar.store.kvfile import _read_header_from
@@ -92,10 +92,15 @@ def read_suffix_rows(
     Checks the header (checksum, size) and, when given, that its token ids
     begin with `expected_tokens`. Raises `CorruptEntry`/`UnsupportedFormat`
     for a damaged or foreign file, `DiskError` when it cannot be read, and
-    `RefusedCacheKind` for an entry `split_refusal_for_records` refuses."""
+    `RefusedCacheKind` for an entry `split_refusal_for_records` refuses or a
+    sealed one (its row ranges are not separately authenticated: a sealed
+    entry restores whole)."""
     handle = disk.open_read(path)
     try:
-        header: Header = _read_header_from(disk, handle, path)
+        try:
+            header: Header = _read_header_from(disk, handle, path)
+        except KeyUnavailable as e:
+            raise RefusedCacheKind(f"{path}: cannot split a sealed entry") from e
         if expected_tokens is not None and not np.array_equal(
             header.token_array[: expected_tokens.size], expected_tokens
         ):

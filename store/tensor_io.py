@@ -25,13 +25,18 @@ out of memory that the caller owns and does not touch until they are done.
 Disk calls keep the sequential order (one thread issues them), and a load
 whose checksum fails still lets the reader finish its reads before it raises,
 so the sequence of disk calls does not depend on thread timing.
+
+A sealed entry (`store.sealing`) reads the same way: the reader reads each
+tensor's ciphertext into the array and its tag beside it; the calling thread
+opens it in place (`TensorOpener`) while the next is read, so a sealed load
+needs no buffer either, and its GCM tag stands in for the checksum.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +46,10 @@ import numpy as np
 import xxhash
 
 from kvcellar.errors import CorruptEntry
-from kvcellar.store import codecs
+from kvcellar.store import codecs, sealing
 from kvcellar.store.disk import Disk
-from kvcellar.store.records import TensorRecord
+from kvcellar.store.keyring import EncryptionKey
+from kvcellar.store.records import SealRecord, TensorRecord
 
 _MLX_DTYPES: dict[str, Any] = {
     "float32": mx.float32,
@@ -68,6 +74,24 @@ class _ReadJob:
 
     record: TensorRecord
     runs: tuple[tuple[int, memoryview], ...]
+    # A sealed tensor's GCM tag, read right after its ciphertext (None: not sealed).
+    tag: bytearray | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TensorOpener:
+    """Opens a sealed entry's tensors: its key, seal and header binding, and
+    each tensor's segment number by name (tensor i of the file is segment i + 1)."""
+
+    key: EncryptionKey
+    seal: SealRecord
+    binding: bytes
+    segments: Mapping[str, int]
+
+    def open(self, record: TensorRecord, runs: Sequence[memoryview], tag: bytes | bytearray) -> bool:
+        """Decrypt the tensor's ciphertext in place; False when its tag fails."""
+        segment = self.segments[record.name]
+        return sealing.open_in_place(self.key, self.seal, self.binding, segment, runs, bytes(tag))
 
 
 _FINISHED = object()
@@ -119,9 +143,17 @@ class TensorReadPipeline:
     """
 
     def __init__(
-        self, disk: Disk, handle: Any, path: Path, *, verify: bool, drop_batch_bytes: int = DROP_BATCH_BYTES
+        self,
+        disk: Disk,
+        handle: Any,
+        path: Path,
+        *,
+        verify: bool,
+        drop_batch_bytes: int = DROP_BATCH_BYTES,
+        opener: TensorOpener | None = None,
     ) -> None:
         self._disk = disk
+        self._opener = opener
         self._handle = handle
         self._path = path
         self._verify = verify
@@ -139,6 +171,8 @@ class TensorReadPipeline:
 
     def allocate(self, record: TensorRecord, capacity_rows: int | None = None) -> mx.array:
         array, job = _allocate(record, capacity_rows, self._path)
+        if self._opener is not None:
+            job = attrs.evolve(job, tag=bytearray(sealing.TAG_BYTES))
         if self._thread is None:
             self._read_one(job)
         else:
@@ -176,9 +210,14 @@ class TensorReadPipeline:
             got = self._disk.read_into(self._handle, offset, destination)
             if got != len(destination):
                 raise CorruptEntry(f"{self._path}: truncated tensor {record.name}", part=f"tensor {record.name}")
+        end = record.file_offset + record.length
+        if job.tag is not None:
+            if self._disk.read_into(self._handle, end, memoryview(job.tag)) != len(job.tag):
+                raise CorruptEntry(f"{self._path}: truncated tensor {record.name}", part=f"tensor {record.name}")
+            end += len(job.tag)
         # The bytes now live in the MLX array: the page cache's copy would only double the entry.
         start = record.file_offset if self._undropped is None else self._undropped[0]
-        self._undropped = (start, record.file_offset + record.length)
+        self._undropped = (start, end)
         if self._undropped[1] - start >= self._drop_batch_bytes:
             self._drop_undropped()
 
@@ -202,6 +241,16 @@ class TensorReadPipeline:
             raise first_error
 
     def _check(self, job: _ReadJob) -> CorruptEntry | None:
+        """Checksum a plain tensor; open a sealed one in place, its GCM tag
+        being its check (always: unauthenticated plaintext is never handed
+        out, and its xxh3 over the ciphertext would only check the same bytes
+        twice; `verify_file` still checks both)."""
+        part = f"tensor {job.record.name}"
+        if self._opener is not None and job.tag is not None:
+            runs = [destination for _, destination in job.runs]
+            if not self._opener.open(job.record, runs, job.tag):
+                return CorruptEntry(f"{self._path}: {part} fails its tag", part=part)
+            return None
         if not self._verify:
             return None
         hasher = xxhash.xxh3_64()
@@ -209,7 +258,6 @@ class TensorReadPipeline:
             hasher.update(destination)
         if hasher.digest() == job.record.checksum:
             return None
-        part = f"tensor {job.record.name}"
         return CorruptEntry(f"{self._path}: checksum mismatch in {part}", part=part)
 
     def abandon(self) -> None:
@@ -258,6 +306,60 @@ def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memo
         for segment in segments:
             hasher.update(segment)
     finally:
+        writer.join()
+    if failure:
+        raise failure[0]
+    return hasher.digest()
+
+
+# Pieces a streamed write may hold queued for its writer thread: bounds its memory to this many pieces.
+STREAM_QUEUE_PIECES = 4
+
+
+def write_stream_and_hash(disk: Disk, handle: Any, offset: int, pieces: Iterable[bytes]) -> bytes:
+    """`write_and_hash` for bytes made while they are written (a sealed
+    tensor's ciphertext, `sealing.seal_segments`): this thread makes and
+    hashes each piece and queues it, a helper thread writes them back to back
+    from `offset`, so sealing overlaps writing and at most
+    `STREAM_QUEUE_PIECES` pieces wait. Returns the xxh3-64 digest; raises the
+    write's error (after the helper stopped). Inline on a disk without `concurrent_io`."""
+    hasher = xxhash.xxh3_64()
+    if not disk.concurrent_io:
+        cursor = offset
+        for piece in pieces:
+            hasher.update(piece)
+            disk.write_at(handle, cursor, piece)
+            cursor += len(piece)
+        disk.start_writeback(handle, offset, cursor - offset)
+        return hasher.digest()
+    queued: queue.Queue[Any] = queue.Queue(maxsize=STREAM_QUEUE_PIECES)
+    failure: list[BaseException] = []
+
+    def write_all() -> None:
+        cursor = offset
+        # After a failure the queue is still drained, so the maker never blocks on a full queue.
+        while (piece := queued.get()) is not _FINISHED:
+            if failure:
+                continue
+            try:
+                disk.write_at(handle, cursor, piece)
+            except BaseException as e:  # re-raised on the calling thread below
+                failure.append(e)
+            cursor += len(piece)
+        if not failure:
+            try:
+                disk.start_writeback(handle, offset, cursor - offset)
+            except BaseException as e:  # re-raised on the calling thread below
+                failure.append(e)
+
+    writer = threading.Thread(target=write_all, name="kvc-writer", daemon=True)
+    writer.start()
+    try:
+        for piece in pieces:
+            hasher.update(piece)
+            queued.put(piece)
+    finally:
+        queued.put(_FINISHED)
         writer.join()
     if failure:
         raise failure[0]
