@@ -254,6 +254,11 @@ class BadRequest(KvCellarError):
         self.param = param
 
 
+class BadNamespace(UsageError):
+    """A tenant name or `cache_salt` that cannot name a cache namespace
+    (`store.namespaces`); the message names the rule."""
+
+
 class PromptRefused(UsageError):
     """Raised when the messages or tools cannot be rendered for this model:
     tools for a model without tool calling, or a chat template that refuses
