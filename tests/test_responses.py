@@ -192,28 +192,27 @@ def test_function_call_output_turn_renders_like_the_chat_api(served, tools_token
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "The tool says sunny."
     assert message.type == "message" and message.content[0].text == "It is sunny in Paris."
-    chat_messages = [
-        {"role": "system", "content": f"{SYSTEM}\n\nAnswer in one sentence."},
+    chat_messages = _paris_call_turns(f"{SYSTEM}\n\nAnswer in one sentence.")
+    assert response.usage.input_tokens == _chat_prompt_tokens(tools_tokenizer, chat_messages)
+
+
+def _paris_call_turns(system: str) -> list[dict]:
+    """The chat API's turns for: system, "Paris weather?", a get_weather call and its answer."""
+    call = {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    return [
+        {"role": "system", "content": system},
         {"role": "user", "content": "Paris weather?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": "call_abc",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-                }
-            ],
-        },
+        {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 24 C"},
     ]
+
+
+def _chat_prompt_tokens(tools_tokenizer, chat_messages: list[dict]) -> int:
     chat_tools = tuple(
         {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
         for tool in TOOLS
     )
-    rendered = render_prompt(tools_tokenizer, chat_messages, ToolPlan(tools=chat_tools))
-    assert response.usage.input_tokens == len(rendered.prompt_ids)
+    return len(render_prompt(tools_tokenizer, chat_messages, ToolPlan(tools=chat_tools)).prompt_ids)
 
 
 def test_a_named_output_without_call_id_is_context_not_an_answer(served, tools_tokenizer):
@@ -231,28 +230,10 @@ def test_a_named_output_without_call_id_is_context_not_an_answer(served, tools_t
     response = _create(client, items, instructions=SYSTEM, tools=TOOLS)
     assert response.status == "completed"
     chat_messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Paris weather?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": "call_abc",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 24 C"},
+        *_paris_call_turns(SYSTEM),
         {"role": "tool", "tool_call_id": "agent.goal_objective", "content": "Keed"},
     ]
-    chat_tools = tuple(
-        {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
-        for tool in TOOLS
-    )
-    rendered = render_prompt(tools_tokenizer, chat_messages, ToolPlan(tools=chat_tools))
-    assert response.usage.input_tokens == len(rendered.prompt_ids)
+    assert response.usage.input_tokens == _chat_prompt_tokens(tools_tokenizer, chat_messages)
 
 
 def test_max_output_tokens_is_incomplete(served):
