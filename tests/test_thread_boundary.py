@@ -139,12 +139,14 @@ def test_a_restore_that_has_its_file_open_when_the_entry_is_evicted_still_return
     match = store.find(tokens + [1])
     original_load = kvfile.load
 
-    def load_then_evict(path, verify=True, *, disk=None, safeguards=SAFEGUARDS):
+    def load_then_evict(path, verify=True, *, disk=None, safeguards=SAFEGUARDS, **options):
         # The eviction lands while the file is being read: unlinked, still open.
         with open(path, "rb") as handle:
             store.files.unlink_removed(store.index.remove(entry_id, ev.EntryEvicted(entry_id=entry_id, bytes=0)))
             assert not path.exists()
-            return original_load(f"/proc/self/fd/{handle.fileno()}", verify, disk=disk, safeguards=safeguards)
+            return original_load(
+                f"/proc/self/fd/{handle.fileno()}", verify, disk=disk, safeguards=safeguards, **options
+            )
 
     kvfile.load = load_then_evict
     try:
