@@ -447,6 +447,7 @@ class System:
                 "journal": store_stats["journal"],
                 **self._wear_stats(),
                 "verify_tensors": store_stats["verify_tensors"],
+                "by_tenant": store_stats["by_tenant"],
             }
         return {
             "prompt_cache": self.prompt_cache.stats(),
