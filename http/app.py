@@ -195,6 +195,21 @@ def _guarded(secret: Callable[[], str | None], handler: Callable[[Request], Awai
     return guarded
 
 
+def _operator_only(admin_token: str | None, handler: Callable[[Request], Awaitable[Response]]):
+    """`handler` behind the admin token; refused to everyone when there is none."""
+
+    async def guarded(request: Request) -> Response:
+        if not admin_token or not _bearer_ok(request, admin_token):
+            return refused_unread(
+                error_response(
+                    401, "this route needs the admin token (--admin-token)", error_type="authentication_error"
+                )
+            )
+        return await handler(request)
+
+    return guarded
+
+
 def _for_tenants(access: Access, handler: Callable[[Request], Awaitable[Response]]):
     """`handler` for a request whose key names a tenant (http/tenancy.py); others get a 401."""
 
@@ -213,8 +228,9 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
     inbound = InboundPolicy(hosted_tools=settings.hosted_tools, prompt_normalize=settings.prompt_normalize)
     access = Access(api_key=settings.api_key, tenants=settings.tenants)
-    # The KV events name every namespace's blocks: with tenants they are the operator's (the admin token).
-    kv_guard = partial(_guarded, lambda: settings.admin_token) if settings.tenants else partial(_for_tenants, access)
+    # The KV events name every namespace's blocks (a namespace's root is computable from its tenant's
+    # name): with tenants they are the operator's alone, behind the admin token, and off without one.
+    kv_guard = partial(_operator_only, settings.admin_token) if settings.tenants else partial(_for_tenants, access)
     kv_routes, kv_log = kv_events_routes(system, settings.kv_events_block_size, kv_guard)
     stats_snapshot = partial(http_stats, system, tool_grammar, inbound, kv_log)
     tokenizer_lane = TokenizerLane(tool_grammar, inbound)

@@ -581,7 +581,8 @@ _TENANT_SPECS = (
 
 
 def tenant_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
-    """The tiers' `by_tenant` breakdowns, one family per figure labelled `tenant` (names, never keys)."""
+    """The tiers' `by_tenant` breakdowns, one family per figure labelled `tenant` (names, never keys);
+    none for a tier without tenants (or absent)."""
     for section, field, name, kind, help_text in _TENANT_SPECS:
         family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
         family = family_type(name, help_text, labels=["tenant"])
@@ -589,7 +590,8 @@ def tenant_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
             value = _number(figures.get(field)) if isinstance(figures, Mapping) else None
             if value is not None:
                 family.add_metric([str(tenant)], value)
-        yield family
+        if family.samples:
+            yield family
 
 
 def checkpoints_skipped_family(skipped: Any) -> CounterMetricFamily:
