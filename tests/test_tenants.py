@@ -204,3 +204,26 @@ def test_ssd_quota_evicts_the_over_quota_tenants_oldest_first():
     assert removed == [Path("/nowhere/e1.kvc")]
     # Lowering a quota evicts at once.
     assert index.set_owner_quotas({"bob": 10}) == [Path("/nowhere/e4.kvc")]
+
+
+@given(
+    commits=st.lists(st.tuples(st.sampled_from(OWNERS), st.integers(1, 9)), max_size=30),
+    quotas=st.tuples(*(st.integers(1, 20) for _ in OWNERS)),
+)
+@settings(max_examples=60, deadline=None)
+def test_ssd_quotas_a_commit_evicts_only_the_committers_entries(commits, quotas):
+    """The SSD index's side of the quota rule: with the quotas inside the cap, a commit removes
+    only the committing tenant's entries, and per-tenant usage adds up to the totals."""
+    owner_quota = dict(zip(OWNERS, quotas, strict=True))
+    index = SsdIndex(directory=Path("/nowhere"), bytes_max=sum(quotas), clock_ns=lambda: 0)
+    index.set_owner_quotas(owner_quota)
+    for number, (owner, size) in enumerate(commits, start=1):
+        before = index.entries()
+        removed = index.commit(_ssd_entry(f"e{number}", tenant_namespace(owner), size, number))
+        gone = [before[path.stem] for path in removed if path.stem in before]
+        assert all(entry.namespace == tenant_namespace(owner) for entry in gone)
+        stats = index.stats()
+        for name, usage in stats["by_tenant"].items():
+            assert usage["bytes"] <= owner_quota[name]
+        assert sum(u["bytes"] for u in stats["by_tenant"].values()) == stats["bytes"]
+        assert sum(u["entries"] for u in stats["by_tenant"].values()) == stats["entries"]

@@ -23,8 +23,12 @@ ram_gb = 1
 
 [tenants.bob]
 api_keys = ["sk-bob-secret"]
+
+[tenants.common]
+api_keys = ["sk-common-secret"]
+shared = true
 """
-KEYS = ("sk-alice-secret", "sk-bob-secret")
+KEYS = ("sk-alice-secret", "sk-bob-secret", "sk-common-secret")
 ADMIN = "root-token"
 MODEL_ID = "llama-tiny-float32"  # the served model's directory name (GET /v1/models)
 PROMPT = [{"role": "user", "content": "Tell me which cellar keeps the prefixes of every tenant apart, and why."}]
@@ -145,7 +149,7 @@ def test_stats_and_metrics_name_tenants_and_never_keys(server):
     metrics = httpx.get(f"{server.base}/metrics", headers=admin, timeout=30)
     assert stats.status_code == metrics.status_code == 200
     by_tenant = stats.json()["prompt_cache"]["by_tenant"]
-    assert set(by_tenant) == {"alice", "bob"}
+    assert {"alice", "bob"} <= set(by_tenant) <= {"alice", "bob", "common"}
     assert by_tenant["alice"]["max_bytes"] == 10**9 and by_tenant["bob"]["max_bytes"] is None
     assert by_tenant["alice"]["entries"] >= 1 and by_tenant["alice"]["bytes"] > 0
     assert 'kvcellar_prompt_cache_tenant_bytes{tenant="alice"}' in metrics.text
@@ -173,3 +177,17 @@ def test_api_key_alone_keeps_the_default_namespace(model_dir_factory):
         assert stats["prompt_cache"]["by_tenant"] == {}
         namespaces = {entry.namespace for entry in server.system.prompt_cache._entries.values()}
         assert namespaces == {""}
+
+
+def test_a_shared_tenants_prefix_is_read_by_all_and_nothing_flows_back(server):
+    common, alice, bob = (_client(server, key) for key in (KEYS[2], KEYS[0], KEYS[1]))
+    system_prompt = [{"role": "system", "content": "The team's common instructions: " + "policy " * 30}]
+    fresh = {"cache_salt": "shared-test"}  # fresh namespaces for alice and bob; common's own stays unsalted
+    _cached(common, system_prompt)
+    served_alice = _cached(alice, system_prompt, **fresh)
+    assert served_alice > 0  # read from common's namespace
+    alice_only = system_prompt + [{"role": "user", "content": "Alice's own follow-up " + "secret " * 20}]
+    _cached(alice, alice_only, **fresh)
+    assert _cached(alice, alice_only, **fresh) > served_alice
+    # Bob reads what common wrote, never what alice wrote on top of it.
+    assert 0 < _cached(bob, alice_only, **fresh) <= served_alice
