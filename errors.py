@@ -259,6 +259,11 @@ class BadNamespace(UsageError):
     (`store.namespaces`); the message names the rule."""
 
 
+class TenantsFileError(UsageError):
+    """Raised at start-up for a `serve --tenants` file that cannot be used: it
+    names the file, what is wrong and how to fix it, and never a key."""
+
+
 class PromptRefused(UsageError):
     """Raised when the messages or tools cannot be rendered for this model:
     tools for a model without tool calling, or a chat template that refuses

@@ -447,6 +447,7 @@ class System:
                 "journal": store_stats["journal"],
                 **self._wear_stats(),
                 "verify_tensors": store_stats["verify_tensors"],
+                "by_tenant": store_stats["by_tenant"],
             }
         return {
             "prompt_cache": self.prompt_cache.stats(),
@@ -655,8 +656,14 @@ async def _start_ram_tier(
         admission=admission_core(config),
         durable_puts=config.write_behind if config.write_behind is not None else write_behind_from_env(),
     )
+    tenants = config.tenants
     prompt_cache = PromptCache(
-        config.prompt_cache_bytes, cold_tier=cold_tier, events=write_behind, clock_s=seams.clock_s
+        config.prompt_cache_bytes,
+        cold_tier=cold_tier,
+        events=write_behind,
+        clock_s=seams.clock_s,
+        owner_bytes_max=tenants.ram_quotas() if tenants else None,
+        shared_namespaces=tenants.shared_namespaces() if tenants else (),
     )
     system = System(config, engine, loaded, scheme, prompt_cache, store, seams=seams, write_behind=write_behind)
     system.restore_policy = policy

@@ -30,6 +30,7 @@ from kvcellar.store.s3_objects import ObjectStore
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.scheme import KvScheme
 from kvcellar.store.ssd import SsdStore
+from kvcellar.store.tenants import Tenants
 
 WRITE_BEHIND_ENV = "KVCELLAR_SSD_WRITEBEHIND"
 # How long a flush waits for the journal thread to apply what is queued.
@@ -88,6 +89,9 @@ class SystemConfig:
     # `serve --encryption-key-file` (docs/security.md): the SSD tier seals its entries under the first key
     # and opens them with any; None: entries are written in the clear. Needs `ssd_dir`.
     ssd_keyring: KeyRing | None = None
+    # `serve --tenants` (store/tenants.py, docs/security.md): the RAM tier's per-tenant quotas and the
+    # namespaces every tenant may read; None: one default namespace, no quotas.
+    tenants: Tenants | None = None
 
 
 StoreOpener = Callable[[SystemConfig, KvScheme], SsdStore | None]

@@ -89,6 +89,10 @@ async def open_store(
         )
     )
     try:
+        if config.tenants is not None and config.tenants.ssd_quotas():
+            # Entries already over a tenant's quota (a quota lowered since) go now, not at the next put.
+            quotas = dict(config.tenants.ssd_quotas())
+            await run_blocking(lambda: store.files.unlink_removed(store.index.set_owner_quotas(quotas)))
         await run_blocking(lambda: _seed_wear(wear, store))
     except BaseException:
         store.close()

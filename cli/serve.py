@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvcellar.actors.uploader import SharedCacheConfig
     from kvcellar.http.app import HttpSettings
     from kvcellar.store.keyring import KeyRing
+    from kvcellar.store.tenants import Tenants
 
 log = logging.getLogger("kvcellar.serve")
 
@@ -158,6 +159,15 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     envvar="KVCELLAR_API_KEY",
     default=None,
     help="Bearer token required by the /v1 API (or KVCELLAR_API_KEY).",
+)
+@click.option(
+    "--tenants",
+    "tenants_file",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A TOML file of tenants ([tenants.NAME] with api_keys or api_key_sha256, optional ram_gb, ssd_gb, "
+    "shared): each API key selects its tenant's own cache namespace in every tier; other keys get a 401. "
+    "Not with --api-key (docs/security.md).",
 )
 @click.option(
     "--memory-budget",
@@ -379,7 +389,21 @@ def serve_command(**options: Any) -> None:
     flags = ServeFlags(**options)
     logging.basicConfig(level=flags.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_flags(flags)
-    _run(_system_config(flags), flags.host, flags.port, _http_settings(flags))
+    tenants = _tenants(flags)  # before any model work: a bad file stops the start at once
+    _run(_system_config(flags, tenants), flags.host, flags.port, _http_settings(flags, tenants))
+
+
+def _tenants(flags: ServeFlags) -> Tenants | None:
+    """The `--tenants` file, parsed; refused beside `--api-key` (one key would bypass the tenants)."""
+    if flags.tenants_file is None:
+        return None
+    if flags.api_key:
+        raise UsageError(
+            "--tenants and --api-key cannot be combined: give the --api-key key to a tenant in the tenants file"
+        )
+    from kvcellar.store.tenants import load_tenants
+
+    return load_tenants(flags.tenants_file)
 
 
 def _check_flags(flags: ServeFlags) -> None:
@@ -408,7 +432,7 @@ def check_encryption(flags: ServeFlags, ssd_dir: Path | None) -> None:
         raise UsageError("--encryption-key-file cannot be combined with --generation-checkpoint yet (docs/security.md)")
 
 
-def _system_config(flags: ServeFlags) -> SystemConfig:
+def _system_config(flags: ServeFlags, tenants: Tenants | None = None) -> SystemConfig:
     from kvcellar.actors.system import SystemConfig
     from kvcellar.store.fingerprint import ShardDigestMemo
 
@@ -447,6 +471,7 @@ def _system_config(flags: ServeFlags) -> SystemConfig:
         disk_throttle_bytes_per_s=None if flags.disk_throttle_mbps is None else flags.disk_throttle_mbps * 1e6,
         compute_dtype=flags.compute_dtype,
         ssd_keyring=keyring,
+        tenants=tenants,
     )
 
 
@@ -457,11 +482,12 @@ def _keyring(paths: tuple[Path, ...]) -> KeyRing | None:
     return load_key_ring(paths) if paths else None
 
 
-def _http_settings(flags: ServeFlags) -> HttpSettings:
+def _http_settings(flags: ServeFlags, tenants: Tenants | None = None) -> HttpSettings:
     from kvcellar.http.app import HttpSettings
 
     return HttpSettings(
         api_key=flags.api_key,
+        tenants=tenants,
         admin_token=flags.admin_token,
         max_tokens_default=flags.max_tokens,
         tool_call_grammar=flags.tool_call_grammar == "on",
@@ -514,6 +540,7 @@ class ServeFlags:
     max_tokens: int
     admin_token: str | None
     api_key: str | None
+    tenants_file: Path | None
     generation_checkpoint_tokens: int
     log_level: str
     memory_budget_gb: float | None

@@ -49,10 +49,9 @@ take `x-api-key: KEY` or `Authorization: Bearer KEY`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -77,6 +76,7 @@ from kvcellar.http.streaming import (
     KeepAliveStreamingResponse,
     unless_client_leaves,
 )
+from kvcellar.http.tenancy import Access, body_namespace, request_tenant
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import (
     ContentText,
@@ -137,15 +137,9 @@ def _failure_response(error: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _key_ok(request: Request, secret: str | None) -> bool:
-    """`x-api-key: KEY` (Anthropic's header) or `Authorization: Bearer KEY`."""
-    if not secret:
-        return True
-    api_key = request.headers.get("x-api-key", "")
-    bearer = request.headers.get("authorization", "")
-    return hmac.compare_digest(api_key.encode(), secret.encode()) or hmac.compare_digest(
-        bearer.encode(), f"Bearer {secret}".encode()
-    )
+def _key_ok(request: Request, access: Access) -> bool:
+    """`x-api-key: KEY` (Anthropic's header) or `Authorization: Bearer KEY` names a tenant (http/tenancy.py)."""
+    return access.tenant_for(request) is not None
 
 
 # -- routes --------------------------------------------------------------------
@@ -154,7 +148,7 @@ def _key_ok(request: Request, secret: str | None) -> bool:
 def messages_routes(
     system: System,
     lane: TokenizerLane,
-    api_key: Callable[[], str | None],
+    access: Access,
     *,
     keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
 ) -> list[Route]:
@@ -164,11 +158,16 @@ def messages_routes(
     model_id = loaded.model_dir.name
 
     async def messages(request: Request) -> Response:
-        if not _key_ok(request, api_key()):
+        if not _key_ok(request, access):
             return refused_unread(anthropic_error(401, "authentication_error", "missing or wrong x-api-key"))
         try:
             work = partial(
-                parse_messages_body, await request.body(), loaded, tool_grammar=lane.tool_grammar, inbound=lane.inbound
+                parse_messages_body,
+                await request.body(),
+                loaded,
+                tool_grammar=lane.tool_grammar,
+                inbound=lane.inbound,
+                namespace=request_tenant(request).namespace,
             )
             job = await lane.run(work)
         except Exception as e:
@@ -199,7 +198,7 @@ def messages_routes(
         return await unless_client_leaves(request, reply)
 
     async def count_tokens(request: Request) -> Response:
-        if not _key_ok(request, api_key()):
+        if not _key_ok(request, access):
             return refused_unread(anthropic_error(401, "authentication_error", "missing or wrong x-api-key"))
         try:
             rendered = await lane.run(partial(parse_count_body, await request.body(), loaded, lane.inbound))
@@ -242,11 +241,13 @@ def parse_messages_body(
     *,
     tool_grammar: ToolGrammarPolicy | None = None,
     inbound: InboundPolicy | None = None,
+    namespace: str = "",
 ) -> MessagesJob:
     """Validate a Messages body into a job; raises `BadRequest` naming the
     field. `tool_grammar`: the server's tool-call grammar policy (None: none);
     `inbound`: what the server accepts, clamps and rewrites (http/inbound.py)."""
     body = _decode_body(raw)
+    request_namespace = body_namespace(body, namespace)
     if body.get("max_tokens") is None:
         raise BadRequest(
             "'max_tokens' is required: a positive integer (an upper bound; the reply gets at most what the "
@@ -283,6 +284,7 @@ def parse_messages_body(
         logits_processors=processors,
         snapshot_at_tokens=rendered.snapshot_at_tokens,
         notes=intake.notes("messages", schema_keywords_relaxed=relaxed),
+        namespace=request_namespace,
     )
     return MessagesJob(request=request, stream=stream, tools=plan, reply_in_reasoning=rendered.in_reasoning)
 

@@ -63,8 +63,10 @@ from kvcellar.http.streaming import (
     KeepAliveStreamingResponse,
     unless_client_leaves,
 )
+from kvcellar.http.tenancy import Access, request_tenant
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.store.kv_events import BLOCK_SIZE_DEFAULT, KvEventLog
+from kvcellar.store.tenants import Tenants
 
 log = logging.getLogger("kvcellar.http")
 
@@ -72,6 +74,8 @@ log = logging.getLogger("kvcellar.http")
 @attrs.frozen(kw_only=True)
 class HttpSettings:
     api_key: str | None = None
+    # `--tenants FILE` (store/tenants.py): each key names a tenant and its cache namespace.
+    tenants: Tenants | None = None
     admin_token: str | None = None
     max_tokens_default: int = MAX_TOKENS_DEFAULT
     # `--tool-call-grammar`: constrain tool calls to the offered tools (http/tool_grammar.py).
@@ -173,12 +177,45 @@ def _bearer_ok(request: Request, secret: str | None) -> bool:
     return hmac.compare_digest(supplied.encode(), f"Bearer {secret}".encode())
 
 
+def _refused() -> Response:
+    body = error_body("missing or wrong API key", error_type="authentication_error", code="invalid_api_key")
+    return refused_unread(JSONResponse(body, status_code=401))
+
+
 def _guarded(secret: Callable[[], str | None], handler: Callable[[Request], Awaitable[Response]]):
+    """`handler` behind the admin token (a bearer)."""
+
     async def guarded(request: Request) -> Response:
         if not _bearer_ok(request, secret()):
             return refused_unread(
                 error_response(401, "missing or wrong bearer token", error_type="authentication_error")
             )
+        return await handler(request)
+
+    return guarded
+
+
+def _operator_only(admin_token: str | None, handler: Callable[[Request], Awaitable[Response]]):
+    """`handler` behind the admin token; refused to everyone when there is none."""
+
+    async def guarded(request: Request) -> Response:
+        if not admin_token or not _bearer_ok(request, admin_token):
+            return refused_unread(
+                error_response(
+                    401, "this route needs the admin token (--admin-token)", error_type="authentication_error"
+                )
+            )
+        return await handler(request)
+
+    return guarded
+
+
+def _for_tenants(access: Access, handler: Callable[[Request], Awaitable[Response]]):
+    """`handler` for a request whose key names a tenant (http/tenancy.py); others get a 401."""
+
+    async def guarded(request: Request) -> Response:
+        if access.tenant_for(request) is None:
+            return _refused()
         return await handler(request)
 
     return guarded
@@ -190,15 +227,14 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     model_id = system.loaded.model_dir.name
     tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
     inbound = InboundPolicy(hosted_tools=settings.hosted_tools, prompt_normalize=settings.prompt_normalize)
-    kv_routes, kv_log = kv_events_routes(
-        system, settings.kv_events_block_size, partial(_guarded, lambda: settings.api_key)
-    )
+    access = Access(api_key=settings.api_key, tenants=settings.tenants)
+    # The KV events name every namespace's blocks (a namespace's root is computable from its tenant's
+    # name): with tenants they are the operator's alone, behind the admin token, and off without one.
+    kv_guard = partial(_operator_only, settings.admin_token) if settings.tenants else partial(_for_tenants, access)
+    kv_routes, kv_log = kv_events_routes(system, settings.kv_events_block_size, kv_guard)
     stats_snapshot = partial(http_stats, system, tool_grammar, inbound, kv_log)
     tokenizer_lane = TokenizerLane(tool_grammar, inbound)
     completions = CompletionsRoute(system, tokenizer_lane, settings, model_id)
-
-    def api_key() -> str | None:
-        return settings.api_key
 
     def admin_token() -> str | None:
         return settings.admin_token
@@ -215,14 +251,14 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     routes = [
         Route("/", info.index, methods=["GET", "HEAD"]),
         Route("/health", info.health, methods=["GET"]),
-        Route("/v1/models", _guarded(api_key, info.models), methods=["GET"]),
-        Route("/v1/chat/completions", _guarded(api_key, completions.chat), methods=["POST"]),
-        Route("/v1/completions", _guarded(api_key, completions.text), methods=["POST"]),
-        *messages_routes(system, tokenizer_lane, api_key, keepalive_interval_s=settings.keepalive_interval_s),
-        Route("/v1/responses", _guarded(api_key, responses.create), methods=["POST"]),
+        Route("/v1/models", _for_tenants(access, info.models), methods=["GET"]),
+        Route("/v1/chat/completions", _for_tenants(access, completions.chat), methods=["POST"]),
+        Route("/v1/completions", _for_tenants(access, completions.text), methods=["POST"]),
+        *messages_routes(system, tokenizer_lane, access, keepalive_interval_s=settings.keepalive_interval_s),
+        Route("/v1/responses", _for_tenants(access, responses.create), methods=["POST"]),
         Route(
             "/v1/responses/{response_id:path}",
-            _guarded(api_key, responses.not_stored),
+            _for_tenants(access, responses.not_stored),
             methods=["GET", "DELETE", "POST"],
         ),
         Route("/stats", _guarded(admin_token, info.stats), methods=["GET"]),
@@ -315,7 +351,11 @@ class CompletionsRoute:
         system, settings = self.system, self.settings
         try:
             job = await self.tokenizer_lane.parse_body(
-                await request.body(), system.loaded, chat=chat, max_tokens_default=settings.max_tokens_default
+                await request.body(),
+                system.loaded,
+                chat=chat,
+                max_tokens_default=settings.max_tokens_default,
+                namespace=request_tenant(request).namespace,
             )
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)

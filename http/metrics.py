@@ -221,6 +221,8 @@ SPECS += (
 _STRUCTURED = {(_SSD, "journal"), (_SCHEDULER, "batch_size_history")}
 _STRUCTURED |= {("requests", "ttft_seconds_buckets"), ("requests", "ttft_seconds_sum"), ("requests", "ttft_count")}
 _STRUCTURED |= {("flush", "last")}
+# Per-tenant breakdowns (`serve --tenants`), exported by `tenant_families` with a `tenant` label.
+_STRUCTURED |= {(_RAM, "by_tenant"), (_SSD, "by_tenant")}
 # Issue 21's nested sections, exported by `ssd_wear_families`.
 _STRUCTURED.update({(_SSD, "admission"), (_SSD, "write_budget"), (_SSD, "write_wear")})
 
@@ -316,6 +318,7 @@ class StatsCollector(Collector):
         yield from request_ttft_families(_section(stats, "requests"))
         yield from last_flush_families(_section(stats, "flush").get("last"))
         yield from ssd_wear_families(_section(stats, _SSD))
+        yield from tenant_families(stats)
         yield checkpoints_skipped_family(_section(stats, _CHECKPOINTS).get("skipped"))
         yield from inbound_families(_section(stats, "inbound"))
         yield from restore_policy_families(_section(stats, "restore_policy"))
@@ -556,6 +559,41 @@ def ssd_wear_families(ssd: Mapping[str, Any]) -> Iterator[Metric]:
         yield family_type(name, help_text, value=value)
 
 
+# (section, field, family name, kind, help) of the per-tenant figures; the label is the tenant's name.
+_TENANT_SPECS = (
+    (_RAM, "entries", "kvcellar_prompt_cache_tenant_entries", "gauge", "Entries the RAM tier holds, by tenant."),
+    (_RAM, "bytes", "kvcellar_prompt_cache_tenant_bytes", "gauge", "Bytes the RAM tier holds, by tenant."),
+    (_RAM, "max_bytes", "kvcellar_prompt_cache_tenant_max_bytes", "gauge", "RAM quota, by tenant (if set)."),
+    (_RAM, "hits", "kvcellar_prompt_cache_tenant_hits", "counter", "Takes that served a prefix, by tenant."),
+    (_RAM, "misses", "kvcellar_prompt_cache_tenant_misses", "counter", "Takes that served nothing, by tenant."),
+    (
+        _RAM,
+        "cached_tokens",
+        "kvcellar_prompt_cache_tenant_cached_tokens",
+        "counter",
+        "Prompt tokens served from the tiers instead of prefilled, by tenant.",
+    ),
+    (_SSD, "entries", "kvcellar_ssd_cache_tenant_entries", "gauge", "Entries the SSD tier indexes, by tenant."),
+    (_SSD, "bytes", "kvcellar_ssd_cache_tenant_bytes", "gauge", "Bytes of the SSD tier's entries, by tenant."),
+    (_SSD, "max_bytes", "kvcellar_ssd_cache_tenant_max_bytes", "gauge", "SSD quota, by tenant (if set)."),
+    (_SSD, "hits", "kvcellar_ssd_cache_tenant_hits", "counter", "SSD entries hit, by tenant."),
+)
+
+
+def tenant_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    """The tiers' `by_tenant` breakdowns, one family per figure labelled `tenant` (names, never keys);
+    none for a tier without tenants (or absent)."""
+    for section, field, name, kind, help_text in _TENANT_SPECS:
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = family_type(name, help_text, labels=["tenant"])
+        for tenant, figures in sorted(_section(_section(stats, section), "by_tenant").items()):
+            value = _number(figures.get(field)) if isinstance(figures, Mapping) else None
+            if value is not None:
+                family.add_metric([str(tenant)], value)
+        if family.samples:
+            yield family
+
+
 def checkpoints_skipped_family(skipped: Any) -> CounterMetricFamily:
     """Requests not checkpointed, by reason (logprobs, grammar, request_processors, no_prompt_cache)."""
     family = CounterMetricFamily(
@@ -582,5 +620,6 @@ __all__ = [
     "render_metrics",
     "request_ttft_families",
     "ssd_wear_families",
+    "tenant_families",
     "undescribed_families",
 ]

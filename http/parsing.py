@@ -31,6 +31,7 @@ from kvcellar.engine.structured import compile_response_grammar
 from kvcellar.engine.tool_calls import offered_tool_names
 from kvcellar.errors import BadRequest, GrammarError, PromptRefused, StrictToolsRefused
 from kvcellar.http.inbound import MAX_TOKENS_LIMIT, InboundPolicy, Intake
+from kvcellar.http.tenancy import body_namespace
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import NO_TOOLS, TOOL_CHOICES, RenderedPrompt, ToolPlan, render_prompt
 
@@ -126,12 +127,15 @@ def parse_job(
     tool_grammar: ToolGrammarPolicy | None = None,
     intake: Intake | None = None,
     api: str = "",
+    namespace: str = "",
 ) -> CompletionJob:
     """Validate a request body into a job; raises `BadRequest` naming the field.
     `tool_grammar`: the server's tool-call grammar policy (None: none);
-    `intake`: what this request's parsing changed so far (http/inbound.py)."""
+    `intake`: what this request's parsing changed so far (http/inbound.py);
+    `namespace`: the caller's cache namespace, which the body's `cache_salt` splits (http/tenancy.py)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    request_namespace = body_namespace(body, namespace)
     _check_model(body.get("model"), loaded, model_names)
     if body.get("n", 1) != 1:
         raise BadRequest("only 'n' = 1 is supported", param="n")
@@ -172,6 +176,7 @@ def parse_job(
         logits_processors=processors,
         snapshot_at_tokens=rendered.snapshot_at_tokens if rendered else None,
         notes=intake.notes(api or ("chat.completions" if chat else "completions"), schema_keywords_relaxed=relaxed),
+        namespace=request_namespace,
     )
     return CompletionJob(
         request=request,
@@ -375,6 +380,7 @@ def parse_body(
     model_names: frozenset[str] = frozenset(),
     tool_grammar: ToolGrammarPolicy | None = None,
     inbound: InboundPolicy | None = None,
+    namespace: str = "",
 ) -> CompletionJob:
     """Decode a raw request body and validate it into a job; raises `BadRequest`."""
     try:
@@ -391,6 +397,7 @@ def parse_body(
         model_names=model_names,
         tool_grammar=tool_grammar,
         intake=(inbound or InboundPolicy()).intake(),
+        namespace=namespace,
     )
 
 
@@ -406,7 +413,13 @@ class TokenizerLane:
         self.inbound = inbound or InboundPolicy()
 
     async def parse_body(
-        self, raw: bytes, loaded: LoadedModel, *, chat: bool, max_tokens_default: int = MAX_TOKENS_DEFAULT
+        self,
+        raw: bytes,
+        loaded: LoadedModel,
+        *,
+        chat: bool,
+        max_tokens_default: int = MAX_TOKENS_DEFAULT,
+        namespace: str = "",
     ) -> CompletionJob:
         """`parse_body` on a worker thread; `BadRequest` comes back as raised."""
         return await self.run(
@@ -418,6 +431,7 @@ class TokenizerLane:
                 max_tokens_default=max_tokens_default,
                 tool_grammar=self.tool_grammar,
                 inbound=self.inbound,
+                namespace=namespace,
             )
         )
 

@@ -66,6 +66,7 @@ from kvcellar.http.streaming import (
     KeepAliveStreamingResponse,
     unless_client_leaves,
 )
+from kvcellar.http.tenancy import body_namespace, request_tenant
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.http.tools import TOOL_CHOICES, ContentText, Piece, ReasoningText, ReplySplitter, ToolCall
 
@@ -118,6 +119,7 @@ def parse_responses_body(
     max_tokens_default: int,
     tool_grammar: ToolGrammarPolicy | None = None,
     inbound: InboundPolicy | None = None,
+    namespace: str = "",
 ) -> ResponsesJob:
     """Decode and validate a Responses request, render and tokenize its
     input; raises `BadRequest` naming the field. `tool_grammar`: the
@@ -156,6 +158,7 @@ def parse_responses_body(
             tool_grammar=tool_grammar,
             intake=intake,
             api="responses",
+            namespace=body_namespace(body, namespace),
         )
     except PromptTooLong as e:
         e.param = "input"
@@ -703,6 +706,7 @@ class ResponsesRoute:
             max_tokens_default=self._max_tokens_default,
             tool_grammar=self._lane.tool_grammar,
             inbound=self._lane.inbound,
+            namespace=request_tenant(request).namespace,
         )
         try:
             job = await self._lane.run(work)

@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 
 from kvcellar.store.lending import lend_caches, snapshot_caches
+from kvcellar.store.namespaces import tenant_of
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.scheme import held_bytes
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
@@ -181,6 +182,22 @@ class PromptCacheCounters:
     oversize: int = 0  # puts larger than the cap: spilled, never held
 
 
+@attrs.define(kw_only=True)
+class TenantUsage:
+    """One tenant's share of the tier, published under `prompt_cache.by_tenant.<name>`."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0  # takes served (RAM or cold) in the tenant's namespaces
+    misses: int = 0  # takes served nothing
+    cached_tokens: int = 0  # prompt tokens those takes served
+
+
+def owner_of(namespace: str) -> str:
+    """The tenant an entry's bytes are billed to; "" for the default namespace."""
+    return tenant_of(namespace) or ""
+
+
 def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:
     """Bytes the caches really hold (rows up to `offset`, the ring a sliding
     window holds, recurrent state as is), never the slack: the RAM tier's bill.
@@ -201,8 +218,16 @@ class PromptCache:
         events: TierEvents = NO_TIER_EVENTS,
         clock_s: Callable[[], float] = time.monotonic,
         bill: Callable[[Sequence[Any], int], int] = logical_bytes,
+        owner_bytes_max: Mapping[str, int] | None = None,
+        shared_namespaces: Sequence[str] = (),
     ) -> None:
         self.bytes_max = bytes_max
+        # Tenant quotas (`serve --tenants`, store/tenants.py): a tenant over its own
+        # quota evicts its own least-recently-used entries, never another's.
+        self.owner_bytes_max: Mapping[str, int] = dict(owner_bytes_max or {})
+        # Namespaces every caller may read (a tenant with `shared = true`); puts stay in the caller's own.
+        self.shared_namespaces = tuple(shared_namespaces)
+        self._usage: dict[str, TenantUsage] = {}
         self.cold_tier = cold_tier
         # The one port to the rest of the system, fixed for the tier's life.
         self._events = events
@@ -251,22 +276,41 @@ class PromptCache:
         return found
 
     def _take(self, query: np.ndarray, namespace: str) -> TakeResult:
-        ram = self._ram_candidate(query, namespace)
+        result = self._take_readable(query, namespace)
+        usage = self._usage_of(owner_of(namespace))
+        if result.reused_tokens:
+            usage.hits += 1
+            usage.cached_tokens += result.reused_tokens
+        else:
+            usage.misses += 1
+        return result
+
+    def _readable(self, namespace: str) -> tuple[str, ...]:
+        """The caller's own namespace first, then the shared ones (a tie keeps the own)."""
+        return (namespace, *(shared for shared in self.shared_namespaces if shared != namespace))
+
+    def _take_readable(self, query: np.ndarray, namespace: str) -> TakeResult:
+        ram = None
+        for readable in self._readable(namespace):
+            candidate = self._ram_candidate(query, readable)
+            if candidate is not None and (ram is None or candidate[1] > ram[1]):
+                ram = candidate
         if ram is None:
             self.counters.misses += 1
         else:
             self.counters.hits += 1
         ram_tokens = ram[1] if ram is not None else 0
-        cold = self._cold_take(query, namespace, ram_tokens)
-        if cold is not None:
-            self._notify_take(namespace, query[: cold.reused_tokens])
-            return cold
+        for readable in self._readable(namespace):
+            cold = self._cold_take(query, readable, ram_tokens)
+            if cold is not None:
+                self._notify_take(readable, query[: cold.reused_tokens])
+                return cold
         plan = self._cold_plan()
         if ram is None:
             return TakeResult(caches=None, reused_tokens=0, tier="none", restore_plan=plan)
         entry, usable = ram
         self._touch(entry)
-        self._notify_take(namespace, entry.tokens)
+        self._notify_take(entry.namespace, entry.tokens)
         lent = lend_caches(entry.caches, drop_tokens=entry.tokens.size - usable)
         return TakeResult(caches=lent, reused_tokens=usable, tier="ram", entry_id=entry.entry_id, restore_plan=plan)
 
@@ -344,7 +388,7 @@ class PromptCache:
             last_used_tick=next(self._ticks),
             last_used_s=self._clock_s(),
         )
-        if entry.bytes > self.bytes_max:
+        if entry.bytes > min(self.bytes_max, self.owner_bytes_max.get(owner_of(namespace), self.bytes_max)):
             self.counters.oversize += 1
             self._spill(entry, "oversize")
             # Still dirty: a flush must wait for this spill and report it missing
@@ -387,23 +431,41 @@ class PromptCache:
             minimum_reusable_offset=entry.minimum_reusable_offset,
         )
         self.bytes_total += entry.bytes
+        usage = self._usage_of(owner_of(entry.namespace))
+        usage.entries += 1
+        usage.bytes += entry.bytes
         self._events.resident(entry.entry_id, entry.namespace, entry.tokens)
 
     def _drop(self, entry_id: str) -> _RamEntry:
         entry = self._entries.pop(entry_id)
         self._indexes[entry.namespace].remove(entry_id)
         self.bytes_total -= entry.bytes
+        usage = self._usage_of(owner_of(entry.namespace))
+        usage.entries -= 1
+        usage.bytes -= entry.bytes
         self._events.gone(entry_id)
         return entry
 
     def _evict_until_under_cap(self, *, keep: str) -> None:
-        while self.bytes_total > self.bytes_max:
-            victim = next((e for e in self._entries.values() if e.entry_id != keep), None)
+        """Evict least-recently-used entries until the putter is inside its quota and the
+        tier under its cap. Over-quota tenants' entries go first: a tenant inside its
+        quota loses entries only to the cap itself, never to another's excess."""
+        while True:
+            over = {owner for owner, quota in self.owner_bytes_max.items() if self._usage_of(owner).bytes > quota}
+            if not over and self.bytes_total <= self.bytes_max:
+                return
+            others = [e for e in self._entries.values() if e.entry_id != keep]
+            victim = next((e for e in others if owner_of(e.namespace) in over), None)
+            if victim is None and self.bytes_total > self.bytes_max:
+                victim = next(iter(others), None)
             if victim is None:
                 return
             self._spill(victim, "evict")
             self._drop(victim.entry_id)
             self.counters.evictions += 1
+
+    def _usage_of(self, owner: str) -> TenantUsage:
+        return self._usage.setdefault(owner, TenantUsage())
 
     # -- spill and demotion ----------------------------------------------------
 
@@ -495,5 +557,11 @@ class PromptCache:
                 "bytes": self.bytes_total,
                 "max_bytes": self.bytes_max,
                 **attrs.asdict(self.counters),
+                # Tenant names only (never keys); the default namespace is the totals above.
+                "by_tenant": {
+                    owner: {**attrs.asdict(usage), "max_bytes": self.owner_bytes_max.get(owner)}
+                    for owner, usage in sorted(self._usage.items())
+                    if owner
+                },
             }
         )

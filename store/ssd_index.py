@@ -35,6 +35,7 @@ import attrs
 import numpy as np
 
 from kvcellar.store import events as ev
+from kvcellar.store.namespaces import tenant_of
 from kvcellar.store.prefix_index import PrefixIndex
 
 EventListener = Callable[[ev.Event], None]
@@ -93,6 +94,20 @@ class SsdCounters:
     restore_failures: int = 0  # restores that failed on a bad file or an I/O error
 
 
+@attrs.define(kw_only=True)
+class OwnerUsage:
+    """One tenant's share of the tier (`ssd_cache.by_tenant.<name>` in /stats)."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+
+
+def _owner(namespace: str) -> str:
+    # The tenant an entry is billed to; "" for the default namespace (store/namespaces.py).
+    return tenant_of(namespace) or ""
+
+
 class SsdIndex:
     """The index and counters of one fingerprint directory `directory`, over
     entries of at most `bytes_max` bytes in all (None: no cap)."""
@@ -119,6 +134,15 @@ class SsdIndex:
         self._event_listeners = tuple(event_listeners)
         self._events: EventQueue | None = None
         self._warned_write_failure = False
+        self._usage: dict[str, OwnerUsage] = {}
+        # Tenant quotas (`serve --tenants`): an owner over its own quota loses its oldest entries first.
+        self._owner_bytes_max: dict[str, int] = {}
+
+    def set_owner_quotas(self, owner_bytes_max: dict[str, int]) -> list[Path]:
+        """Set the tenants' byte quotas and evict what is over them now; returns the files to unlink."""
+        with self._lock:
+            self._owner_bytes_max = dict(owner_bytes_max)
+            return self._evict_over_cap()
 
     # -- events ----------------------------------------------------------------
 
@@ -228,6 +252,12 @@ class SsdIndex:
                 "bytes": self._bytes_total,
                 "bytes_max": self.bytes_max,
                 **attrs.asdict(self._counters),
+                # Tenant names only, never keys; the default namespace is the totals above.
+                "by_tenant": {
+                    owner: {**attrs.asdict(usage), "max_bytes": self._owner_bytes_max.get(owner)}
+                    for owner, usage in sorted(self._usage.items())
+                    if owner
+                },
             }
 
     # -- the startup scan --------------------------------------------------------
@@ -242,7 +272,7 @@ class SsdIndex:
             by_namespace: dict[str, list[IndexedEntry]] = {}
             for entry in self._entries.values():
                 by_namespace.setdefault(entry.namespace, []).append(entry)
-                self._bytes_total += entry.bytes
+                self._bill(entry, +1)
                 self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
             for namespace, entries in by_namespace.items():
                 self._indexes[namespace] = PrefixIndex.from_entries(entries)
@@ -321,14 +351,20 @@ class SsdIndex:
             trimmable=entry.trimmable,
             minimum_reusable_offset=entry.minimum_reusable_offset,
         )
-        self._bytes_total += entry.bytes
+        self._bill(entry, +1)
         self._mtime_max_ns = max(self._mtime_max_ns, entry.mtime_ns)
+
+    def _bill(self, entry: IndexedEntry, sign: int) -> None:
+        self._bytes_total += sign * entry.bytes
+        usage = self._usage.setdefault(_owner(entry.namespace), OwnerUsage())
+        usage.entries += sign
+        usage.bytes += sign * entry.bytes
 
     def _unindex(self, entry_id: str) -> IndexedEntry | None:
         entry = self._entries.pop(entry_id, None)
         if entry is not None:
             self._indexes[entry.namespace].remove(entry_id)
-            self._bytes_total -= entry.bytes
+            self._bill(entry, -1)
         return entry
 
     def _supersede(self, entry: IndexedEntry) -> list[Path]:
@@ -352,13 +388,24 @@ class SsdIndex:
         return removed
 
     def _evict_over_cap(self) -> list[Path]:
+        """Evict the oldest entries of tenants over their own quota, then the oldest of
+        all while over the cap: a tenant inside its quota loses entries only to the cap."""
         removed: list[Path] = []
-        if self.bytes_max is None:
-            return removed
-        while self._bytes_total > self.bytes_max and self._entries:
-            oldest = min(self._entries.values(), key=lambda e: (e.mtime_ns, e.entry_id))
+        while self._entries:
+            over = {owner for owner, quota in self._owner_bytes_max.items() if self._usage_bytes(owner) > quota}
+            over_cap = self.bytes_max is not None and self._bytes_total > self.bytes_max
+            if not over and not over_cap:
+                break
+            candidates = [e for e in self._entries.values() if _owner(e.namespace) in over]
+            if not candidates:
+                candidates = list(self._entries.values())
+            oldest = min(candidates, key=lambda e: (e.mtime_ns, e.entry_id))
             removed += self._remove(oldest.entry_id, ev.EntryEvicted(entry_id=oldest.entry_id, bytes=oldest.bytes))
         return removed
+
+    def _usage_bytes(self, owner: str) -> int:
+        usage = self._usage.get(owner)
+        return usage.bytes if usage is not None else 0
 
     def _remove(self, entry_id: str, event: ev.EntrySuperseded | ev.EntryEvicted) -> list[Path]:
         entry = self._unindex(entry_id)
@@ -406,6 +453,7 @@ class SsdIndex:
                 return None
             entry = self._entries[entry_id] = attrs.evolve(entry, mtime_ns=max(entry.mtime_ns, mtime_ns))
             self._counters.hits += 1
+            self._usage.setdefault(_owner(entry.namespace), OwnerUsage()).hits += 1
             self._event(ev.EntryHit(entry_id=entry_id, mtime_ns=mtime_ns, usable_tokens=usable_tokens))
             return entry
 
