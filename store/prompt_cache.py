@@ -179,6 +179,7 @@ class PromptCacheCounters:
     spill_failures: int = 0  # snapshots the port raised on (dropped without a cold copy)
     demotions: int = 0  # idle entries spilled and dropped
     oversize: int = 0  # puts larger than the cap: spilled, never held
+    wiped: int = 0  # entries a wipe dropped
 
 
 def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:
@@ -482,6 +483,16 @@ class PromptCache:
             bytes=entry.bytes,
             reason="write-behind",
         )
+
+    def wipe(self, selects: Callable[[str, np.ndarray], bool]) -> tuple[int, int]:
+        """Drop every entry `selects(namespace, tokens)` picks, with no spill (a wipe's
+        RAM part, store/wipe.py); returns (entries, bytes) dropped."""
+        doomed = [e for e in self._entries.values() if selects(e.namespace, e.tokens)]
+        for entry in doomed:
+            self._drop(entry.entry_id)
+        self.counters.wiped += len(doomed)
+        self._publish()
+        return len(doomed), sum(e.bytes for e in doomed)
 
     def stats(self) -> dict[str, Any]:
         """The last published snapshot: safe from any thread."""

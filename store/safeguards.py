@@ -35,6 +35,8 @@ class Safeguards:
     checkpoint_key_has_sampling: bool = True
     # The serial lane: a resumed generation goes on from its saved pending token.
     checkpoint_resumes_pending_token: bool = True
+    # `SsdIndex.commit`: refuse a commit an unfinished wipe selects (no wiped entry comes back).
+    wipe_tombstone_at_commit: bool = True
 
 
 SAFEGUARDS = Safeguards()

@@ -36,8 +36,11 @@ import numpy as np
 
 from kvcellar.store import events as ev
 from kvcellar.store.prefix_index import PrefixIndex
+from kvcellar.store.wipe import WipeSelector
 
 EventListener = Callable[[ev.Event], None]
+# The `EntryEvicted.reason` of a wipe's removals: the projection and the KV events treat them as evictions.
+WIPE_REASON = "wipe"
 Tokens = Sequence[int] | np.ndarray
 
 
@@ -91,6 +94,8 @@ class SsdCounters:
     supersessions: int = 0  # entries removed because a newer one stands in for them
     write_failures: int = 0  # stores that wrote nothing (a DiskError, or larger than the cap)
     restore_failures: int = 0  # restores that failed on a bad file or an I/O error
+    wiped: int = 0  # entries removed by a wipe
+    wipe_dropped_commits: int = 0  # commits a wipe's tombstone refused (their files unlinked, never indexed)
 
 
 class SsdIndex:
@@ -105,6 +110,7 @@ class SsdIndex:
         clock_ns: Callable[[], int],
         lock: AbstractContextManager[Any] | None = None,
         event_listeners: Sequence[EventListener] = (),
+        drop_wiped_commits: bool = True,
     ) -> None:
         self.directory = directory
         self.bytes_max = bytes_max
@@ -119,6 +125,10 @@ class SsdIndex:
         self._event_listeners = tuple(event_listeners)
         self._events: EventQueue | None = None
         self._warned_write_failure = False
+        # The unfinished wipes by id: while one is here, a commit it selects is refused
+        # (`drop_wiped_commits`; off only for the simulator's `wipe-skips-tombstone` mutation).
+        self._tombstones: dict[str, WipeSelector] = {}
+        self._drop_wiped_commits = drop_wiped_commits
 
     # -- events ----------------------------------------------------------------
 
@@ -278,6 +288,11 @@ class SsdIndex:
         """Index a committed entry file, journal it, then supersede and evict;
         returns the files to unlink."""
         with self._lock:
+            if self._drop_wiped_commits and self._tombstoned(entry.namespace, entry.tokens):
+                # A write that began before a wipe (a spill of a wiped RAM entry) lands after
+                # its removal: it must not resurrect the entry.
+                self._counters.wipe_dropped_commits += 1
+                return [entry.path]
             self._index(entry)
             self._counters.entries_stored += 1
             self._event(ev.EntryStored(entry=self.fields(entry)))
@@ -366,6 +381,8 @@ class SsdIndex:
             return []
         if isinstance(event, ev.EntrySuperseded):
             self._counters.supersessions += 1
+        elif event.reason == WIPE_REASON:
+            self._counters.wiped += 1
         else:
             self._counters.evictions += 1
         self._event(event)
@@ -427,3 +444,38 @@ class SsdIndex:
         mutation only (`Safeguards.restore_outside_index_lock` off), which
         reads a file under it."""
         return self._lock if hold else contextlib.nullcontext()
+
+    # -- wipes (store/wipe.py; the system's wipe runs them in order: begin, wipe, end) ----
+
+    def begin_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
+        """Install the wipe's tombstone (from now on a commit it selects is refused) and journal it."""
+        with self._lock:
+            self._tombstones[wipe_id] = selector
+            self._event(ev.WipeBegun(wipe_id=wipe_id, selector=selector))
+
+    def wipe(self, selector: WipeSelector) -> list[IndexedEntry]:
+        """Unindex and journal every entry `selector` selects; returns them (their files to unlink)."""
+        with self._lock:
+            doomed = [e for e in self._entries.values() if selector.matches(e.namespace, e.tokens)]
+            for entry in doomed:
+                event = ev.EntryEvicted(entry_id=entry.entry_id, bytes=entry.bytes, reason=WIPE_REASON)
+                self._remove(entry.entry_id, event)
+            return doomed
+
+    def selected(self, selector: WipeSelector) -> list[IndexedEntry]:
+        """The indexed entries `selector` selects (what a wipe has left)."""
+        with self._lock:
+            return [e for e in self._entries.values() if selector.matches(e.namespace, e.tokens)]
+
+    def end_wipe(self, wipe_id: str, entries: int, bytes_removed: int) -> None:
+        """Lift the tombstone and journal the wipe done."""
+        with self._lock:
+            self._tombstones.pop(wipe_id, None)
+            self._event(ev.WipeDone(wipe_id=wipe_id, entries=entries, bytes=bytes_removed))
+
+    def tombstones(self) -> dict[str, WipeSelector]:
+        with self._lock:
+            return dict(self._tombstones)
+
+    def _tombstoned(self, namespace: str, tokens: np.ndarray) -> bool:
+        return any(selector.matches(namespace, tokens) for selector in self._tombstones.values())
