@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
 from kvcellar.errors import DiskError, SharedStoreError
 from kvcellar.store.wipe import WipeSelector
-
-if TYPE_CHECKING:
-    from kvcellar.actors.system import System
 
 log = logging.getLogger("kvcellar.wipe")
 
@@ -63,7 +60,9 @@ class WipeResult:
 class Wipes:
     """The wipes of one system; Trio thread. Wipes run one at a time."""
 
-    def __init__(self, system: System) -> None:
+    def __init__(self, system: Any) -> None:
+        # `actors.system.System` (not imported: it imports this module); used for its tiers,
+        # engine, seams and `flush`.
         self.system = system
         self._lock = trio.Lock()
         self._serial = itertools.count(1)
