@@ -84,6 +84,7 @@ from kvcellar.store.actor_events import (
     FlushVerdictRecorded,
 )
 from kvcellar.store.events import tokens_digest as events_tokens_digest
+from kvcellar.store.wipe import WipeSelector
 
 DEBOUNCE_S_DEFAULT = 1.0
 BUSY_REARM_S_DEFAULT = 5.0
@@ -126,6 +127,13 @@ class Dirty:
 
     namespace: str
     tokens: tuple[int, ...] = attrs.field(converter=token_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class Wiped:
+    """A wipe removed what `selector` selects from every tier: its records can never be durable."""
+
+    selector: WipeSelector
 
 
 @attrs.frozen(kw_only=True)
@@ -515,6 +523,21 @@ class DurabilityCore:
             effects.append(self._arm(record, self._rearm_delay(record)))
         return self.state, effects
 
+    def _on_wiped(self, msg: Wiped, now: float) -> Step:
+        """Forget the records the wipe selects, except one in flight or in a running flush's scope
+        (their flush reports them missing; a later wipe or put settles them)."""
+        scope = self._run.scope if self._run is not None else frozenset()
+        wiped = [
+            key
+            for key, record in self._records.items()
+            if record.status is not RecordStatus.ATTEMPTING
+            and key not in scope
+            and msg.selector.matches(key.namespace, key.tokens)
+        ]
+        for key in wiped:
+            del self._records[key]  # a timer still armed for it fires stale and is ignored
+        return self.state, []
+
     def _rearm_delay(self, record: _Record) -> float:
         if record.failures == 0:
             return self.debounce_s
@@ -755,6 +778,7 @@ DURABILITY_TABLE: TransitionTable[DurabilityState] = TransitionTable(
         **rows(_EVERY_STATE, [TimerFired], DurabilityCore._on_timer),
         **rows(_EVERY_STATE, [AdmissionGranted], DurabilityCore._on_admission_granted),
         **rows(_EVERY_STATE, [FlushTimedOut], DurabilityCore._on_flush_timed_out),
+        **rows(_EVERY_STATE, [Wiped], DurabilityCore._on_wiped),
         **rows([_S.RUNNING], [Flush], DurabilityCore._on_flush, to=_BEGUN),
         **rows(_FLUSHING, [Flush], DurabilityCore._on_flush),
         **rows([_S.RUNNING], [AttemptResult], DurabilityCore._on_result),

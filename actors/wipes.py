@@ -68,6 +68,11 @@ class Wipes:
         self._serial = itertools.count(1)
         self.completed = 0
 
+    def stats(self) -> dict[str, Any]:
+        """`/stats` `wipes`: how many finished here, and the unfinished ones' ids."""
+        unfinished = sorted(self.system.store.unfinished_wipes()) if self.system.store is not None else []
+        return {"completed": self.completed, "unfinished": unfinished}
+
     def _new_wipe_id(self) -> str:
         store = self.system.store
         # The store's clock (the simulator's, in a simulation) and a per-process count: unique and deterministic.
@@ -139,6 +144,8 @@ class Wipes:
         if left:
             return _result(wipe_id, selector, removed, left, "not everything selected is gone yet; wipe again")
         await seams.run_blocking(store.finish_wipe, wipe_id, removed["ssd"]["entries"], removed["ssd"]["bytes"])
+        if self.system.durability is not None:
+            self.system.durability.wiped(selector)
         self.completed += 1
         return _result(wipe_id, selector, removed, left, "")
 
