@@ -120,7 +120,7 @@ class Wipes:
 
     async def _drain(self, timeout_s: float | None) -> bool:
         """Step 3: whether every write that began before the RAM wipe has landed or been refused."""
-        if self.system.store is None:
+        if self.system.store is None or not self.system.seams.safeguards.wipe_guards_in_flight_writes:
             return True
         verdict = await self.system.flush(timeout_s)
         return verdict.reason != "timeout"
@@ -132,18 +132,25 @@ class Wipes:
         left: dict[str, list[str]] = {}
         if store is None:
             return _result(wipe_id, selector, removed, left, "")
-        doomed = await seams.run_blocking(store.wipe_entries, selector)
+        try:
+            doomed = await seams.run_blocking(store.wipe_entries, selector)
+        except DiskError as e:
+            doomed, left["ssd"] = [], [f"a removal is not durable: {e}"]
         removed["ssd"] = {"entries": len(doomed), "bytes": sum(entry.bytes for entry in doomed)}
         ssd_left = await seams.run_blocking(store.wipe_left, selector, [entry.path for entry in doomed])
         if ssd_left:
-            left["ssd"] = ssd_left
+            left.setdefault("ssd", []).extend(ssd_left)
         await self._wipe_checkpoints(selector, removed, left)
         await self._wipe_shared(selector, removed, left)
         if not drained:
             left["writes"] = ["writes begun before the wipe had not settled within the timeout"]
         if left:
             return _result(wipe_id, selector, removed, left, "not everything selected is gone yet; wipe again")
-        await seams.run_blocking(store.finish_wipe, wipe_id, removed["ssd"]["entries"], removed["ssd"]["bytes"])
+        try:
+            await seams.run_blocking(store.finish_wipe, wipe_id, removed["ssd"]["entries"], removed["ssd"]["bytes"])
+        except DiskError as e:
+            # Everything is gone; only the intent stays (the next start redoes the wipe, removing nothing new).
+            return _result(wipe_id, selector, removed, {"intent": [str(e)]}, "the wipe's intent could not be removed")
         if self.system.durability is not None:
             self.system.durability.wiped(selector)
         self.completed += 1

@@ -66,7 +66,14 @@ class Crash:
     power: bool
 
 
-Step = Request | Burst | Fork | Flush | Idle | Restart | Crash
+@attrs.frozen(kw_only=True)
+class Wipe:
+    """`POST /admin/cache/wipe` of one namespace (`{"namespace": ...}`)."""
+
+    namespace: str
+
+
+Step = Request | Burst | Fork | Flush | Idle | Restart | Crash | Wipe
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +93,9 @@ class WorkloadShape:
     # generations, crashes in the middle of them, and each request a crash
     # cut off sent again after recovery (first changed, then identical).
     generation_checkpoint_tokens: int = 0
+    # Cache wipes of one namespace now and then (issue 39; off by default, so the
+    # default workloads, and their recorded digests, are unchanged).
+    wipes: bool = False
 
 
 SMALL_SHAPES = {
@@ -108,6 +118,7 @@ SMALL_SHAPES = {
         namespaces=("", "team-b"),
         generation_checkpoint_tokens=8,
     ),
+    "wipes": WorkloadShape(steps=14, conversations=3, long_prompt_rate=0.0, namespaces=("", "team-b"), wipes=True),
 }
 
 
@@ -165,6 +176,10 @@ def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[St
             steps.append(Restart())
         elif shape.crashes:
             steps.append(Crash(within_ops=rng.randint(1, 60), power=rng.random() < 0.75))
+        if shape.wipes and rng.random() < 0.3:
+            # About the write-behind debounce (1 s) after a put: its write may be in flight as the wipe begins.
+            steps.append(Idle(seconds=rng.choice((0.0, 0.98, 1.0, 1.01, 1.03))))
+            steps.append(Wipe(namespace=rng.choice(shape.namespaces)))
     steps.append(Flush())
     return steps
 

@@ -484,6 +484,10 @@ class PromptCache:
             reason="write-behind",
         )
 
+    def keys(self) -> list[tuple[str, np.ndarray]]:
+        """The (namespace, tokens) of every entry held (the engine thread, or a simulation's one thread)."""
+        return [(e.namespace, e.tokens) for e in self._entries.values()]
+
     def wipe(self, selects: Callable[[str, np.ndarray], bool]) -> tuple[int, int]:
         """Drop every entry `selects(namespace, tokens)` picks, with no spill (a wipe's
         RAM part, store/wipe.py); returns (entries, bytes) dropped."""

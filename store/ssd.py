@@ -105,7 +105,7 @@ class SsdStore:
             clock_ns=clock_ns,
             lock=index_lock,
             event_listeners=event_listeners,
-            drop_wiped_commits=safeguards.wipe_tombstone_at_commit,
+            drop_wiped_commits=safeguards.wipe_guards_in_flight_writes,
         )
         self.wipe_intents = WipeIntents(directory=self.directory, disk=disk)
         self.files = TierFiles(
@@ -417,6 +417,11 @@ class SsdStore:
         again: `wipe_left` reports it."""
         doomed = self.index.wipe(selector)
         self.files.unlink_removed([entry.path for entry in doomed])
+        # Unlike an eviction's, a wipe's removal must survive a power loss: a file whose unlink
+        # is lost would be indexed again at the next start. A failed fsync raises `DiskError`
+        # and leaves the intent, so the wipe is not reported done.
+        for directory in sorted({entry.path.parent for entry in doomed}):
+            self.disk.fsync_dir(directory)
         return doomed
 
     def wipe_left(self, selector: WipeSelector, removed_paths: Sequence[Path] = ()) -> list[str]:

@@ -126,7 +126,7 @@ class SsdIndex:
         self._events: EventQueue | None = None
         self._warned_write_failure = False
         # The unfinished wipes by id: while one is here, a commit it selects is refused
-        # (`drop_wiped_commits`; off only for the simulator's `wipe-skips-tombstone` mutation).
+        # (`drop_wiped_commits`; off only for the simulator's `wipe-ignores-in-flight-writes` mutation).
         self._tombstones: dict[str, WipeSelector] = {}
         self._drop_wiped_commits = drop_wiped_commits
 
