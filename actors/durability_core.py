@@ -131,7 +131,8 @@ class Dirty:
 
 @attrs.frozen(kw_only=True)
 class Wiped:
-    """A wipe removed what `selector` selects from every tier: its records can never be durable."""
+    """The RAM tier dropped what `selector` selects (its port sends this after the puts before it):
+    those puts are no longer owed to the SSD tier."""
 
     selector: WipeSelector
 
@@ -322,6 +323,7 @@ class _Record:
     attempt_forced: bool = False
     timer_armed: bool = False
     failures: int = 0  # consecutive dropped/failed attempts, for the retry backoff
+    wiped_version: int | None = None  # a wipe dropped this version while its attempt was in flight
 
 
 @attrs.frozen(kw_only=True)
@@ -505,7 +507,7 @@ class DurabilityCore:
         if self._run is not None and fault:
             setattr(self._run, outcome, getattr(self._run, outcome) + 1)
         current = msg.version == record.version
-        clean = current and outcome in ("stored", "covered")
+        clean = current and (outcome in ("stored", "covered") or record.wiped_version == record.version)
         if clean:
             del self._records[record.key]
         elif current and outcome == "missing":
@@ -524,18 +526,16 @@ class DurabilityCore:
         return self.state, effects
 
     def _on_wiped(self, msg: Wiped, now: float) -> Step:
-        """Forget the records the wipe selects, except one in flight or in a running flush's scope
-        (their flush reports them missing; a later wipe or put settles them)."""
-        scope = self._run.scope if self._run is not None else frozenset()
-        wiped = [
-            key
-            for key, record in self._records.items()
-            if record.status is not RecordStatus.ATTEMPTING
-            and key not in scope
-            and msg.selector.matches(key.namespace, key.tokens)
-        ]
-        for key in wiped:
-            del self._records[key]  # a timer still armed for it fires stale and is ignored
+        """Forget the records the wipe selects: every one is a put made before it (the port's
+        order). One in flight is forgotten when its attempt settles, unless put again meanwhile.
+        A flush's scope looks its records up, so one forgotten is simply no longer owed."""
+        for key, record in list(self._records.items()):
+            if not msg.selector.matches(key.namespace, key.tokens):
+                continue
+            if record.status is RecordStatus.ATTEMPTING:
+                record.wiped_version = record.version
+            else:
+                del self._records[key]  # a timer still armed for it fires stale and is ignored
         return self.state, []
 
     def _rearm_delay(self, record: _Record) -> float:

@@ -1,26 +1,28 @@
 """The cache wipe across the tiers (issue 39, `POST /admin/cache/wipe`; docs/security.md "Wipe").
 
-`Wipes` owns the order of one wipe; the wipe state itself (the tombstones of the unfinished
-wipes) is the SSD tier's index (`SsdIndex`), the durable intent its `wipes/` directory
-(`store/ssd_wipe.py`). One wipe, in order:
+`Wipes` owns the order of one wipe; the wipe state (a `Tombstone` per wipe of this process) is
+the SSD tier's index (`SsdIndex`), the durable intent its `wipes/` directory (`store/ssd_wipe.py`).
+One wipe, in order:
 
-1. begin: the intent file is made durable and the tombstone installed (the journal's
-   `wipe.begun` beside it). From here no commit the wipe selects lands in the SSD tier or among
-   the checkpoints: a write that began before the wipe is refused at its commit and unlinked.
-2. RAM: one engine turn drops the selected entries of the RAM tier (no spill).
-3. drain: a flush, so every write that began before step 2 (a spill of a wiped entry, a
-   checkpoint) has landed or been refused before the tombstone may be lifted.
-4. SSD and checkpoints: the selected entries are unindexed, journaled and unlinked.
-5. shared tier: uploads in flight settle, the index is refreshed from the bucket, and every
-   selected manifest is deleted, then its object.
-6. done, only when nothing selected is left anywhere: the tombstone is lifted, `wipe.done`
-   journaled and the intent file unlinked. Otherwise the answer says what is left, the tombstone
-   and the intent stay, and the next wipe with the same selector (or the next start) finishes it.
+1. begin: the intent file is made durable, then the tombstone installed (the journal's
+   `wipe.begun` beside it). From here no SSD commit the wipe selects lands.
+2. RAM: one engine turn drops the selected entries of the RAM tier (no spill) and starts a new
+   wipe epoch; the RAM tier's port tells write-behind, after every put before it, that those
+   puts are no longer owed. The tombstone is bound to that epoch: from now on it refuses only
+   the commits of caches taken before it (a spill or write-behind snapshot still in flight,
+   `SpillSnapshot.wipe_epoch`), for the rest of the process; later puts are new and land.
+3. SSD and checkpoints: the selected entries are unindexed, journaled (`entry.evicted`, reason
+   "wipe"), unlinked, and their directories fsynced (a lost unlink would bring one back).
+4. shared tier: uploads in flight settle (bounded by `timeout_s`), the index is refreshed from
+   the bucket, and every selected manifest is deleted, then its object.
+5. done, only when nothing selected is left anywhere: `wipe.done` journaled and the intent
+   unlinked. Otherwise the answer says what is left; the intent stays, and the next wipe with
+   the same selector (or the next start) finishes it.
 
-A crash anywhere before step 6 leaves the intent: `SsdStore.open` puts the tombstone back and
-removes the SSD entries before serving, and `resume` (called by `open_system` before the system
-is handed out) runs steps 4 to 6 again. Without an SSD tier there is nothing durable to wipe:
-only the RAM tier, and no intent.
+A crash anywhere before step 5 leaves the intent: `SsdStore.open` puts the tombstone back (it
+refuses every selected commit until the wipe is done) and removes the SSD entries before
+serving, and `resume` (called by `open_system` before the system is handed out) runs steps 3
+to 5 again. Without an SSD tier there is nothing durable to wipe: only the RAM tier, no intent.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class Wipes:
         return f"{now_ns:x}-{next(self._serial)}"
 
     async def wipe(self, selector: WipeSelector, timeout_s: float | None = None) -> WipeResult:
-        """Run one wipe (steps 1 to 6 of the module doc) bounded by `timeout_s` for its drain."""
+        """Run one wipe (steps 1 to 5 of the module doc); `timeout_s` bounds the wait for shared-tier
+        uploads in flight (None: `SHARED_UPLOADS_SETTLE_S`)."""
         async with self._lock:
             wipe_id = self._existing_wipe_id(selector) or self._new_wipe_id()
             removed = {tier: {"entries": 0, "bytes": 0} for tier in TIERS}
@@ -91,12 +94,13 @@ class Wipes:
                 except DiskError as e:
                     reason = f"the wipe's intent could not be made durable; nothing was removed: {e}"
                     return _result(wipe_id, selector, removed, {"ssd": [str(e)]}, reason)
-            entries, size = await self.system.engine.call(
-                lambda _: self.system.prompt_cache.wipe(selector.matches), needs_model=False, label="wipe"
+            entries, size, ram_epoch = await self.system.engine.call(
+                lambda _: self.system.prompt_cache.wipe(selector), needs_model=False, label="wipe"
             )
             removed["ram"] = {"entries": entries, "bytes": size}
-            drained = await self._drain(timeout_s)
-            return await self._finish(wipe_id, selector, removed, drained)
+            if store is not None:
+                store.bound_wipe(wipe_id, ram_epoch)
+            return await self._finish(wipe_id, selector, removed, timeout_s)
 
     async def resume(self) -> list[WipeResult]:
         """Finish the wipes a crash left (the SSD tier already removed their entries at open)."""
@@ -107,7 +111,7 @@ class Wipes:
         async with self._lock:
             for wipe_id, selector in sorted(store.unfinished_wipes().items()):
                 removed = {tier: {"entries": 0, "bytes": 0} for tier in TIERS}
-                results.append(await self._finish(wipe_id, selector, removed, drained=True))
+                results.append(await self._finish(wipe_id, selector, removed))
                 log.warning("resumed wipe %s: %s", wipe_id, "done" if results[-1].done else results[-1].reason)
         return results
 
@@ -118,15 +122,12 @@ class Wipes:
             return None
         return next((wipe_id for wipe_id, s in store.unfinished_wipes().items() if s == selector), None)
 
-    async def _drain(self, timeout_s: float | None) -> bool:
-        """Step 3: whether every write that began before the RAM wipe has landed or been refused."""
-        if self.system.store is None or not self.system.seams.safeguards.wipe_guards_in_flight_writes:
-            return True
-        verdict = await self.system.flush(timeout_s)
-        return verdict.reason != "timeout"
-
     async def _finish(
-        self, wipe_id: str, selector: WipeSelector, removed: dict[str, dict[str, int]], drained: bool
+        self,
+        wipe_id: str,
+        selector: WipeSelector,
+        removed: dict[str, dict[str, int]],
+        timeout_s: float | None = None,
     ) -> WipeResult:
         store, seams = self.system.store, self.system.seams
         left: dict[str, list[str]] = {}
@@ -141,9 +142,7 @@ class Wipes:
         if ssd_left:
             left.setdefault("ssd", []).extend(ssd_left)
         await self._wipe_checkpoints(selector, removed, left)
-        await self._wipe_shared(selector, removed, left)
-        if not drained:
-            left["writes"] = ["writes begun before the wipe had not settled within the timeout"]
+        await self._wipe_shared(selector, removed, left, timeout_s)
         if left:
             return _result(wipe_id, selector, removed, left, "not everything selected is gone yet; wipe again")
         try:
@@ -151,8 +150,6 @@ class Wipes:
         except DiskError as e:
             # Everything is gone; only the intent stays (the next start redoes the wipe, removing nothing new).
             return _result(wipe_id, selector, removed, {"intent": [str(e)]}, "the wipe's intent could not be removed")
-        if self.system.durability is not None:
-            self.system.durability.wiped(selector)
         self.completed += 1
         return _result(wipe_id, selector, removed, left, "")
 
@@ -168,13 +165,17 @@ class Wipes:
             left["checkpoints"] = failed
 
     async def _wipe_shared(
-        self, selector: WipeSelector, removed: dict[str, dict[str, int]], left: dict[str, list[str]]
+        self,
+        selector: WipeSelector,
+        removed: dict[str, dict[str, int]],
+        left: dict[str, list[str]],
+        timeout_s: float | None,
     ) -> None:
         shared = self.system.shared
         if shared is None:
             return
         # An upload that began before the SSD removal may still commit its manifest: let it settle.
-        with trio.move_on_after(SHARED_UPLOADS_SETTLE_S):
+        with trio.move_on_after(SHARED_UPLOADS_SETTLE_S if timeout_s is None else timeout_s):
             while shared.uploading:
                 await trio.sleep(shared.config.idle_poll_s)
         await shared.refresh()

@@ -386,17 +386,20 @@ async def _step(run: _Run, system: Any, step: Step) -> None:
         run.disk.crash_at_op = run.disk.ops_done + step.within_ops
         run.crash_power = step.power
     elif isinstance(step, Wipe):
-        await _wipe(run, system, WipeSelector(namespace=step.namespace))
+        async with trio.open_nursery() as nursery:
+            for request in step.alongside:
+                nursery.start_soon(_request, run, system, request)
+            await trio.sleep(0.001 * len(step.alongside))
+            await _wipe(run, system, WipeSelector(namespace=step.namespace))
     _check_wiped_stay_wiped(run, system)
 
 
 async def _wipe(run: _Run, system: Any, selector: WipeSelector) -> None:
     """One wipe; a done one joins the observer's no-resurrection invariant (a fault may leave one
     undone: it says what is left and the next wipe or start finishes it)."""
-    puts_at_begin = run.observer.wipe_begun(selector)
     result = await system.wipes.wipe(selector)
     if result.done:
-        run.observer.wipe_completed(selector, puts_at_begin)
+        run.observer.wipe_completed(selector)
 
 
 def _check_wiped_stay_wiped(run: _Run, system: Any) -> None:

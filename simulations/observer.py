@@ -78,6 +78,7 @@ class Observer:
         # each completed wipe's selector with the index of the first put after it began.
         self._wiped_puts: set[int] = set()
         self.completed_wipes: list[tuple[WipeSelector, int]] = []
+        self.puts_at_last_wipe = 0
 
     def violate(self, invariant: str, detail: str, kind: str = "correctness") -> None:
         self.violations.append(Violation(invariant=invariant, detail=detail, kind=kind))
@@ -102,6 +103,15 @@ class Observer:
             return put(tokens, caches, namespace, *args, **kw)
 
         cache.put_entry = observed_put
+        wipe = cache.wipe
+
+        def observed_wipe(selector: WipeSelector) -> Any:
+            # The RAM tier's wipe is the line: the puts before it are wiped, those after are new.
+            self._wiped_puts.update(i for i, (ns, tokens) in enumerate(self.puts) if selector.matches(ns, tokens))
+            self.puts_at_last_wipe = len(self.puts)
+            return wipe(selector)
+
+        cache.wipe = observed_wipe
 
     def store_listeners(self) -> dict[str, Any]:
         """`SsdStore.open`'s listener arguments for the system's store: every
@@ -213,22 +223,18 @@ class Observer:
 
     # -- wipes --------------------------------------------------------------------------
 
-    def wipe_begun(self, selector: WipeSelector) -> int:
-        """A wipe begins: no durable flush owes the puts it selects. Returns the puts made so far."""
-        self._wiped_puts.update(i for i, (ns, tokens) in enumerate(self.puts) if selector.matches(ns, tokens))
-        return len(self.puts)
-
-    def wipe_completed(self, selector: WipeSelector, puts_at_begin: int) -> None:
-        self.completed_wipes.append((selector, puts_at_begin))
+    def wipe_completed(self, selector: WipeSelector) -> None:
+        """A wipe answered done: what it selected among the puts before its RAM removal must stay gone."""
+        self.completed_wipes.append((selector, self.puts_at_last_wipe))
 
     def check_wiped_stay_wiped(self, keys: Iterable[tuple[str, Sequence[int]]], where: str) -> None:
-        """No entry a completed wipe selected is found again, unless it was put again after the wipe began."""
+        """No entry a completed wipe selected is found again, unless put again after its RAM removal."""
         if not self.completed_wipes:
             return
         for namespace, tokens in keys:
             key = (namespace, tuple(int(t) for t in tokens))
-            for selector, puts_at_begin in self.completed_wipes:
-                if selector.matches(*key) and key not in self.puts[puts_at_begin:]:
+            for selector, puts_at_wipe in self.completed_wipes:
+                if selector.matches(*key) and key not in self.puts[puts_at_wipe:]:
                     self.violate(
                         "wiped_stays_wiped",
                         f"{len(key[1])} tokens in {namespace!r} were wiped and are found again in {where}",

@@ -68,9 +68,12 @@ class Crash:
 
 @attrs.frozen(kw_only=True)
 class Wipe:
-    """`POST /admin/cache/wipe` of one namespace (`{"namespace": ...}`)."""
+    """`POST /admin/cache/wipe` of one namespace (`{"namespace": ...}`), begun while `alongside`
+    runs: their puts evict and spill entries whose writes wait for an idle engine, so a write
+    begun before the wipe is still in flight when it removes."""
 
     namespace: str
+    alongside: tuple[Request, ...] = ()
 
 
 Step = Request | Burst | Fork | Flush | Idle | Restart | Crash | Wipe
@@ -177,9 +180,8 @@ def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[St
         elif shape.crashes:
             steps.append(Crash(within_ops=rng.randint(1, 60), power=rng.random() < 0.75))
         if shape.wipes and rng.random() < 0.3:
-            # About the write-behind debounce (1 s) after a put: its write may be in flight as the wipe begins.
-            steps.append(Idle(seconds=rng.choice((0.0, 0.98, 1.0, 1.01, 1.03))))
-            steps.append(Wipe(namespace=rng.choice(shape.namespaces)))
+            alongside = tuple(_request(rng, shape, rng.randrange(conversations)) for _ in range(rng.randint(0, 3)))
+            steps.append(Wipe(namespace=rng.choice(shape.namespaces), alongside=alongside))
     steps.append(Flush())
     return steps
 

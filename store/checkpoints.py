@@ -280,7 +280,7 @@ class CheckpointStore:
         key, attempt = checkpoint.request_key, checkpoint.attempt
         file_bytes = writer.planned_header.file_bytes
         namespace, tokens = writer.planned_header.namespace, writer.planned_header.token_array
-        if self.ssd.safeguards.wipe_guards_in_flight_writes and any(
+        if self.ssd.safeguards.wipe_tombstone_at_commit and any(
             selector.matches(namespace, tokens) for selector in self.ssd.unfinished_wipes().values()
         ):
             # Written before a wipe that selects it and committed after: it must not come back.

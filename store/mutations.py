@@ -32,8 +32,8 @@ MUTATIONS = {
 # Bugs of the cache wipe (issue 39): the default workload never wipes, so these are caught by
 # the `wipes` workload instead.
 WIPE_MUTATIONS = {
-    "wipe-ignores-in-flight-writes": "a wipe neither waits for the writes begun before it nor refuses their "
-    "commits (no drain, no tombstone check), so a spill of a wiped entry lands after its removal",
+    "wipe-skips-tombstone": "a commit is not checked against the wipes' tombstones, so a spill of a wiped "
+    "entry taken before the wipe lands after its removal",
 }
 
 # The `Safeguards` field each mutation switches off.
@@ -61,7 +61,7 @@ SAFEGUARD_OFF.update(
     {
         "checkpoint-drops-pending-token": "checkpoint_resumes_pending_token",
         "checkpoint-key-without-sampling": "checkpoint_key_has_sampling",
-        "wipe-ignores-in-flight-writes": "wipe_guards_in_flight_writes",
+        "wipe-skips-tombstone": "wipe_tombstone_at_commit",
     }
 )
 ALL_MUTATIONS = {**MUTATIONS, **CHECKPOINT_MUTATIONS, **WIPE_MUTATIONS}

@@ -105,7 +105,7 @@ class SsdStore:
             clock_ns=clock_ns,
             lock=index_lock,
             event_listeners=event_listeners,
-            drop_wiped_commits=safeguards.wipe_guards_in_flight_writes,
+            drop_wiped_commits=safeguards.wipe_tombstone_at_commit,
         )
         self.wipe_intents = WipeIntents(directory=self.directory, disk=disk)
         self.files = TierFiles(
@@ -354,11 +354,16 @@ class SsdStore:
         namespace: str = "",
         *,
         tokenizer_hash: str = "",
+        captured_epoch: int | None = None,
     ) -> PendingStore | None:
         """Plan a write (no I/O, no MLX work): None when the entry can never
         fit under the cap. The caller runs `pending.writer` (its tensors may
-        each take their own engine turn), then `finish_store` or `fail_store`."""
-        return self._committer.prepare_store(tokens, caches, namespace, tokenizer_hash=tokenizer_hash)
+        each take their own engine turn), then `finish_store` or `fail_store`.
+        `captured_epoch`: the RAM tier's wipe epoch when the caches were taken
+        (a wipe's tombstone refuses an older one's commit; None: taken now)."""
+        return self._committer.prepare_store(
+            tokens, caches, namespace, tokenizer_hash=tokenizer_hash, captured_epoch=captured_epoch
+        )
 
     def fail_store(self, pending: PendingStore, error: DiskError) -> None:
         """Record that a prepared write failed (its temp file already removed)."""
@@ -436,6 +441,10 @@ class SsdStore:
             left.append(self.files.relative(path))
         return left
 
+    def bound_wipe(self, wipe_id: str, ram_epoch: int) -> None:
+        """The RAM tier dropped the wipe's entries at epoch `ram_epoch` (`Tombstone`)."""
+        self.index.bound_wipe(wipe_id, ram_epoch)
+
     def finish_wipe(self, wipe_id: str, entries: int, bytes_removed: int) -> None:
         """Every tier is done: lift the tombstone, journal the wipe done, remove its intent."""
         self.index.end_wipe(wipe_id, entries, bytes_removed)
@@ -443,7 +452,7 @@ class SsdStore:
 
     def unfinished_wipes(self) -> dict[str, WipeSelector]:
         """The wipes begun and not finished (at open: those a crash left)."""
-        return self.index.tombstones()
+        return self.index.unfinished_wipes()
 
     # -- introspection: immutable snapshots ------------------------------------
 

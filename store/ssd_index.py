@@ -125,9 +125,9 @@ class SsdIndex:
         self._event_listeners = tuple(event_listeners)
         self._events: EventQueue | None = None
         self._warned_write_failure = False
-        # The unfinished wipes by id: while one is here, a commit it selects is refused
-        # (`drop_wiped_commits`; off only for the simulator's `wipe-ignores-in-flight-writes` mutation).
-        self._tombstones: dict[str, WipeSelector] = {}
+        # The wipes of this process by id (`Tombstone`); a commit one refuses is dropped
+        # (`drop_wiped_commits`; off only for the simulator's `wipe-skips-tombstone`).
+        self._tombstones: dict[str, Tombstone] = {}
         self._drop_wiped_commits = drop_wiped_commits
 
     # -- events ----------------------------------------------------------------
@@ -284,11 +284,13 @@ class SsdIndex:
         self._mtime_max_ns = max(self._clock_ns(), self._mtime_max_ns + 1)
         return self._mtime_max_ns
 
-    def commit(self, entry: IndexedEntry) -> list[Path]:
+    def commit(self, entry: IndexedEntry, captured_epoch: int | None = None) -> list[Path]:
         """Index a committed entry file, journal it, then supersede and evict;
-        returns the files to unlink."""
+        returns the files to unlink. A commit a wipe's tombstone refuses
+        (`Tombstone.refuses`; `captured_epoch`: the RAM tier's wipe epoch when
+        the caches were taken) is not indexed: its own file is returned."""
         with self._lock:
-            if self._drop_wiped_commits and self._tombstoned(entry.namespace, entry.tokens):
+            if self._drop_wiped_commits and self._tombstoned(entry.namespace, entry.tokens, captured_epoch):
                 # A write that began before a wipe (a spill of a wiped RAM entry) lands after
                 # its removal: it must not resurrect the entry.
                 self._counters.wipe_dropped_commits += 1
@@ -450,8 +452,16 @@ class SsdIndex:
     def begin_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
         """Install the wipe's tombstone (from now on a commit it selects is refused) and journal it."""
         with self._lock:
-            self._tombstones[wipe_id] = selector
+            self._tombstones[wipe_id] = Tombstone(selector=selector)
             self._event(ev.WipeBegun(wipe_id=wipe_id, selector=selector))
+
+    def bound_wipe(self, wipe_id: str, ram_epoch: int) -> None:
+        """The RAM tier dropped the wipe's entries and began epoch `ram_epoch`: from now on the
+        tombstone refuses only caches taken before it (and, until the wipe is done, uncounted ones)."""
+        with self._lock:
+            tombstone = self._tombstones.get(wipe_id)
+            if tombstone is not None:
+                self._tombstones[wipe_id] = attrs.evolve(tombstone, ram_epoch=ram_epoch)
 
     def wipe(self, selector: WipeSelector) -> list[IndexedEntry]:
         """Unindex and journal every entry `selector` selects; returns them (their files to unlink)."""
@@ -468,14 +478,39 @@ class SsdIndex:
             return [e for e in self._entries.values() if selector.matches(e.namespace, e.tokens)]
 
     def end_wipe(self, wipe_id: str, entries: int, bytes_removed: int) -> None:
-        """Lift the tombstone and journal the wipe done."""
+        """The wipe is done in every tier: journal it. Its tombstone stays for the process's life
+        if it has a RAM epoch (a snapshot taken before may still be in the spill queue), else goes."""
         with self._lock:
-            self._tombstones.pop(wipe_id, None)
+            tombstone = self._tombstones.pop(wipe_id, None)
+            if tombstone is not None and tombstone.ram_epoch is not None:
+                self._tombstones[wipe_id] = attrs.evolve(tombstone, done=True)
             self._event(ev.WipeDone(wipe_id=wipe_id, entries=entries, bytes=bytes_removed))
 
-    def tombstones(self) -> dict[str, WipeSelector]:
+    def unfinished_wipes(self) -> dict[str, WipeSelector]:
         with self._lock:
-            return dict(self._tombstones)
+            return {wipe_id: t.selector for wipe_id, t in self._tombstones.items() if not t.done}
 
-    def _tombstoned(self, namespace: str, tokens: np.ndarray) -> bool:
-        return any(selector.matches(namespace, tokens) for selector in self._tombstones.values())
+    def _tombstoned(self, namespace: str, tokens: np.ndarray, captured_epoch: int | None) -> bool:
+        return any(t.refuses(namespace, tokens, captured_epoch) for t in self._tombstones.values())
+
+
+@attrs.frozen(kw_only=True)
+class Tombstone:
+    """What a wipe refuses to let commit. Until the RAM tier dropped the wipe's entries
+    (`ram_epoch` None), every commit it selects; then, a commit it selects of caches taken
+    before that epoch (a spill or write-behind snapshot in flight), and, until the wipe is
+    `done`, one whose epoch is unknown (a direct store, an adoption of a shared download).
+    Caches taken later are new puts: a wipe does not refuse what was put after it."""
+
+    selector: WipeSelector
+    ram_epoch: int | None = None
+    done: bool = False
+
+    def refuses(self, namespace: str, tokens: np.ndarray, captured_epoch: int | None) -> bool:
+        if not self.selector.matches(namespace, tokens):
+            return False
+        if self.ram_epoch is None:
+            return True
+        if captured_epoch is None:
+            return not self.done
+        return captured_epoch < self.ram_epoch
