@@ -190,3 +190,30 @@ def test_wipe_events_decode():
     selector = WipeSelector.of(tenant="alice", prefix_tokens=[1, 2])
     event = ev.WipeBegun(wipe_id="w", selector=selector)
     assert from_cbor(to_cbor(event), ev.WipeBegun) == event
+
+
+# -- the simulator ------------------------------------------------------------------------
+
+SIM_RUNS = 30
+
+
+def test_the_simulator_finds_no_wiped_entry_again_under_crashes_and_faults():
+    from kvcellar.simulations.sweep import SweepPlan, run_sweep
+
+    outcome = run_sweep(SweepPlan(seed=0, runs=SIM_RUNS, faults="mixed", crash_points="random", shape_name="wipes"))
+    assert not outcome.failures, [(r.seed, r.violations[0]) for r, _ in outcome.failures[:3]]
+    results = [result for result, _ in outcome.results]
+    assert sum(r.journal_kinds.get("wipe.done", 0) for r in results) >= SIM_RUNS
+    assert sum(r.crashes for r in results) > 0
+
+
+def test_the_simulator_catches_a_wipe_without_its_tombstone():
+    from kvcellar.simulations.sweep import SweepPlan, run_sweep
+
+    outcome = run_sweep(
+        SweepPlan(seed=0, runs=40, faults="none", shape_name="wipes", mutations=frozenset({"wipe-skips-tombstone"})),
+        stop_on_failure=True,
+    )
+    assert outcome.failures, "wipe-skips-tombstone went unnoticed"
+    result, _ = outcome.failures[0]
+    assert result.violations[0].invariant == "wiped_stays_wiped"
