@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -68,6 +69,8 @@ class Wipes:
         self.system = system
         self._lock = trio.Lock()
         self._serial = itertools.count(1)
+        # Files of an unfinished wipe whose unlink failed (unindexed already): the next try unlinks them.
+        self._left_files: dict[str, list[Path]] = {}
         self.completed = 0
 
     def stats(self) -> dict[str, Any]:
@@ -133,14 +136,18 @@ class Wipes:
         left: dict[str, list[str]] = {}
         if store is None:
             return _result(wipe_id, selector, removed, left, "")
+        retried = self._left_files.pop(wipe_id, [])
         try:
+            await seams.run_blocking(store.remove_wiped_files, retried)
             doomed = await seams.run_blocking(store.wipe_entries, selector)
         except DiskError as e:
             doomed, left["ssd"] = [], [f"a removal is not durable: {e}"]
+            self._left_files[wipe_id] = retried
         removed["ssd"] = {"entries": len(doomed), "bytes": sum(entry.bytes for entry in doomed)}
-        ssd_left = await seams.run_blocking(store.wipe_left, selector, [entry.path for entry in doomed])
+        ssd_left = await seams.run_blocking(store.wipe_left, selector, [*retried, *(e.path for e in doomed)])
         if ssd_left:
             left.setdefault("ssd", []).extend(ssd_left)
+            self._left_files[wipe_id] = [store.directory / relative for relative in ssd_left]
         await self._wipe_checkpoints(selector, removed, left)
         await self._wipe_shared(selector, removed, left, timeout_s)
         if left:

@@ -421,13 +421,17 @@ class SsdStore:
         after); returns them. An unlink that fails leaves a file the next start's scan would index
         again: `wipe_left` reports it."""
         doomed = self.index.wipe(selector)
-        self.files.unlink_removed([entry.path for entry in doomed])
-        # Unlike an eviction's, a wipe's removal must survive a power loss: a file whose unlink
-        # is lost would be indexed again at the next start. A failed fsync raises `DiskError`
-        # and leaves the intent, so the wipe is not reported done.
-        for directory in sorted({entry.path.parent for entry in doomed}):
-            self.disk.fsync_dir(directory)
+        self.remove_wiped_files([entry.path for entry in doomed])
         return doomed
+
+    def remove_wiped_files(self, paths: Sequence[Path]) -> None:
+        """Unlink a wipe's files and fsync their directories: unlike an eviction's, a wipe's
+        removal must survive a power loss (a file whose unlink is lost would be indexed again at
+        the next start). A failed unlink is logged (`wipe_left` reports the file); a failed fsync
+        raises `DiskError`, which leaves the intent, so the wipe is not reported done."""
+        self.files.unlink_removed(list(paths))
+        for directory in sorted({path.parent for path in paths}):
+            self.disk.fsync_dir(directory)
 
     def wipe_left(self, selector: WipeSelector, removed_paths: Sequence[Path] = ()) -> list[str]:
         """What is still there of the wipe: indexed entries it selects, and files of `removed_paths`

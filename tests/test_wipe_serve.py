@@ -5,13 +5,19 @@ after a restart, where the other tenant's entry restores."""
 
 from __future__ import annotations
 
+import errno
+
 import mlx.core as mx
 import trio
 from mlx_lm.models.cache import make_prompt_cache
 from test_flush import _config, serving
 
+from kvcellar.actors.system import SystemSeams, open_system
+from kvcellar.errors import DiskError
+from kvcellar.store.disk import RealDisk
 from kvcellar.store.namespaces import salted, tenant_namespace
 from kvcellar.store.ssd import namespace_dir_name
+from kvcellar.store.wipe import selector_from_body
 
 ALICE, BOB = tenant_namespace("alice"), tenant_namespace("bob")
 BASE = [(13 * i + 7) % 200 + 3 for i in range(32)]
@@ -87,3 +93,38 @@ def test_a_wipe_under_load_removes_one_tenant_and_keeps_the_others_across_a_rest
 
     trio.run(second_run)
     assert restored[0] is not None, "the other tenant's entry restores after the restart"
+
+
+class StuckUnlinks(RealDisk):
+    """A disk whose entry unlinks fail while `stuck` (a file a wipe cannot remove)."""
+
+    stuck = True
+
+    def unlink(self, path):
+        if self.stuck and path.suffix == ".kvc":
+            raise DiskError(f"cannot unlink {path}", errno=errno.EBUSY)
+        super().unlink(path)
+
+
+def test_a_wipe_that_cannot_remove_a_file_says_what_is_left_and_finishes_when_sent_again(model_dir_factory, tmp_path):
+    config = _config(model_dir_factory("llama"), tmp_path, restore_policy="restore")
+    disk = StuckUnlinks()
+    answers: list = []
+
+    async def main() -> None:
+        async with open_system(config, SystemSeams(disk=disk)) as system:
+            await system.engine.call(lambda loaded: _put_tenant_entries(loaded, system), label="test")
+            selector = selector_from_body({"tenant": "alice"})
+            answers.append(await system.wipes.wipe(selector))
+            answers.append(system.stats()["wipes"])
+            disk.stuck = False
+            answers.append(await system.wipes.wipe(selector))
+            answers.append(system.stats()["wipes"])
+
+    trio.run(main)
+    stuck, during, finished, after = answers
+    assert not stuck.done and stuck.left["ssd"] and "wipe again" in stuck.reason
+    assert during["unfinished"] == [stuck.wipe_id]
+    assert finished.done and finished.wipe_id == stuck.wipe_id and finished.left == {}
+    assert after == {"completed": 1, "unfinished": []}
+    assert _kvc_dirs(tmp_path / "ssd") == {namespace_dir_name(BOB)}
