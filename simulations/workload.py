@@ -121,7 +121,15 @@ SMALL_SHAPES = {
         namespaces=("", "team-b"),
         generation_checkpoint_tokens=8,
     ),
-    "wipes": WorkloadShape(steps=14, conversations=3, long_prompt_rate=0.0, namespaces=("", "team-b"), wipes=True),
+    # Longer prompts than the default: RAM evictions spill while the wipe runs.
+    "wipes": WorkloadShape(
+        steps=8,
+        conversations=3,
+        user_tokens=(24, 64),
+        long_prompt_rate=0.0,
+        namespaces=("", "team-b"),
+        wipes=True,
+    ),
 }
 
 
@@ -179,8 +187,8 @@ def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[St
             steps.append(Restart())
         elif shape.crashes:
             steps.append(Crash(within_ops=rng.randint(1, 60), power=rng.random() < 0.75))
-        if shape.wipes and rng.random() < 0.3:
-            alongside = tuple(_request(rng, shape, rng.randrange(conversations)) for _ in range(rng.randint(0, 3)))
+        if shape.wipes and rng.random() < 0.5:
+            alongside = tuple(_request(rng, shape, rng.randrange(conversations)) for _ in range(rng.randint(1, 3)))
             steps.append(Wipe(namespace=rng.choice(shape.namespaces), alongside=alongside))
     steps.append(Flush())
     return steps

@@ -159,6 +159,13 @@ class EntryCommitter:
             minimum_reusable_offset=header.minimum_reusable_offset,
         )
         self.files.unlink_removed(self.index.commit(entry, captured_epoch))
+        if self.index.entry(entry_id) is None:
+            # Refused by a wipe's tombstone (or evicted at once): a refused file's removal must
+            # survive a power loss, like the wipe's own.
+            try:
+                self.disk.fsync_dir(path.parent)
+            except DiskError as e:
+                log.warning("the removal of %s may not be durable: %s", path, e)
         return entry_id
 
     def _write_failed(self, namespace: str, token_count: int, reason: str, errno: int | None) -> None:
