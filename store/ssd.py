@@ -269,7 +269,7 @@ class SsdStore:
         before the tier serves; the system finishes their other tiers (`unfinished_wipes`)."""
         for wipe_id, selector in self.wipe_intents.pending():
             log.warning("resuming wipe %s of %s left unfinished by the last run", wipe_id, selector.to_record())
-            self.index.begin_wipe(wipe_id, selector)
+            self.index.resume_wipe(wipe_id, selector)
             self.wipe_entries(selector)
 
     def _reconcile_journal(self, journaled: JournalRows, trusted: set[str]) -> None:

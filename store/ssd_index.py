@@ -455,6 +455,12 @@ class SsdIndex:
             self._tombstones[wipe_id] = Tombstone(selector=selector)
             self._event(ev.WipeBegun(wipe_id=wipe_id, selector=selector))
 
+    def resume_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
+        """Put back the tombstone of a wipe a crash left unfinished (its `wipe.begun` is journaled
+        already: a recovery journals nothing twice)."""
+        with self._lock:
+            self._tombstones[wipe_id] = Tombstone(selector=selector)
+
     def bound_wipe(self, wipe_id: str, ram_epoch: int) -> None:
         """The RAM tier dropped the wipe's entries and began epoch `ram_epoch`: from now on the
         tombstone refuses only caches taken before it (and, until the wipe is done, uncounted ones)."""
