@@ -84,6 +84,7 @@ from kvcellar.store.actor_events import (
     FlushVerdictRecorded,
 )
 from kvcellar.store.events import tokens_digest as events_tokens_digest
+from kvcellar.store.wipe import WipeSelector
 
 DEBOUNCE_S_DEFAULT = 1.0
 BUSY_REARM_S_DEFAULT = 5.0
@@ -126,6 +127,14 @@ class Dirty:
 
     namespace: str
     tokens: tuple[int, ...] = attrs.field(converter=token_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class Wiped:
+    """The RAM tier dropped what `selector` selects (its port sends this after the puts before it):
+    those puts are no longer owed to the SSD tier."""
+
+    selector: WipeSelector
 
 
 @attrs.frozen(kw_only=True)
@@ -314,6 +323,7 @@ class _Record:
     attempt_forced: bool = False
     timer_armed: bool = False
     failures: int = 0  # consecutive dropped/failed attempts, for the retry backoff
+    wiped_version: int | None = None  # a wipe dropped this version while its attempt was in flight
 
 
 @attrs.frozen(kw_only=True)
@@ -497,7 +507,7 @@ class DurabilityCore:
         if self._run is not None and fault:
             setattr(self._run, outcome, getattr(self._run, outcome) + 1)
         current = msg.version == record.version
-        clean = current and outcome in ("stored", "covered")
+        clean = current and (outcome in ("stored", "covered") or record.wiped_version == record.version)
         if clean:
             del self._records[record.key]
         elif current and outcome == "missing":
@@ -514,6 +524,19 @@ class DurabilityCore:
         if record.status is RecordStatus.DIRTY:
             effects.append(self._arm(record, self._rearm_delay(record)))
         return self.state, effects
+
+    def _on_wiped(self, msg: Wiped, now: float) -> Step:
+        """Forget the records the wipe selects: every one is a put made before it (the port's
+        order). One in flight is forgotten when its attempt settles, unless put again meanwhile.
+        A flush's scope looks its records up, so one forgotten is simply no longer owed."""
+        for key, record in list(self._records.items()):
+            if not msg.selector.matches(key.namespace, key.tokens):
+                continue
+            if record.status is RecordStatus.ATTEMPTING:
+                record.wiped_version = record.version
+            else:
+                del self._records[key]  # a timer still armed for it fires stale and is ignored
+        return self.state, []
 
     def _rearm_delay(self, record: _Record) -> float:
         if record.failures == 0:
@@ -755,6 +778,7 @@ DURABILITY_TABLE: TransitionTable[DurabilityState] = TransitionTable(
         **rows(_EVERY_STATE, [TimerFired], DurabilityCore._on_timer),
         **rows(_EVERY_STATE, [AdmissionGranted], DurabilityCore._on_admission_granted),
         **rows(_EVERY_STATE, [FlushTimedOut], DurabilityCore._on_flush_timed_out),
+        **rows(_EVERY_STATE, [Wiped], DurabilityCore._on_wiped),
         **rows([_S.RUNNING], [Flush], DurabilityCore._on_flush, to=_BEGUN),
         **rows(_FLUSHING, [Flush], DurabilityCore._on_flush),
         **rows([_S.RUNNING], [AttemptResult], DurabilityCore._on_result),

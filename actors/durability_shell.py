@@ -42,10 +42,12 @@ from kvcellar.actors.durability_core import (
     QueueDrained,
     RecordKey,
     StartAttempt,
+    Wiped,
 )
 from kvcellar.actors.runtime import ActorShell, Journal, Reply
 from kvcellar.actors.spill_queue import REFUSED
 from kvcellar.store.prompt_cache import SpillSnapshot
+from kvcellar.store.wipe import WipeSelector
 
 log = logging.getLogger("kvcellar.actors.durability")
 
@@ -127,6 +129,10 @@ class DurabilityCoordinator:
         # `on_put` hands a tuple of ints already: no second pass over a long prompt.
         token_tuple: tuple[int, ...] = tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
         self._send(Dirty(namespace=namespace, tokens=token_tuple))
+
+    def wiped(self, selector: WipeSelector) -> None:
+        """A wipe is done: forget the records it selects (Trio thread only)."""
+        self._send(Wiped(selector=selector))
 
     def admission_granted(self, key: RecordKey) -> None:
         """Admission now admits the snapshot it held back for `key` (Trio thread only)."""

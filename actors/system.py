@@ -62,6 +62,7 @@ from kvcellar.actors.system_wiring import (
     start_shared_tier,
 )
 from kvcellar.actors.uploader import SharedTier
+from kvcellar.actors.wipes import Wipes
 from kvcellar.actors.write_behind import WriteBehind
 from kvcellar.actors.write_budget import BudgetedWrites
 from kvcellar.engine.checkpointing import Checkpointing
@@ -132,6 +133,8 @@ class System:
         self.restore_policy: PolicyColdTier | None = None
         self.memory_meter: MemoryMeter = seams.memory_meter or MlxMemoryMeter()
         self._memory_refused_at_gate = 0
+        # The cache wipes (`POST /admin/cache/wipe`; actors/wipes.py).
+        self.wipes = Wipes(self)
         # Owned by the Trio thread: fed by `generate` and `flush`, read by `stats` and the routes.
         self.recent_requests = RecentRequests(config.recent_requests_max)
         # Owned by the Trio thread: the engine's reports reach it through `TrioPrefillObserver`.
@@ -444,6 +447,8 @@ class System:
                 "failed_spills": queue_stats.get("failed", 0),
                 "longest_durable_prefix_tokens": self.store.longest_entry_tokens(),
                 "quarantined": store_stats["quarantined"],
+                "wiped": store_stats["wiped"],
+                "wipe_dropped_commits": store_stats["wipe_dropped_commits"],
                 "journal": store_stats["journal"],
                 **self._wear_stats(),
                 "verify_tensors": store_stats["verify_tensors"],
@@ -461,6 +466,7 @@ class System:
             "requests": self.recent_requests.stats(),
             "prefill": self.prefill_progress.stats(),
             "flush": self._flush_stats(),
+            "wipes": self.wipes.stats(),
             "checkpoints": self._checkpoint_stats(),
             "paged_kv": self.paged_kv.stats() if self.paged_kv is not None else {},
             "restore_policy": self.restore_policy.stats() if self.restore_policy is not None else {},
@@ -594,6 +600,8 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
                 nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
             )
             try:
+                # Before anything is served: the wipes a crash left unfinished (their SSD part ran at open).
+                await system.wipes.resume()
                 yield system
                 await system.shutdown()
             finally:

@@ -410,6 +410,11 @@ class SharedTier:
         log.warning("shared cache: download of %s failed (next try in %g s): %s", key, delay, reason)
         self._record(sev.SharedDownloadFailed(key=key, reason=reason))
 
+    @property
+    def uploading(self) -> bool:
+        """Whether an upload is running now (a wipe waits for it to settle)."""
+        return self._uploading > 0
+
     # -- flush and stats -------------------------------------------------------
 
     async def flush(self, timeout_s: float | None) -> dict[str, Any]:

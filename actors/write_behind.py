@@ -41,6 +41,7 @@ from kvcellar.actors.ssd_writer import SsdWriter
 from kvcellar.actors.system_config import SystemConfig
 from kvcellar.store.prompt_cache import PromptCache, SpillSnapshot
 from kvcellar.store.ssd import SsdStore
+from kvcellar.store.wipe import WipeSelector
 
 log = logging.getLogger("kvcellar.write_behind")
 
@@ -110,6 +111,10 @@ class WriteBehind:
         for listener in self._residency_listeners:
             listener.gone(entry_id)
 
+    def wiped(self, selector: WipeSelector) -> None:
+        # After the puts this port handed on before: the coordinator forgets exactly those.
+        self._trio_token.run_sync_soon(self._wiped_seen, selector)
+
     def add_residency_listener(self, listener: ResidencyListener) -> None:
         """Tell `listener` of every entry the RAM tier gains or loses from now
         on, on the engine thread inside the call that changed the tier (it must
@@ -164,6 +169,10 @@ class WriteBehind:
             self.admission.put(namespace, tokens)
         if self.durability is not None:
             self.durability.dirty(namespace, tokens)
+
+    def _wiped_seen(self, selector: WipeSelector) -> None:
+        if self.durability is not None:
+            self.durability.wiped(selector)
 
     def _admission_granted(self, key: RecordKey) -> None:
         if self.durability is not None:

@@ -7,7 +7,9 @@ and not), `POST /v1/responses` (the stateless Responses API, http/responses.py;
 `POST /admin/cache/flush` (optional `timeout_s`, default 60, in the query or a
 JSON body; 200 when durable, 503 with the reason and the evidence otherwise, a
 timeout included; `?shared=true` also waits for the shared tier's uploads and
-adds `shared_durable` with its evidence). A client that goes away
+adds `shared_durable` with its evidence), `POST /admin/cache/wipe` (a JSON selector,
+store/wipe.py, and optional `timeout_s`; 200 with what each tier removed when nothing selected is
+left, 503 with what is left otherwise; actors/wipes.py). A client that goes away
 mid-generation cancels it between two steps; its reusable cache is still put
 back.
 
@@ -67,6 +69,7 @@ from kvcellar.http.tenancy import Access, request_tenant
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
 from kvcellar.store.kv_events import BLOCK_SIZE_DEFAULT, KvEventLog
 from kvcellar.store.tenants import Tenants
+from kvcellar.store.wipe import selector_from_body
 
 log = logging.getLogger("kvcellar.http")
 
@@ -264,6 +267,7 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/stats", _guarded(admin_token, info.stats), methods=["GET"]),
         Route("/metrics", _guarded(admin_token, info.metrics), methods=["GET"]),
         Route("/admin/cache/flush", _guarded(admin_token, partial(_flush, system)), methods=["POST"]),
+        Route("/admin/cache/wipe", _guarded(admin_token, partial(_wipe, system)), methods=["POST"]),
         *kv_routes,
         *dashboard_routes(
             system,
@@ -328,6 +332,29 @@ async def _flush(system: System, request: Request) -> Response:
         return await _shared_flush(system, timeout_s)
     verdict = attrs.asdict(await system.flush(timeout_s=timeout_s))
     return JSONResponse(verdict, status_code=200 if verdict["durable"] else 503)
+
+
+async def _wipe(system: System, request: Request) -> Response:
+    # 200 only when every tier holds nothing the selector selects; 503 with what is left otherwise.
+    try:
+        body = _json_object(await request.body(), "wipe")
+        timeout_body = json.dumps({"timeout_s": body.pop("timeout_s")}).encode() if "timeout_s" in body else b""
+        timeout_s = flush_timeout_s(request.query_params.get("timeout_s"), timeout_body)
+        selector = selector_from_body(body)
+    except BadRequest as e:
+        return error_response(400, str(e), param=e.param)
+    result = await system.wipes.wipe(selector, timeout_s=timeout_s)
+    return JSONResponse(result.to_json(), status_code=200 if result.done else 503)
+
+
+def _json_object(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body.decode("utf-8")) if body.strip() else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"the {what} body is not valid JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise BadRequest(f'the {what} body must be a JSON object such as {{"tenant": "alice"}}')
+    return parsed
 
 
 class CompletionsRoute:

@@ -76,6 +76,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_RAM, "spill_failures", "Snapshots the spill queue refused; their entries left RAM without a copy."),
     _counter(_RAM, "demotions", "RAM entries spilled and dropped after being idle."),
     _counter(_RAM, "oversize", "Generations larger than the RAM cap, spilled instead of held."),
+    _counter(_RAM, "wiped", "RAM entries dropped by a cache wipe (POST /admin/cache/wipe)."),
     _gauge(_GATEWAY, "busy", "1 while the engine runs a request or background step, else 0."),
     _gauge(_GATEWAY, "waiting", "Requests queued at the gateway for the engine."),
     _gauge(_GATEWAY, "background_waiting", "Background steps (snapshots, demotions) waiting for an idle engine."),
@@ -100,6 +101,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_SSD, "failed_spills", "Snapshots whose SSD write failed."),
     _gauge(_SSD, "longest_durable_prefix_tokens", "Tokens of the longest entry durable on the SSD tier."),
     _counter(_SSD, "quarantined", "SSD entry files moved to quarantine as unreadable or mismatched."),
+    _counter(_SSD, "wiped", "SSD entries removed by a cache wipe."),
+    _counter(_SSD, "wipe_dropped_commits", "SSD writes begun before a wipe and refused at their commit."),
     _gauge(
         _SCHEDULER,
         "batch_size",
@@ -148,6 +151,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter("prefill", "cancelled", "Prefills stopped between two chunks because the client left."),
     _counter("prefill", "kept_tokens", "Prompt tokens the stopped prefills kept in the tiers for a retry."),
     _counter("flush", "flushes", "Flushes that answered (the admin route and shutdown).", name="kvcellar_flushes"),
+    _counter("wipes", "completed", "Cache wipes done in every tier (POST /admin/cache/wipe, resumed ones included)."),
     _gauge(_SSD, "verify_tensors", "1 when SSD restores check every tensor's checksum (--ssd-cache-verify on)."),
 )
 
@@ -240,6 +244,7 @@ SPECS += (
     _counter(_CHECKPOINTS, "invalidated", "Checkpoints of generations that completed."),
     _counter(_CHECKPOINTS, "removed", "Checkpoint files of completed generations removed."),
     _counter(_CHECKPOINTS, "quarantined", "Checkpoint files quarantined as unreadable or mismatched."),
+    _counter(_CHECKPOINTS, "wiped", "Checkpoint files removed by a cache wipe."),
     _counter(_CHECKPOINTS, "restore_failures", "Checkpoint restores that failed (the request ran cold)."),
     _gauge(_CHECKPOINTS, "files", "Checkpoint files the SSD tier holds."),
     _gauge(_CHECKPOINTS, "queue_max_bytes", "Byte cap of the checkpoint queue (its share of the spill queue's)."),

@@ -50,6 +50,7 @@ from kvcellar.simulations.workload import (
     Request,
     Restart,
     Step,
+    Wipe,
     WorkloadShape,
     build_workload,
     system_prompt,
@@ -58,6 +59,7 @@ from kvcellar.store import mutations
 from kvcellar.store.journal import Journal, decode_event
 from kvcellar.store.safeguards import Safeguards
 from kvcellar.store.ssd import IndexedEntry, SsdStore
+from kvcellar.store.wipe import WipeSelector
 
 SIM_ROOT = PurePosixPath("/sim")
 CACHE_DIR = Path("/sim/cache")
@@ -383,6 +385,31 @@ async def _step(run: _Run, system: Any, step: Step) -> None:
     elif isinstance(step, Crash):
         run.disk.crash_at_op = run.disk.ops_done + step.within_ops
         run.crash_power = step.power
+    elif isinstance(step, Wipe):
+        async with trio.open_nursery() as nursery:
+            for request in step.alongside:
+                nursery.start_soon(_request, run, system, request)
+            await trio.sleep(0.001 * len(step.alongside))
+            await _wipe(run, system, WipeSelector(namespace=step.namespace))
+    _check_wiped_stay_wiped(run, system)
+
+
+async def _wipe(run: _Run, system: Any, selector: WipeSelector) -> None:
+    """One wipe; a done one joins the observer's no-resurrection invariant (a fault may leave one
+    undone: it says what is left and the next wipe or start finishes it)."""
+    result = await system.wipes.wipe(selector)
+    if result.done:
+        run.observer.wipe_completed(selector)
+
+
+def _check_wiped_stay_wiped(run: _Run, system: Any) -> None:
+    run.observer.check_wiped_stay_wiped(system.prompt_cache.keys(), "the RAM tier")
+    if system.store is not None:
+        run.observer.check_wiped_stay_wiped(_keys_of(system.store), "the SSD tier")
+
+
+def _keys_of(store: SsdStore) -> list[tuple[str, Any]]:
+    return [(entry.namespace, entry.tokens) for entry in _indexed_entries(store)]
 
 
 def _crashed(error: BaseException) -> bool:
@@ -609,6 +636,7 @@ def _verify_recovery(run: _Run) -> int:
     _check_fresh_scan(run, journaled)
     store = _open_store(run)
     try:
+        observer.check_wiped_stay_wiped(_keys_of(store), "the SSD tier after recovery")
         return observer.check_claims(store)
     finally:
         store.close()

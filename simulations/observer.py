@@ -14,7 +14,7 @@ read fault was injected.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvcellar.simulations.checkpoint_checks import CheckpointObserver
 from kvcellar.simulations.fake_engine import FakeModel, cache_arrays
 from kvcellar.simulations.sim_disk import SimDisk
 from kvcellar.store import events as ev
+from kvcellar.store.wipe import WipeSelector
 
 PROBE_TOKEN = 0xFFFFFFFF
 
@@ -73,6 +74,11 @@ class Observer:
         self.evicted_since_put = 0
         self._put_epochs: list[int] = []
         self.checkpoints = CheckpointObserver(self.violate)
+        # Wipes (issue 39): the puts a wipe removed (a later durable flush does not owe them), and
+        # each completed wipe's selector with the index of the first put after it began.
+        self._wiped_puts: set[int] = set()
+        self.completed_wipes: list[tuple[WipeSelector, int]] = []
+        self.puts_at_last_wipe = 0
 
     def violate(self, invariant: str, detail: str, kind: str = "correctness") -> None:
         self.violations.append(Violation(invariant=invariant, detail=detail, kind=kind))
@@ -97,6 +103,15 @@ class Observer:
             return put(tokens, caches, namespace, *args, **kw)
 
         cache.put_entry = observed_put
+        wipe = cache.wipe
+
+        def observed_wipe(selector: WipeSelector) -> Any:
+            # The RAM tier's wipe is the line: the puts before it are wiped, those after are new.
+            self._wiped_puts.update(i for i, (ns, tokens) in enumerate(self.puts) if selector.matches(ns, tokens))
+            self.puts_at_last_wipe = len(self.puts)
+            return wipe(selector)
+
+        cache.wipe = observed_wipe
 
     def store_listeners(self) -> dict[str, Any]:
         """`SsdStore.open`'s listener arguments for the system's store: every
@@ -175,7 +190,7 @@ class Observer:
         durable_files: dict[Any, bytes] | None = None  # the platter's image, read once per verdict
         for index in range(puts_from, puts_before):
             namespace, tokens = self.puts[index]
-            if any(c.namespace == namespace and c.tokens == tokens for c in self.claims):
+            if index in self._wiped_puts or any(c.namespace == namespace and c.tokens == tokens for c in self.claims):
                 continue
             match = store.find(probe(tokens), namespace)
             if match is None or match.usable_tokens < len(tokens):
@@ -205,6 +220,26 @@ class Observer:
                 f"flush said durable but the entry for {len(tokens)} tokens ({relative}) "
                 "could still be lost: its data or its name is not synced",
             )
+
+    # -- wipes --------------------------------------------------------------------------
+
+    def wipe_completed(self, selector: WipeSelector) -> None:
+        """A wipe answered done: what it selected among the puts before its RAM removal must stay gone."""
+        self.completed_wipes.append((selector, self.puts_at_last_wipe))
+
+    def check_wiped_stay_wiped(self, keys: Iterable[tuple[str, Sequence[int]]], where: str) -> None:
+        """No entry a completed wipe selected is found again, unless put again after its RAM removal."""
+        if not self.completed_wipes:
+            return
+        for namespace, tokens in keys:
+            key = (namespace, tuple(int(t) for t in tokens))
+            for selector, puts_at_wipe in self.completed_wipes:
+                if selector.matches(*key) and key not in self.puts[puts_at_wipe:]:
+                    self.violate(
+                        "wiped_stays_wiped",
+                        f"{len(key[1])} tokens in {namespace!r} were wiped and are found again in {where}",
+                    )
+                    return
 
     def check_claims(self, store: Any) -> int:
         """After recovery: every live claim restores byte-identical. Returns how many were checked."""

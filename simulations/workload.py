@@ -66,7 +66,17 @@ class Crash:
     power: bool
 
 
-Step = Request | Burst | Fork | Flush | Idle | Restart | Crash
+@attrs.frozen(kw_only=True)
+class Wipe:
+    """`POST /admin/cache/wipe` of one namespace (`{"namespace": ...}`), begun while `alongside`
+    runs: their puts evict and spill entries whose writes wait for an idle engine, so a write
+    begun before the wipe is still in flight when it removes."""
+
+    namespace: str
+    alongside: tuple[Request, ...] = ()
+
+
+Step = Request | Burst | Fork | Flush | Idle | Restart | Crash | Wipe
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +96,9 @@ class WorkloadShape:
     # generations, crashes in the middle of them, and each request a crash
     # cut off sent again after recovery (first changed, then identical).
     generation_checkpoint_tokens: int = 0
+    # Cache wipes of one namespace now and then (issue 39; off by default, so the
+    # default workloads, and their recorded digests, are unchanged).
+    wipes: bool = False
 
 
 SMALL_SHAPES = {
@@ -107,6 +120,15 @@ SMALL_SHAPES = {
         max_tokens=(24, 72),
         namespaces=("", "team-b"),
         generation_checkpoint_tokens=8,
+    ),
+    # Longer prompts than the default: RAM evictions spill while the wipe runs.
+    "wipes": WorkloadShape(
+        steps=8,
+        conversations=3,
+        user_tokens=(24, 64),
+        long_prompt_rate=0.0,
+        namespaces=("", "team-b"),
+        wipes=True,
     ),
 }
 
@@ -165,6 +187,9 @@ def build_workload(seed: int, shape: WorkloadShape = WorkloadShape()) -> list[St
             steps.append(Restart())
         elif shape.crashes:
             steps.append(Crash(within_ops=rng.randint(1, 60), power=rng.random() < 0.75))
+        if shape.wipes and rng.random() < 0.5:
+            alongside = tuple(_request(rng, shape, rng.randrange(conversations)) for _ in range(rng.randint(1, 3)))
+            steps.append(Wipe(namespace=rng.choice(shape.namespaces), alongside=alongside))
     steps.append(Flush())
     return steps
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
 from kvcellar.store import kvfile
@@ -49,6 +50,7 @@ from kvcellar.store.actor_events import (
 )
 from kvcellar.store.records import GenerationCheckpoint
 from kvcellar.store.ssd import CHECKPOINT_DIR_NAME, SsdStore
+from kvcellar.store.wipe import WipeSelector
 
 log = logging.getLogger("kvcellar.checkpoints")
 
@@ -63,6 +65,9 @@ class CheckpointFile:
     emitted_tokens: int
     bytes: int
     attempt: int
+    # What a wipe selects it by (store/wipe.py): the entry's namespace and its tokens (prompt + emitted).
+    namespace: str = ""
+    tokens: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.uint32))
 
 
 @attrs.define(kw_only=True)
@@ -102,6 +107,7 @@ class CheckpointCounters:
     removed: int = 0  # their files unlinked
     quarantined: int = 0  # checkpoint files that failed a check
     restore_failures: int = 0  # restores that read nothing usable (the request ran cold)
+    wiped: int = 0  # checkpoint files a wipe removed
 
 
 class CheckpointStore:
@@ -157,6 +163,8 @@ class CheckpointStore:
             emitted_tokens=checkpoint.emitted_tokens,
             bytes=size_bytes,
             attempt=EARLIER_PROCESS_ATTEMPT,
+            namespace=header.namespace,
+            tokens=header.token_array,
         )
 
     def _mismatch(self, header: kvfile.Header, path: Path) -> str:
@@ -271,6 +279,13 @@ class CheckpointStore:
         assert checkpoint is not None
         key, attempt = checkpoint.request_key, checkpoint.attempt
         file_bytes = writer.planned_header.file_bytes
+        namespace, tokens = writer.planned_header.namespace, writer.planned_header.token_array
+        if self.ssd.safeguards.wipe_tombstone_at_commit and any(
+            selector.matches(namespace, tokens) for selector in self.ssd.unfinished_wipes().values()
+        ):
+            # Written before a wipe that selects it and committed after: it must not come back.
+            self._unlink_quietly(writer.path)
+            return False
         with self._lock:
             if self._invalidated.get(key, -1) >= attempt:
                 return False
@@ -283,6 +298,8 @@ class CheckpointStore:
                 emitted_tokens=checkpoint.emitted_tokens,
                 bytes=file_bytes,
                 attempt=attempt,
+                namespace=namespace,
+                tokens=tokens,
             )
             self.counters.written += 1
             self.counters.written_bytes += file_bytes
@@ -311,6 +328,27 @@ class CheckpointStore:
             self.counters.removed += int(unlinked)
         self.ssd.record_event(CheckpointRemoved(request_key=request_key, attempt=attempt, unlinked=unlinked))
         return unlinked
+
+    def wipe(self, selector: WipeSelector) -> tuple[int, int, list[str]]:
+        """Unindex and unlink every checkpoint `selector` selects (a wipe's checkpoint part);
+        returns (files, bytes) removed and the names of those whose unlink failed."""
+        with self._lock:
+            doomed = [f for f in self._files.values() if selector.matches(f.namespace, f.tokens)]
+            for found in doomed:
+                del self._files[found.request_key]
+        left = [found.path.name for found in doomed if not self._unlink_quietly(found.path)]
+        with self._lock:
+            self.counters.wiped += len(doomed) - len(left)
+        return len(doomed) - len(left), sum(f.bytes for f in doomed if f.path.name not in left), left
+
+    def _unlink_quietly(self, path: Path) -> bool:
+        try:
+            self.ssd.disk.unlink(path)
+            self.ssd.disk.fsync_dir(self.directory)
+        except DiskError as e:
+            log.warning("checkpoint %s not (durably) removed: %s", path, e)
+            return False
+        return True
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -21,6 +21,7 @@ import xxhash
 
 from kvcellar.store.actor_events import ACTOR_EVENT_TYPES
 from kvcellar.store.shared_events import SHARED_EVENT_TYPES
+from kvcellar.store.wipe import WipeSelector
 
 
 def tokens_digest(tokens: Iterable[int] | np.ndarray) -> str:
@@ -182,6 +183,26 @@ class ReconcileUpdated:
     entry: EntryFields
 
 
+@attrs.frozen(kw_only=True)
+class WipeBegun:
+    """A wipe's intent, journaled (and its intent file made durable) before anything is removed."""
+
+    kind: ClassVar[str] = "wipe.begun"
+    wipe_id: str
+    selector: WipeSelector
+
+
+@attrs.frozen(kw_only=True)
+class WipeDone:
+    """Every tier holds nothing the wipe selects; `entries` and `bytes` are the SSD tier's removals
+    (each one is also an `entry.evicted` with reason "wipe")."""
+
+    kind: ClassVar[str] = "wipe.done"
+    wipe_id: str
+    entries: int
+    bytes: int
+
+
 Event = (
     EntryStored
     | EntrySuperseded
@@ -196,6 +217,8 @@ Event = (
     | ReconcileAdded
     | ReconcileRemoved
     | ReconcileUpdated
+    | WipeBegun
+    | WipeDone
 )
 
 STORE_EVENT_TYPES: tuple[type[Any], ...] = (
@@ -212,6 +235,8 @@ STORE_EVENT_TYPES: tuple[type[Any], ...] = (
     ReconcileAdded,
     ReconcileRemoved,
     ReconcileUpdated,
+    WipeBegun,
+    WipeDone,
 )
 
 

@@ -29,6 +29,13 @@ MUTATIONS = {
     "journal's owner (the shared-connection race)",
 }
 
+# Bugs of the cache wipe (issue 39): the default workload never wipes, so these are caught by
+# the `wipes` workload instead.
+WIPE_MUTATIONS = {
+    "wipe-skips-tombstone": "a commit is not checked against the wipes' tombstones, so a spill of a wiped "
+    "entry taken before the wipe lands after its removal",
+}
+
 # The `Safeguards` field each mutation switches off.
 SAFEGUARD_OFF = {
     "skip-file-fsync": "fsync_entry_file",
@@ -54,9 +61,10 @@ SAFEGUARD_OFF.update(
     {
         "checkpoint-drops-pending-token": "checkpoint_resumes_pending_token",
         "checkpoint-key-without-sampling": "checkpoint_key_has_sampling",
+        "wipe-skips-tombstone": "wipe_tombstone_at_commit",
     }
 )
-ALL_MUTATIONS = {**MUTATIONS, **CHECKPOINT_MUTATIONS}
+ALL_MUTATIONS = {**MUTATIONS, **CHECKPOINT_MUTATIONS, **WIPE_MUTATIONS}
 
 
 def safeguards_without(names: Iterable[str]) -> Safeguards:

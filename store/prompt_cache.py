@@ -34,6 +34,7 @@ from kvcellar.store.namespaces import tenant_of
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.scheme import held_bytes
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
+from kvcellar.store.wipe import WipeSelector
 
 log = logging.getLogger("kvcellar.prompt_cache")
 
@@ -49,6 +50,9 @@ class SpillSnapshot:
     caches: list[Any]
     bytes: int
     reason: str
+    # The tier's wipe epoch when the snapshot was taken: a wipe's tombstone refuses the commit
+    # of a snapshot taken before the wipe removed its entries (`SsdIndex.commit`).
+    wipe_epoch: int = 0
 
 
 class TierEvents(Protocol):
@@ -81,6 +85,11 @@ class TierEvents(Protocol):
         """An entry entered the tier (KV events, store/kv_events.py)."""
         ...
 
+    def wiped(self, selector: WipeSelector) -> None:
+        """A wipe dropped what `selector` selects, after every put this port was told of
+        before: write-behind no longer owes those puts."""
+        ...
+
     def gone(self, entry_id: str) -> None:
         """An entry left the tier (evicted, superseded, spilled or taken whole)."""
         ...
@@ -102,6 +111,9 @@ class NoTierEvents:
         raise AssertionError("a tier without listeners makes no spill snapshots")
 
     def resident(self, entry_id: str, namespace: str, tokens: np.ndarray) -> None:
+        pass
+
+    def wiped(self, selector: WipeSelector) -> None:
         pass
 
     def gone(self, entry_id: str) -> None:
@@ -180,6 +192,7 @@ class PromptCacheCounters:
     spill_failures: int = 0  # snapshots the port raised on (dropped without a cold copy)
     demotions: int = 0  # idle entries spilled and dropped
     oversize: int = 0  # puts larger than the cap: spilled, never held
+    wiped: int = 0  # entries a wipe dropped
 
 
 @attrs.define(kw_only=True)
@@ -239,6 +252,8 @@ class PromptCache:
         self._ticks = itertools.count(1)
         self.bytes_total = 0
         self.counters = PromptCacheCounters()
+        # Bumped by each wipe; snapshots carry it (`SpillSnapshot.wipe_epoch`).
+        self.wipe_epoch = 0
         self._published: Mapping[str, Any] = MappingProxyType({})
         self._publish()
 
@@ -479,6 +494,7 @@ class PromptCache:
             caches=snapshot_caches(entry.caches),
             bytes=entry.bytes,
             reason=reason,
+            wipe_epoch=self.wipe_epoch,
         )
         try:
             self._events.spilled(snapshot)
@@ -526,6 +542,7 @@ class PromptCache:
             caches=victim.caches,
             bytes=victim.bytes,
             reason="relief",
+            wipe_epoch=self.wipe_epoch,
         )
 
     def snapshot_exact(self, tokens: Sequence[int], namespace: str = "") -> SpillSnapshot | None:
@@ -543,7 +560,25 @@ class PromptCache:
             caches=snapshot_caches(entry.caches),
             bytes=entry.bytes,
             reason="write-behind",
+            wipe_epoch=self.wipe_epoch,
         )
+
+    def keys(self) -> list[tuple[str, np.ndarray]]:
+        """The (namespace, tokens) of every entry held (the engine thread, or a simulation's one thread)."""
+        return [(e.namespace, e.tokens) for e in self._entries.values()]
+
+    def wipe(self, selector: WipeSelector) -> tuple[int, int, int]:
+        """Drop every entry `selector` selects, with no spill (a wipe's RAM part, store/wipe.py),
+        and start a new wipe epoch; returns (entries, bytes) dropped and the new epoch. Every
+        snapshot taken before carries an older epoch, which the wipe's tombstone refuses."""
+        doomed = [e for e in self._entries.values() if selector.matches(e.namespace, e.tokens)]
+        for entry in doomed:
+            self._drop(entry.entry_id)
+        self.wipe_epoch += 1
+        self.counters.wiped += len(doomed)
+        self._events.wiped(selector)
+        self._publish()
+        return len(doomed), sum(e.bytes for e in doomed), self.wipe_epoch
 
     def stats(self) -> dict[str, Any]:
         """The last published snapshot: safe from any thread."""

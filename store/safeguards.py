@@ -35,6 +35,9 @@ class Safeguards:
     checkpoint_key_has_sampling: bool = True
     # The serial lane: a resumed generation goes on from its saved pending token.
     checkpoint_resumes_pending_token: bool = True
+    # `SsdIndex.commit`, `CheckpointStore.commit`: refuse a commit a wipe's tombstone selects
+    # (no wiped entry comes back).
+    wipe_tombstone_at_commit: bool = True
 
 
 SAFEGUARDS = Safeguards()

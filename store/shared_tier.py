@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -218,6 +218,10 @@ class SharedIndex:
         manifest = self._manifests.pop(key, None)
         if manifest is not None:
             self._indexes[manifest.namespace].remove(key)
+
+    def selected(self, selects: Callable[[str, np.ndarray], bool]) -> list[tuple[str, SharedManifest]]:
+        """The manifests `selects(namespace, tokens)` picks, with their keys (a wipe's shared part)."""
+        return [(key, m) for key, m in sorted(self._manifests.items()) if selects(m.namespace, m.tokens)]
 
     def refuse(self, key: str) -> None:
         """Drop `key` and never fetch it again while it stays listed."""

@@ -36,7 +36,13 @@ def plan_spill(store: SsdStore, snapshot: SpillSnapshot, tokenizer_hash: str) ->
     work: call it on the engine thread, inside an engine turn."""
     if isinstance(snapshot, PlannedSpill):
         return snapshot
-    pending = store.prepare_store(snapshot.tokens, snapshot.caches, snapshot.namespace, tokenizer_hash=tokenizer_hash)
+    pending = store.prepare_store(
+        snapshot.tokens,
+        snapshot.caches,
+        snapshot.namespace,
+        tokenizer_hash=tokenizer_hash,
+        captured_epoch=snapshot.wipe_epoch,
+    )
     segments: tuple[list[memoryview], ...] = ()
     if pending is not None:
         writer = pending.writer
@@ -47,6 +53,7 @@ def plan_spill(store: SsdStore, snapshot: SpillSnapshot, tokenizer_hash: str) ->
         caches=snapshot.caches,
         bytes=snapshot.bytes,
         reason=snapshot.reason,
+        wipe_epoch=snapshot.wipe_epoch,
         pending=pending,
         segments=segments,
     )

@@ -58,6 +58,8 @@ from kvcellar.store.ssd_files import (
 from kvcellar.store.ssd_index import EventListener, IndexedEntry, SsdCounters, SsdIndex, SsdMatch
 from kvcellar.store.ssd_restore import EntryRestorer, RestoreListener
 from kvcellar.store.ssd_scan import JournalRows, StartupScanner, cyclic_gc_paused, reconciliation
+from kvcellar.store.ssd_wipe import WIPE_DIR_NAME, WipeIntents
+from kvcellar.store.wipe import WipeSelector
 
 log = logging.getLogger("kvcellar.ssd")
 
@@ -103,7 +105,9 @@ class SsdStore:
             clock_ns=clock_ns,
             lock=index_lock,
             event_listeners=event_listeners,
+            drop_wiped_commits=safeguards.wipe_tombstone_at_commit,
         )
+        self.wipe_intents = WipeIntents(directory=self.directory, disk=disk)
         self.files = TierFiles(
             directory=self.directory,
             disk=disk,
@@ -242,7 +246,9 @@ class SsdStore:
             fingerprint=self.fingerprint,
             disk=self.disk,
             safeguards=self.safeguards,
-            skipped_dir_names=frozenset((QUARANTINE_DIR_NAME, SEALED_QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME)),
+            skipped_dir_names=frozenset(
+                (QUARANTINE_DIR_NAME, SEALED_QUARANTINE_DIR_NAME, CHECKPOINT_DIR_NAME, WIPE_DIR_NAME)
+            ),
             index=scanned.append,
             quarantine=self.files.quarantine,
             quarantine_sealed=self.files.quarantine_sealed,
@@ -256,6 +262,15 @@ class SsdStore:
         if self.safeguards.redo_startup_supersession:
             self._supersede_all()
         self.files.unlink_removed(self.index.evict_over_cap())
+        self._resume_wipes()
+
+    def _resume_wipes(self) -> None:
+        """A crash left wipes unfinished: their tombstones go back up and their SSD entries go
+        before the tier serves; the system finishes their other tiers (`unfinished_wipes`)."""
+        for wipe_id, selector in self.wipe_intents.pending():
+            log.warning("resuming wipe %s of %s left unfinished by the last run", wipe_id, selector.to_record())
+            self.index.resume_wipe(wipe_id, selector)
+            self.wipe_entries(selector)
 
     def _reconcile_journal(self, journaled: JournalRows, trusted: set[str]) -> None:
         if self.journal is not None:
@@ -339,11 +354,16 @@ class SsdStore:
         namespace: str = "",
         *,
         tokenizer_hash: str = "",
+        captured_epoch: int | None = None,
     ) -> PendingStore | None:
         """Plan a write (no I/O, no MLX work): None when the entry can never
         fit under the cap. The caller runs `pending.writer` (its tensors may
-        each take their own engine turn), then `finish_store` or `fail_store`."""
-        return self._committer.prepare_store(tokens, caches, namespace, tokenizer_hash=tokenizer_hash)
+        each take their own engine turn), then `finish_store` or `fail_store`.
+        `captured_epoch`: the RAM tier's wipe epoch when the caches were taken
+        (a wipe's tombstone refuses an older one's commit; None: taken now)."""
+        return self._committer.prepare_store(
+            tokens, caches, namespace, tokenizer_hash=tokenizer_hash, captured_epoch=captured_epoch
+        )
 
     def fail_store(self, pending: PendingStore, error: DiskError) -> None:
         """Record that a prepared write failed (its temp file already removed)."""
@@ -387,6 +407,56 @@ class SsdStore:
     def record_event(self, event: Any) -> None:
         """Journal an event of another part of the tier (the listeners see it too)."""
         self.index.record(event)
+
+    # -- wipes (store/wipe.py; the system's `actors/wipes.py` runs them) ---------
+
+    def begin_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
+        """Make the wipe's intent durable, then install its tombstone: from now on no commit it
+        selects lands. Raises `DiskError` when the intent cannot be made durable (nothing removed)."""
+        self.wipe_intents.write(wipe_id, selector)
+        self.index.begin_wipe(wipe_id, selector)
+
+    def wipe_entries(self, selector: WipeSelector) -> list[IndexedEntry]:
+        """Remove every entry `selector` selects (unindexed and journaled under the lock, unlinked
+        after); returns them. An unlink that fails leaves a file the next start's scan would index
+        again: `wipe_left` reports it."""
+        doomed = self.index.wipe(selector)
+        self.remove_wiped_files([entry.path for entry in doomed])
+        return doomed
+
+    def remove_wiped_files(self, paths: Sequence[Path]) -> None:
+        """Unlink a wipe's files and fsync their directories: unlike an eviction's, a wipe's
+        removal must survive a power loss (a file whose unlink is lost would be indexed again at
+        the next start). A failed unlink is logged (`wipe_left` reports the file); a failed fsync
+        raises `DiskError`, which leaves the intent, so the wipe is not reported done."""
+        self.files.unlink_removed(list(paths))
+        for directory in sorted({path.parent for path in paths}):
+            self.disk.fsync_dir(directory)
+
+    def wipe_left(self, selector: WipeSelector, removed_paths: Sequence[Path] = ()) -> list[str]:
+        """What is still there of the wipe: indexed entries it selects, and files of `removed_paths`
+        that still exist (an unlink that failed), as paths relative to the directory."""
+        left = [self.files.relative(entry.path) for entry in self.index.selected(selector)]
+        for path in removed_paths:
+            try:
+                self.disk.stat(path)
+            except DiskError:
+                continue
+            left.append(self.files.relative(path))
+        return left
+
+    def bound_wipe(self, wipe_id: str, ram_epoch: int) -> None:
+        """The RAM tier dropped the wipe's entries at epoch `ram_epoch` (`Tombstone`)."""
+        self.index.bound_wipe(wipe_id, ram_epoch)
+
+    def finish_wipe(self, wipe_id: str, entries: int, bytes_removed: int) -> None:
+        """Every tier is done: lift the tombstone, journal the wipe done, remove its intent."""
+        self.index.end_wipe(wipe_id, entries, bytes_removed)
+        self.wipe_intents.finish(wipe_id)
+
+    def unfinished_wipes(self) -> dict[str, WipeSelector]:
+        """The wipes begun and not finished (at open: those a crash left)."""
+        return self.index.unfinished_wipes()
 
     # -- introspection: immutable snapshots ------------------------------------
 

@@ -38,6 +38,7 @@ class PendingStore:
     namespace: str
     tokens: np.ndarray
     writer: kvfile.KvFileWriter
+    captured_epoch: int | None = None  # the RAM tier's wipe epoch when its caches were taken
 
 
 @attrs.frozen(kw_only=True)
@@ -69,7 +70,13 @@ class EntryCommitter:
         return self.finish_store(pending)
 
     def prepare_store(
-        self, tokens: Sequence[int] | np.ndarray, caches: Sequence[Any], namespace: str, *, tokenizer_hash: str
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        caches: Sequence[Any],
+        namespace: str,
+        *,
+        tokenizer_hash: str,
+        captured_epoch: int | None = None,
     ) -> PendingStore | None:
         """Plan a write: None when the entry can never fit under the cap or its
         directory cannot be made."""
@@ -101,7 +108,9 @@ class EntryCommitter:
         except DiskError as e:
             self._write_failed(namespace, token_array.size, str(e), e.errno)
             return None
-        return PendingStore(entry_id=entry_id, namespace=namespace, tokens=token_array, writer=writer)
+        return PendingStore(
+            entry_id=entry_id, namespace=namespace, tokens=token_array, writer=writer, captured_epoch=captured_epoch
+        )
 
     def fail_store(self, pending: PendingStore, error: DiskError) -> None:
         """Record that a prepared write failed (its temp file already removed)."""
@@ -110,14 +119,27 @@ class EntryCommitter:
     def finish_store(self, pending: PendingStore) -> str:
         """Commit a written entry; returns its id."""
         return self.index_written(
-            pending.entry_id, pending.namespace, pending.writer.path, pending.tokens, pending.writer.planned_header
+            pending.entry_id,
+            pending.namespace,
+            pending.writer.path,
+            pending.tokens,
+            pending.writer.planned_header,
+            captured_epoch=pending.captured_epoch,
         )
 
     def index_written(
-        self, entry_id: str, namespace: str, path: Path, tokens: np.ndarray, header: kvfile.Header
+        self,
+        entry_id: str,
+        namespace: str,
+        path: Path,
+        tokens: np.ndarray,
+        header: kvfile.Header,
+        *,
+        captured_epoch: int | None = None,
     ) -> str:
         """Index a committed entry file (a store or an adoption), then
-        supersede and evict; returns the entry id."""
+        supersede and evict; returns the entry id (a wipe's tombstone may
+        refuse it: the file is then unlinked, `SsdIndex.commit`)."""
         # LRU order comes from the store's clock, not the file system's, so
         # it is the same in simulations and under coarse timestamps.
         mtime_ns = self.index.next_mtime_ns()
@@ -136,7 +158,14 @@ class EntryCommitter:
             trimmable=header.trimmable,
             minimum_reusable_offset=header.minimum_reusable_offset,
         )
-        self.files.unlink_removed(self.index.commit(entry))
+        self.files.unlink_removed(self.index.commit(entry, captured_epoch))
+        if self.index.entry(entry_id) is None:
+            # Refused by a wipe's tombstone (or evicted at once): a refused file's removal must
+            # survive a power loss, like the wipe's own.
+            try:
+                self.disk.fsync_dir(path.parent)
+            except DiskError as e:
+                log.warning("the removal of %s may not be durable: %s", path, e)
         return entry_id
 
     def _write_failed(self, namespace: str, token_count: int, reason: str, errno: int | None) -> None:

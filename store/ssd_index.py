@@ -37,8 +37,11 @@ import numpy as np
 from kvcellar.store import events as ev
 from kvcellar.store.namespaces import tenant_of
 from kvcellar.store.prefix_index import PrefixIndex
+from kvcellar.store.wipe import WipeSelector
 
 EventListener = Callable[[ev.Event], None]
+# The `EntryEvicted.reason` of a wipe's removals: the projection and the KV events treat them as evictions.
+WIPE_REASON = "wipe"
 Tokens = Sequence[int] | np.ndarray
 
 
@@ -92,6 +95,8 @@ class SsdCounters:
     supersessions: int = 0  # entries removed because a newer one stands in for them
     write_failures: int = 0  # stores that wrote nothing (a DiskError, or larger than the cap)
     restore_failures: int = 0  # restores that failed on a bad file or an I/O error
+    wiped: int = 0  # entries removed by a wipe
+    wipe_dropped_commits: int = 0  # commits a wipe's tombstone refused (their files unlinked, never indexed)
 
 
 @attrs.define(kw_only=True)
@@ -120,6 +125,7 @@ class SsdIndex:
         clock_ns: Callable[[], int],
         lock: AbstractContextManager[Any] | None = None,
         event_listeners: Sequence[EventListener] = (),
+        drop_wiped_commits: bool = True,
     ) -> None:
         self.directory = directory
         self.bytes_max = bytes_max
@@ -137,6 +143,10 @@ class SsdIndex:
         self._usage: dict[str, OwnerUsage] = {}
         # Tenant quotas (`serve --tenants`): an owner over its own quota loses its oldest entries first.
         self._owner_bytes_max: dict[str, int] = {}
+        # The wipes of this process by id (`Tombstone`); a commit one refuses is dropped
+        # (`drop_wiped_commits`; off only for the simulator's `wipe-skips-tombstone`).
+        self._tombstones: dict[str, Tombstone] = {}
+        self._drop_wiped_commits = drop_wiped_commits
 
     def set_owner_quotas(self, owner_bytes_max: dict[str, int]) -> list[Path]:
         """Set the tenants' byte quotas and evict what is over them now; returns the files to unlink."""
@@ -304,10 +314,17 @@ class SsdIndex:
         self._mtime_max_ns = max(self._clock_ns(), self._mtime_max_ns + 1)
         return self._mtime_max_ns
 
-    def commit(self, entry: IndexedEntry) -> list[Path]:
+    def commit(self, entry: IndexedEntry, captured_epoch: int | None = None) -> list[Path]:
         """Index a committed entry file, journal it, then supersede and evict;
-        returns the files to unlink."""
+        returns the files to unlink. A commit a wipe's tombstone refuses
+        (`Tombstone.refuses`; `captured_epoch`: the RAM tier's wipe epoch when
+        the caches were taken) is not indexed: its own file is returned."""
         with self._lock:
+            if self._drop_wiped_commits and self._tombstoned(entry.namespace, entry.tokens, captured_epoch):
+                # A write that began before a wipe (a spill of a wiped RAM entry) lands after
+                # its removal: it must not resurrect the entry.
+                self._counters.wipe_dropped_commits += 1
+                return [entry.path]
             self._index(entry)
             self._counters.entries_stored += 1
             self._event(ev.EntryStored(entry=self.fields(entry)))
@@ -413,6 +430,8 @@ class SsdIndex:
             return []
         if isinstance(event, ev.EntrySuperseded):
             self._counters.supersessions += 1
+        elif event.reason == WIPE_REASON:
+            self._counters.wiped += 1
         else:
             self._counters.evictions += 1
         self._event(event)
@@ -475,3 +494,77 @@ class SsdIndex:
         mutation only (`Safeguards.restore_outside_index_lock` off), which
         reads a file under it."""
         return self._lock if hold else contextlib.nullcontext()
+
+    # -- wipes (store/wipe.py; the system's wipe runs them in order: begin, wipe, end) ----
+
+    def begin_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
+        """Install the wipe's tombstone (from now on a commit it selects is refused) and journal it."""
+        with self._lock:
+            self._tombstones[wipe_id] = Tombstone(selector=selector)
+            self._event(ev.WipeBegun(wipe_id=wipe_id, selector=selector))
+
+    def resume_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
+        """Put back the tombstone of a wipe a crash left unfinished (its `wipe.begun` is journaled
+        already: a recovery journals nothing twice)."""
+        with self._lock:
+            self._tombstones[wipe_id] = Tombstone(selector=selector)
+
+    def bound_wipe(self, wipe_id: str, ram_epoch: int) -> None:
+        """The RAM tier dropped the wipe's entries and began epoch `ram_epoch`: from now on the
+        tombstone refuses only caches taken before it (and, until the wipe is done, uncounted ones)."""
+        with self._lock:
+            tombstone = self._tombstones.get(wipe_id)
+            if tombstone is not None:
+                self._tombstones[wipe_id] = attrs.evolve(tombstone, ram_epoch=ram_epoch)
+
+    def wipe(self, selector: WipeSelector) -> list[IndexedEntry]:
+        """Unindex and journal every entry `selector` selects; returns them (their files to unlink)."""
+        with self._lock:
+            doomed = [e for e in self._entries.values() if selector.matches(e.namespace, e.tokens)]
+            for entry in doomed:
+                event = ev.EntryEvicted(entry_id=entry.entry_id, bytes=entry.bytes, reason=WIPE_REASON)
+                self._remove(entry.entry_id, event)
+            return doomed
+
+    def selected(self, selector: WipeSelector) -> list[IndexedEntry]:
+        """The indexed entries `selector` selects (what a wipe has left)."""
+        with self._lock:
+            return [e for e in self._entries.values() if selector.matches(e.namespace, e.tokens)]
+
+    def end_wipe(self, wipe_id: str, entries: int, bytes_removed: int) -> None:
+        """The wipe is done in every tier: journal it. Its tombstone stays for the process's life
+        if it has a RAM epoch (a snapshot taken before may still be in the spill queue), else goes."""
+        with self._lock:
+            tombstone = self._tombstones.pop(wipe_id, None)
+            if tombstone is not None and tombstone.ram_epoch is not None:
+                self._tombstones[wipe_id] = attrs.evolve(tombstone, done=True)
+            self._event(ev.WipeDone(wipe_id=wipe_id, entries=entries, bytes=bytes_removed))
+
+    def unfinished_wipes(self) -> dict[str, WipeSelector]:
+        with self._lock:
+            return {wipe_id: t.selector for wipe_id, t in self._tombstones.items() if not t.done}
+
+    def _tombstoned(self, namespace: str, tokens: np.ndarray, captured_epoch: int | None) -> bool:
+        return any(t.refuses(namespace, tokens, captured_epoch) for t in self._tombstones.values())
+
+
+@attrs.frozen(kw_only=True)
+class Tombstone:
+    """What a wipe refuses to let commit. Until the RAM tier dropped the wipe's entries
+    (`ram_epoch` None), every commit it selects; then, a commit it selects of caches taken
+    before that epoch (a spill or write-behind snapshot in flight), and, until the wipe is
+    `done`, one whose epoch is unknown (a direct store, an adoption of a shared download).
+    Caches taken later are new puts: a wipe does not refuse what was put after it."""
+
+    selector: WipeSelector
+    ram_epoch: int | None = None
+    done: bool = False
+
+    def refuses(self, namespace: str, tokens: np.ndarray, captured_epoch: int | None) -> bool:
+        if not self.selector.matches(namespace, tokens):
+            return False
+        if self.ram_epoch is None:
+            return True
+        if captured_epoch is None:
+            return not self.done
+        return captured_epoch < self.ram_epoch
