@@ -224,7 +224,13 @@ class SsdStore:
         self.journal = (
             journal_opener(journal_path)
             if journal_opener is not None
-            else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=self.safeguards)
+            else Journal.open(
+                journal_path,
+                clock_ns=clock_ns,
+                runner=JournalThread(),
+                safeguards=self.safeguards,
+                keyring=self.keyring,
+            )
         )
         self.index.attach_journal(self.journal)
 
@@ -259,7 +265,10 @@ class SsdStore:
 
     def _reconcile_journal(self, journaled: JournalRows, trusted: set[str]) -> None:
         if self.journal is not None:
-            self.journal.append_many(reconciliation(self.index.entries(), journaled, trusted, self.index.fields))
+            sealing_key_id = self.journal.keyring.sealing.key_id if self.journal.keyring is not None else None
+            self.journal.append_many(
+                reconciliation(self.index.entries(), journaled, trusted, self.index.fields, sealing_key_id)
+            )
 
     def _supersede_all(self) -> None:
         """Redo supersession over the whole index at startup. Removals are not
