@@ -393,6 +393,10 @@ class SsdStore:
         """Move a bad file that is not an indexed entry aside."""
         self.files.quarantine_file(path, reason)
 
+    def quarantine_sealed_file(self, path: Path, key_id: str) -> None:
+        """Move a file sealed under key `key_id`, which the ring lacks, to the sealed quarantine."""
+        self.files.quarantine_sealed(path, "", key_id)
+
     def record_event(self, event: Any) -> None:
         """Journal an event of another part of the tier (the listeners see it too)."""
         self.index.record(event)

@@ -107,7 +107,7 @@ def test_serve_refuses_a_key_without_the_ssd_tier(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--shared-cache", "s3://bucket/prefix"], "--shared-cache"), (["--generation-checkpoint", "64"], "--generation")],
+    [(["--shared-cache", "s3://bucket/prefix"], "--shared-cache")],
 )
 def test_serve_refuses_what_would_still_write_in_the_clear(tmp_path, capsys, flags, named):
     write_new_key_file(tmp_path / "k")
