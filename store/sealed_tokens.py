@@ -1,5 +1,6 @@
-"""The journal's token ids sealed under a key ring (the `entries.token_ids`
-column and the `EntryFields` of every stored event).
+"""Token ids sealed under a key ring outside `.kvc` files: the journal's
+(the `entries.token_ids` column and the `EntryFields` of every stored event)
+and the shared tier's manifests (format version 2).
 
 With a key ring, the journal holds each entry's token ids as
 `key id (8 bytes) || nonce (12) || AES-256-GCM ciphertext || tag (16)`,
@@ -31,17 +32,48 @@ from kvcellar.store.keyring import KEY_ID_BYTES, EncryptionKey, KeyRing
 from kvcellar.store.sealing import NONCE_BYTES, TAG_BYTES
 
 SEAL_OVERHEAD_BYTES = KEY_ID_BYTES + NONCE_BYTES + TAG_BYTES
-_AAD_PREFIX = b"kvcellar journal token_ids\x00"
+_JOURNAL_AAD_PREFIX = b"kvcellar journal token_ids\x00"
+_MANIFEST_AAD_PREFIX = b"kvcellar shared manifest token_ids\x00"
 
 
 def _aad(entry_id: str) -> bytes:
-    return _AAD_PREFIX + entry_id.encode("utf-8")
+    return _JOURNAL_AAD_PREFIX + entry_id.encode("utf-8")
+
+
+def _sealed(key: EncryptionKey, aad: bytes, plaintext: bytes) -> bytes:
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return bytes.fromhex(key.key_id) + nonce + AESGCM(key.key).encrypt(nonce, plaintext, aad)
+
+
+def _opened(keyring: KeyRing | None, aad: bytes, sealed: bytes, name: str) -> bytes:
+    """Raises `KeyUnavailable` without the key, `CorruptEntry` when the tag fails."""
+    key_id = bytes(sealed[:KEY_ID_BYTES]).hex()
+    if keyring is None:
+        raise KeyUnavailable(f"{name} is sealed under key {key_id}; no key given", key_id=key_id)
+    key = keyring.opening(key_id)
+    nonce = bytes(sealed[KEY_ID_BYTES : KEY_ID_BYTES + NONCE_BYTES])
+    try:
+        return AESGCM(key.key).decrypt(nonce, bytes(sealed[KEY_ID_BYTES + NONCE_BYTES :]), aad)
+    except InvalidTag as e:
+        raise CorruptEntry(f"{name}: its token ids fail their tag under key {key_id}", part="token_ids") from e
 
 
 def seal_token_ids(key: EncryptionKey, entry_id: str, token_ids: bytes) -> bytes:
     """`token_ids` (uint32 LE) sealed for the journal row of `entry_id`."""
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    return bytes.fromhex(key.key_id) + nonce + AESGCM(key.key).encrypt(nonce, token_ids, _aad(entry_id))
+    return _sealed(key, _aad(entry_id), token_ids)
+
+
+def seal_manifest_token_ids(key: EncryptionKey, manifest_name: str, token_ids: bytes) -> bytes:
+    """A shared manifest's token ids sealed; `manifest_name` (its fingerprint,
+    namespace and tokens digest) is their AAD, so they open only in their own manifest."""
+    return _sealed(key, _MANIFEST_AAD_PREFIX + manifest_name.encode("utf-8"), token_ids)
+
+
+def open_manifest_token_ids(keyring: KeyRing | None, manifest_name: str, sealed: bytes) -> bytes:
+    """The plain token ids of a sealed manifest; raises like `open_token_ids`."""
+    if len(sealed) < SEAL_OVERHEAD_BYTES or (len(sealed) - SEAL_OVERHEAD_BYTES) % 4:
+        raise CorruptEntry(f"manifest {manifest_name}: {len(sealed)} bytes of sealed token ids", part="manifest")
+    return _opened(keyring, _MANIFEST_AAD_PREFIX + manifest_name.encode("utf-8"), sealed, f"manifest {manifest_name}")
 
 
 def sealed_key_id(token_ids: bytes, token_count: int) -> str | None:
@@ -63,16 +95,7 @@ def open_token_ids(keyring: KeyRing | None, entry_id: str, token_ids: bytes, tok
             f"journal row {entry_id}: {len(token_ids)} bytes of token ids for {token_count} tokens",
             part="journal token_ids",
         )
-    if keyring is None:
-        raise KeyUnavailable(f"journal row {entry_id} is sealed under key {key_id}; no key given", key_id=key_id)
-    key = keyring.opening(key_id)
-    nonce = bytes(token_ids[KEY_ID_BYTES : KEY_ID_BYTES + NONCE_BYTES])
-    try:
-        return AESGCM(key.key).decrypt(nonce, bytes(token_ids[KEY_ID_BYTES + NONCE_BYTES :]), _aad(entry_id))
-    except InvalidTag as e:
-        raise CorruptEntry(
-            f"journal row {entry_id}: its token ids fail their tag under key {key_id}", part="journal token_ids"
-        ) from e
+    return _opened(keyring, _aad(entry_id), token_ids, f"journal row {entry_id}")
 
 
 def sealed_fields(key: EncryptionKey, entry: ev.EntryFields) -> ev.EntryFields:
