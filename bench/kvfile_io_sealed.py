@@ -121,7 +121,15 @@ def run_sealed_benchmark(
         progress.print(f"repeat {index + 1}/{repeats}")
         runs.append(run_sealed_repeat(index, workdir, caches, tokens, keyring, drop))
     medians = {key: statistics.median(run[key] for run in runs) for key, _ in MEASUREMENTS}
-    result: dict[str, Any] = {ratio_key: medians[PLAIN_OF[key]] / medians[key] for key, ratio_key in RATIO_KEYS.items()}
+    # The headline ratio is the median of the per-repeat ratios of each pair run back to back: on shared
+    # cores a burst of other work slows a pair together far more often than it splits it.
+    result: dict[str, Any] = {
+        ratio_key: statistics.median(run[PLAIN_OF[key]] / run[key] for run in runs)
+        for key, ratio_key in RATIO_KEYS.items()
+    }
+    result["ratios_of_medians"] = {
+        ratio_key: medians[PLAIN_OF[key]] / medians[key] for key, ratio_key in RATIO_KEYS.items()
+    }
     result.update(
         {
             "median_seconds": medians,
@@ -157,8 +165,10 @@ def sealed_figures(result: dict[str, Any]) -> Figures:
         columns=("measurement", "median s", "range s", "MiB/s", "sealed vs plain"),
         rows=rows,
         summary=[
-            f"payload {result['payload_bytes']:,} bytes; ratios are plain time over sealed time "
-            f"({', '.join(f'{k} {result[k]:.2f}' for k in RATIO_KEYS.values())})"
+            f"payload {result['payload_bytes']:,} bytes; a ratio is the median over repeats of the plain time over "
+            f"the sealed time of a pair run back to back "
+            f"({', '.join(f'{k} {result[k]:.2f}' for k in RATIO_KEYS.values())}); the ratios of the medians: "
+            f"{', '.join(f'{v:.2f}' for v in result['ratios_of_medians'].values())}"
         ],
     )
 
