@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,15 +87,13 @@ def run_sealed_repeat(
     drop: Callable[[Path], Any],
 ) -> dict[str, float]:
     """Each pair once, plain first on even repeats and sealed first on odd ones."""
-    rings = {"plain": None, "sealed": keyring}
+    rings: dict[str, KeyRing | None] = {"plain": None, "sealed": keyring}
     paths = {kind: workdir / f"{kind}-{index}{kvfile.FILE_SUFFIX}" for kind in rings}
     order = ["plain", "sealed"] if index % 2 == 0 else ["sealed", "plain"]
     seconds: dict[str, float] = {}
     try:
         for kind in order:
-            seconds[f"save_{kind}"] = _timed(
-                lambda kind=kind: kvfile.save(paths[kind], caches, tokens, keyring=rings[kind])
-            )
+            seconds[f"save_{kind}"] = _timed(partial(kvfile.save, paths[kind], caches, tokens, keyring=rings[kind]))
         for cold, prefix in ((True, "load"), (False, "load_warm")):
             for kind in order:
                 seconds[f"{prefix}_{kind}"] = _load_seconds(paths[kind], rings[kind], cold=cold, drop=drop)
