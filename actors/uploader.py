@@ -39,7 +39,14 @@ import attrs
 import numpy as np
 import trio
 
-from kvcellar.errors import CorruptEntry, DiskError, SharedObjectMissing, SharedStoreError, UnsupportedFormat
+from kvcellar.errors import (
+    CorruptEntry,
+    DiskError,
+    KeyUnavailable,
+    SharedObjectMissing,
+    SharedStoreError,
+    UnsupportedFormat,
+)
 from kvcellar.store import events as ev
 from kvcellar.store import shared_events as sev
 from kvcellar.store.restore_origin import RestoreOrigins
@@ -190,17 +197,17 @@ class SharedTier:
     async def _fetch_into_index(self, key: str) -> bool:
         """Fetch, check and index one manifest; False when the store failed."""
         try:
-            manifest = await self._run_blocking(fetch_manifest, self.objects, key)
+            manifest = await self._run_blocking(fetch_manifest, self.objects, key, self.store.keyring)
         except SharedObjectMissing:
             return True  # deleted since the listing
-        except CorruptEntry as e:
+        except (CorruptEntry, KeyUnavailable) as e:
             self._refuse(key, "manifest", str(e))
             return True
         except SharedStoreError as e:
             self.counters.listing_failures += 1
             log.warning("shared cache: fetching %s failed: %s", key, e)
             return False
-        problem = manifest_problem(manifest, key, self.keys)
+        problem = manifest_problem(manifest, key, self.keys, sealing=self.store.keyring is not None)
         if problem:
             self._refuse(key, "manifest", problem)
         else:
@@ -380,7 +387,7 @@ class SharedTier:
                 return
             try:
                 entry_id = await self._run_blocking(download_entry, self.store, self.objects, manifest)
-            except (CorruptEntry, UnsupportedFormat) as e:
+            except (CorruptEntry, UnsupportedFormat, KeyUnavailable) as e:
                 self._refuse(key, "object", str(e))
                 return
             except SharedObjectMissing as e:

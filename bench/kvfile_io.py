@@ -15,6 +15,9 @@ carries slack past its offset as a live cache does. Throughput is MiB/s
 (2^20 bytes) of persisted payload (rows up to offset) for every measurement.
 
     python -m kvcellar.bench.kvfile_io [--size-mib 256] [--repeats 3] [--dir DIR] [--json] [--write-docs]
+
+With `--encrypt`, it times sealed against plain save and load instead
+(`bench/kvfile_io_sealed.py`, its own docs section).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from kvcellar.bench.common import (
     publish_options,
     scratch_dir_option,
 )
+from kvcellar.bench.kvfile_io_sealed import publish_sealed, run_sealed_benchmark
 from kvcellar.store import codecs, kvfile
 from kvcellar.store.disk import RealDisk, fsync_path
 
@@ -676,9 +680,15 @@ def markdown_section(result: dict[str, Any], machine: dict[str, str], command: s
     show_default=True,
     help="Times each measurement runs; figures are medians.",
 )
+@click.option(
+    "--encrypt",
+    is_flag=True,
+    help="Time sealed (AES-256-GCM) against plain save and load of the same entry instead; "
+    "--write-docs then rewrites its own section (kvfile_io_sealed).",
+)
 @scratch_dir_option("the benchmark's files")
 @publish_options(DOCS_BEGIN, DOCS_END)
-def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, write_docs: bool) -> None:
+def main(size_mib: int, repeats: int, encrypt: bool, directory: Path | None, as_json: bool, write_docs: bool) -> None:
     """Time .kvc save and cold load against a raw write and read of the same bytes."""
     console = Console()
     if not console.is_terminal:
@@ -687,6 +697,14 @@ def main(size_mib: int, repeats: int, directory: Path | None, as_json: bool, wri
     base = directory if directory is not None else platformdirs.user_cache_path("kvcellar") / "bench"
     base.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="kvfile_io-", dir=base))
+    if encrypt:
+        try:
+            sealed = run_sealed_benchmark(size_mib, repeats, workdir, progress, build_entry, drop_page_cache)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        sealed["machine"] = describe_machine(base)
+        publish_sealed(sealed, sealed["machine"], write_docs=write_docs, as_json=as_json, console=console)
+        return
     try:
         result = run_benchmark(size_mib, repeats, workdir, progress)
     finally:

@@ -1,7 +1,7 @@
-"""The `kvcellar` command line: serve, model, kv, journal, simulate, calibrate, cluster and keygen.
+"""The `kvcellar` command line: serve, model, kv, journal, cache, simulate, calibrate, cluster and keygen.
 
 Each command group is one module of this room, a thin click layer over the
-library (`serve.py`, `model.py`, `kv.py`, `journal.py`, `simulate.py`,
+library (`serve.py`, `model.py`, `kv.py`, `journal.py`, `cache.py`, `simulate.py`,
 `calibrate.py`, `cluster.py`, `keygen.py`); this module only assembles them and turns a `KvCellarError`
 into a clear message and exit status 2 instead of a traceback. `python -m kvcellar.cli` runs it
 (`__main__.py`).
@@ -25,6 +25,7 @@ def cli() -> None:
 
 
 def _register_commands() -> None:
+    from kvcellar.cli.cache import cache_group
     from kvcellar.cli.calibrate import calibrate_command
     from kvcellar.cli.cluster import cluster_command
     from kvcellar.cli.journal import journal_group
@@ -38,6 +39,7 @@ def _register_commands() -> None:
     cli.add_command(model_group)
     cli.add_command(kv_group)
     cli.add_command(journal_group)
+    cli.add_command(cache_group)
     cli.add_command(simulate_command)
     cli.add_command(calibrate_command)
     cli.add_command(cluster_command)

@@ -421,15 +421,12 @@ def _check_flags(flags: ServeFlags) -> None:
 
 
 def check_encryption(flags: ServeFlags, ssd_dir: Path | None) -> None:
-    """Encryption at rest covers the SSD tier's entries only so far: refuse what would still write in the clear."""
+    """Encryption at rest seals what the SSD tier writes (entries, journal, checkpoints) and the shared tier's
+    objects and manifests: it needs the SSD tier."""
     if not flags.encryption_key_files:
         return
     if ssd_dir is None:
         raise UsageError("--encryption-key-file seals the SSD tier's entries: it needs --ssd-cache")
-    if flags.shared_cache_url is not None:
-        raise UsageError("--encryption-key-file cannot be combined with --shared-cache yet (docs/security.md)")
-    if flags.generation_checkpoint_tokens:
-        raise UsageError("--encryption-key-file cannot be combined with --generation-checkpoint yet (docs/security.md)")
 
 
 def _system_config(flags: ServeFlags, tenants: Tenants | None = None) -> SystemConfig:

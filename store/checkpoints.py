@@ -1,7 +1,9 @@
 """In-flight generation checkpoints on the SSD tier (spec §5.1 D6, §5.7).
 
 One file per request key, `<root>/<fingerprint>/checkpoints/<key>.kvc`, a
-format-version-2 `.kvc` entry (`store.kvfile`): tokens and caches encode the
+format-version-2 `.kvc` entry (`store.kvfile`; version 4, sealed, when the
+SSD store has a key ring: a checkpoint sealed under a key the ring lacks
+goes to the sealed quarantine, like an entry): tokens and caches encode the
 prompt and the emitted prefix, `Header.generation_checkpoint` the pending
 token and the sampler state. Checkpoints live beside the prefix entries, not
 among them: they are never a prefix match, never superseded or evicted by
@@ -40,7 +42,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
+from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable, UnsupportedFormat
 from kvcellar.store import kvfile
 from kvcellar.store.actor_events import (
     CheckpointInvalidated,
@@ -144,7 +146,16 @@ class CheckpointStore:
 
     def _scan_file(self, path: Path, size_bytes: int) -> None:
         try:
-            header = kvfile.read_header(path, disk=self.ssd.disk, size_bytes=size_bytes, safeguards=self.ssd.safeguards)
+            header = kvfile.read_header(
+                path,
+                disk=self.ssd.disk,
+                size_bytes=size_bytes,
+                safeguards=self.ssd.safeguards,
+                keyring=self.ssd.keyring,
+            )
+        except KeyUnavailable as e:
+            self.ssd.quarantine_sealed_file(path, e.key_id)
+            return
         except (UnsupportedFormat, CorruptEntry) as e:
             self._quarantine(path, str(e))
             return
@@ -207,13 +218,26 @@ class CheckpointStore:
         if found is None:
             return None
         try:
-            entry = kvfile.load(found.path, verify=self.ssd.verify, disk=self.ssd.disk, safeguards=self.ssd.safeguards)
+            entry = kvfile.load(
+                found.path,
+                verify=self.ssd.verify,
+                disk=self.ssd.disk,
+                safeguards=self.ssd.safeguards,
+                keyring=self.ssd.keyring,
+            )
             checkpoint = entry.header.generation_checkpoint
             problem = self._mismatch(entry.header, found.path)
             if not problem and tuple(entry.tokens[: len(prompt)]) != tuple(prompt):
                 problem = "its tokens do not start with the request's prompt"
             if problem or checkpoint is None:
                 raise CorruptEntry(f"{found.path}: {problem}", part="header")
+        except KeyUnavailable as e:
+            with self._lock:
+                if self._files.get(found.request_key) is found:
+                    del self._files[found.request_key]
+                self.counters.restore_failures += 1
+            self.ssd.quarantine_sealed_file(found.path, e.key_id)
+            return None
         except (CorruptEntry, UnsupportedFormat) as e:
             self._drop_bad(found, str(e))
             return None
@@ -258,6 +282,7 @@ class CheckpointStore:
             temp_id=f"a{checkpoint.attempt}e{checkpoint.emitted_tokens}",
             safeguards=self.ssd.safeguards,
             generation_checkpoint=checkpoint,
+            keyring=self.ssd.keyring,
         )
 
     def invalidate(self, request_key: str, attempt: int) -> None:

@@ -43,7 +43,9 @@ import sqlite_utils
 from kvcellar.errors import DecodeError, JournalError
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store import events as ev
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
+from kvcellar.store.sealed_tokens import sealed_event
 
 log = logging.getLogger("kvcellar.journal")
 
@@ -272,8 +274,11 @@ class Journal:
         runner: JournalRunner | None = None,
         reason: str | None = None,
         safeguards: Safeguards = SAFEGUARDS,
+        keyring: KeyRing | None = None,
     ) -> None:
         self._db = db
+        # With a ring, every entry's token ids are sealed under its first key before they are stored.
+        self.keyring = keyring
         self.path = path
         self._clock_ns = clock_ns
         self._durability = durability
@@ -297,17 +302,27 @@ class Journal:
         clock_ns: Callable[[], int] = time.time_ns,
         runner: JournalRunner | None = None,
         safeguards: Safeguards = SAFEGUARDS,
+        keyring: KeyRing | None = None,
     ) -> Journal:
         """Open or create the journal on `runner` (inline by default; a server
         passes a `JournalThread`); a journal that cannot be opened is returned
-        degraded (an ERROR line), never raised: serving must not depend on it."""
+        degraded (an ERROR line), never raised: serving must not depend on it.
+        With `keyring`, the token ids it stores are sealed (`store/sealed_tokens.py`)."""
         runner = runner or InlineRunner()
         try:
             db = runner.call(lambda: _connect(path))
         except (sqlite3.Error, JournalError) as e:
             log.error("journal %s cannot be opened, continuing without a journal: %s", path, e)
-            return cls(None, path, clock_ns, runner=runner, reason=f"cannot be opened: {e}", safeguards=safeguards)
-        return cls(db, path, clock_ns, runner=runner, safeguards=safeguards)
+            return cls(
+                None,
+                path,
+                clock_ns,
+                runner=runner,
+                reason=f"cannot be opened: {e}",
+                safeguards=safeguards,
+                keyring=keyring,
+            )
+        return cls(db, path, clock_ns, runner=runner, safeguards=safeguards, keyring=keyring)
 
     @classmethod
     def open_in_memory(
@@ -370,6 +385,8 @@ class Journal:
         the record says when it happened; the runner applies them in order."""
         if self._db is None or not events:
             return
+        if self.keyring is not None:
+            events = [sealed_event(self.keyring.sealing, event) for event in events]
         rows = [
             (self._clock_ns(), actor, event.kind, ev.event_entry_id(event), to_cbor(event), event) for event in events
         ]

@@ -17,6 +17,7 @@ from kvcellar.store import kvfile
 from kvcellar.store.disk import DirEntry, Disk, RealDisk
 from kvcellar.store.journal import ENTRY_COLUMNS, Journal
 from kvcellar.store.keyring import KeyRing
+from kvcellar.store.sealed_tokens import open_token_ids
 from kvcellar.store.write_wear import fold_journal
 
 # The SSD tier's quarantine directory (store/ssd.py names it the same).
@@ -152,5 +153,24 @@ def verify_journal(
     replayed = {row["entry_id"]: row for row in journal.replay()}
     files, problems = scan_files(root, disk, keyring)
     mismatches = compare_rows("projection vs replay", stored, replayed, ENTRY_COLUMNS)
-    mismatches += compare_rows("projection vs files", stored, files, FILE_CHECKED_FIELDS)
-    return len(stored), mismatches + problems
+    opened, unopened = _opened_rows(stored, keyring)
+    mismatches += compare_rows("projection vs files", opened, files, FILE_CHECKED_FIELDS)
+    return len(stored), mismatches + unopened + problems
+
+
+def _opened_rows(
+    rows: dict[str, dict[str, Any]], keyring: KeyRing | None
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The rows with their sealed token ids opened, and a mismatch for each
+    that cannot be (its key missing, or its tag failing): such a row is then
+    compared as stored."""
+    opened: dict[str, dict[str, Any]] = {}
+    problems: list[dict[str, Any]] = []
+    for entry_id, row in rows.items():
+        try:
+            token_ids = open_token_ids(keyring, entry_id, row["token_ids"], row["token_count"])
+        except (KeyUnavailable, CorruptEntry) as e:
+            problems.append(_mismatch("projection", entry_id, "token_ids", "sealed", f"cannot be opened: {e}"))
+            token_ids = row["token_ids"]
+        opened[entry_id] = {**row, "token_ids": token_ids}
+    return opened, problems

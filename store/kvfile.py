@@ -8,7 +8,9 @@ Version 3 is an ordinary entry sealed with AES-256-GCM (`store.sealing`):
 its header adds `seal` (key id, nonce), its `token_ids` are their ciphertext
 and tag, and each tensor's ciphertext is followed by its 16-byte tag. Reading
 one needs a `KeyRing` holding its key (`KeyUnavailable` otherwise); a failed
-tag is a `CorruptEntry` like a failed checksum.
+tag is a `CorruptEntry` like a failed checksum. Version 4 is a generation
+checkpoint sealed the same way (both parts): a build that knows version 3 but
+not sealed checkpoints refuses it as unsupported, as version 2 is refused.
 
 Layout (all integers little-endian):
 
@@ -70,7 +72,18 @@ MAGIC = b"\x89KVC\r\n\x1a\n"
 FORMAT_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 2
 SEALED_FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = frozenset({FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION, SEALED_FORMAT_VERSION})
+SEALED_CHECKPOINT_FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = frozenset(
+    {FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION, SEALED_FORMAT_VERSION, SEALED_CHECKPOINT_FORMAT_VERSION}
+)
+# The format version of each (is a checkpoint, is sealed) pair, and back.
+_FORMAT_VERSIONS = {
+    (False, False): FORMAT_VERSION,
+    (True, False): CHECKPOINT_FORMAT_VERSION,
+    (False, True): SEALED_FORMAT_VERSION,
+    (True, True): SEALED_CHECKPOINT_FORMAT_VERSION,
+}
+_FORMAT_PARTS = {version: parts for parts, version in _FORMAT_VERSIONS.items()}
 ALIGNMENT_BYTES = 16 * 1024
 FILE_SUFFIX = ".kvc"
 TEMP_SUFFIX = ".tmp"
@@ -142,8 +155,6 @@ class KvFileWriter:
         generation_checkpoint: GenerationCheckpoint | None = None,
         keyring: KeyRing | None = None,
     ) -> None:
-        if keyring is not None and generation_checkpoint is not None:
-            raise UsageError("sealed generation checkpoints are not built yet (docs/security.md)")
         self.path = Path(path)
         self.disk = disk or RealDisk()
         self.safeguards = safeguards
@@ -156,9 +167,8 @@ class KvFileWriter:
         info = _coerce_meta(meta)
         self._sealing_key = keyring.sealing if keyring is not None else None
         seal = sealing.new_seal(self._sealing_key) if self._sealing_key is not None else None
-        version = FORMAT_VERSION if generation_checkpoint is None else CHECKPOINT_FORMAT_VERSION
         planned = Header(
-            format_version=SEALED_FORMAT_VERSION if seal is not None else version,
+            format_version=_FORMAT_VERSIONS[(generation_checkpoint is not None, seal is not None)],
             fingerprint=dict(info.fingerprint),
             namespace=info.namespace,
             tokenizer_hash=info.tokenizer_hash,
@@ -440,9 +450,10 @@ def _read_checked_header(
         raise CorruptEntry(f"{path}: header checksum matches but it does not decode: {e}", part="header") from e
     if header.format_version != version or header.payload_offset != payload_offset:
         raise CorruptEntry(f"{path}: header disagrees with the preamble", part="header")
-    if (header.generation_checkpoint is not None) != (version == CHECKPOINT_FORMAT_VERSION):
+    is_checkpoint, is_sealed = _FORMAT_PARTS[version]
+    if (header.generation_checkpoint is not None) != is_checkpoint:
         raise CorruptEntry(f"{path}: a version {version} header with the wrong checkpoint part", part="header")
-    if (header.seal is not None) != (version == SEALED_FORMAT_VERSION):
+    if (header.seal is not None) != is_sealed:
         raise CorruptEntry(f"{path}: a version {version} header with the wrong seal part", part="header")
     actual_bytes = size_bytes if size_bytes is not None else disk.size(handle)
     if actual_bytes < header.file_bytes:

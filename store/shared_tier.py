@@ -19,6 +19,13 @@ to its directory, tokens whose sha256 is its name, and an object key in its
 own directory; the downloaded bytes must then match the manifest's size and
 sha256 and pass the `.kvc` checks (`SsdStore.adopt`).
 
+With a key ring (docs/security.md) a server shares only sealed entries (the
+object is the sealed `.kvc` file, byte for byte) under sealed manifests
+(format version 2: the token ids sealed, the rest readable), and trusts only
+those: a plain manifest would bring a plain file onto its disk. The object and
+manifest names stay sha256 of the token ids (every server derives them), so
+whoever reads the bucket can confirm a guessed prompt, never read one.
+
 Nothing here does I/O or reads a clock: the shell (`actors.uploader`) passes
 `now` in and carries out what the index and the policy decide.
 """
@@ -40,6 +47,9 @@ from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.ssd import namespace_dir_name
 
 MANIFEST_FORMAT_VERSION = 1
+# A manifest whose token ids are sealed (`store/sealed_tokens.py`), written by a
+# server with a key ring: a build that reads only version 1 refuses it.
+SEALED_MANIFEST_FORMAT_VERSION = 2
 MANIFEST_SUFFIX = ".manifest"
 OBJECT_SUFFIX = ".kvc"
 OBJECT_SHA_HEX_CHARS = 16
@@ -134,10 +144,19 @@ def decode_manifest(data: bytes, key: str) -> SharedManifest:
         raise CorruptEntry(f"{key}: not a manifest: {e}", part="manifest") from e
 
 
-def manifest_problem(manifest: SharedManifest, key: str, keys: SharedKeys) -> str:
-    """Why a manifest listed under `key` cannot be trusted ("" when it can)."""
-    if manifest.format_version != MANIFEST_FORMAT_VERSION:
-        return f"manifest format version {manifest.format_version}; this build reads {MANIFEST_FORMAT_VERSION}"
+def manifest_name(fingerprint: str, namespace: str, tokens_digest: str) -> str:
+    """What a sealed manifest's token ids are bound to (their AAD)."""
+    return f"{fingerprint}/{namespace_dir_name(namespace)}/{tokens_digest}"
+
+
+def manifest_problem(manifest: SharedManifest, key: str, keys: SharedKeys, *, sealing: bool = False) -> str:
+    """Why a manifest listed under `key` (its token ids opened) cannot be
+    trusted ("" when it can); `sealing`: this server seals, and trusts only sealed manifests."""
+    if sealing and manifest.format_version != SEALED_MANIFEST_FORMAT_VERSION:
+        return "a plain manifest, and this server seals (--encryption-key-file): it would store the entry in the clear"
+    if manifest.format_version not in (MANIFEST_FORMAT_VERSION, SEALED_MANIFEST_FORMAT_VERSION):
+        readable = f"{MANIFEST_FORMAT_VERSION} and {SEALED_MANIFEST_FORMAT_VERSION}"
+        return f"manifest format version {manifest.format_version}; this build reads {readable}"
     if manifest.fingerprint != keys.fingerprint:
         return f"fingerprint {manifest.fingerprint!r} is not this directory's"
     if tokens_sha256(manifest.tokens) != manifest.tokens_sha256 or len(manifest.token_ids) % 4:

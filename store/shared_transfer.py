@@ -22,15 +22,19 @@ from contextlib import suppress
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, SharedKeyTaken, SharedStoreError
+from kvcellar.errors import CorruptEntry, SharedKeyTaken, SharedStoreError, UnsupportedFormat
 from kvcellar.store import kvfile
+from kvcellar.store.keyring import KeyRing
 from kvcellar.store.s3_objects import DiskFileReader, ObjectStore, iter_file_chunks
+from kvcellar.store.sealed_tokens import open_manifest_token_ids, seal_manifest_token_ids
 from kvcellar.store.shared_tier import (
     MANIFEST_FORMAT_VERSION,
+    SEALED_MANIFEST_FORMAT_VERSION,
     SharedKeys,
     SharedManifest,
     decode_manifest,
     encode_manifest,
+    manifest_name,
     tokens_sha256,
 )
 from kvcellar.store.ssd import IndexedEntry, SsdStore
@@ -56,15 +60,21 @@ def upload_entry(
 ) -> UploadOutcome:
     """Share one local entry. Raises `DiskError` when its file is gone or
     unreadable, `CorruptEntry` when it fails its own checks (never uploaded),
-    `SharedStoreError` when the store fails. `pause` runs before each step and
-    each chunk read (the shell holds it while the engine decodes)."""
+    `UnsupportedFormat` for a plain entry of a store that seals (never shared
+    in the clear), `SharedStoreError` when the store fails. `pause` runs
+    before each step and each chunk read (the shell holds it while the engine
+    decodes). The returned manifest holds the token ids in the clear; the
+    stored one, sealed, when the store has a key ring."""
     digest = tokens_sha256(entry.tokens)
     manifest_key = keys.manifest_key(entry.namespace, digest)
     if objects.exists(manifest_key):
         return UploadOutcome(outcome="already_shared", key=manifest_key, sent_bytes=0)
     disk = store.disk
     pause()
-    header = kvfile.verify_file(entry.path, disk=disk)  # a bad local file would poison the key for everyone
+    # A bad local file would poison the key for everyone.
+    header = kvfile.verify_file(entry.path, disk=disk, keyring=store.keyring)
+    if store.keyring is not None and header.seal is None:
+        raise UnsupportedFormat(f"{entry.path}: a plain entry is not shared while the store seals")
     handle = disk.open_read(entry.path)
     try:
         size_bytes = disk.size(handle)
@@ -89,8 +99,15 @@ def upload_entry(
         minimum_reusable_offset=header.minimum_reusable_offset,
         created_at_ns=clock_ns(),
     )
+    stored = manifest
+    if store.keyring is not None:
+        sealed_ids = seal_manifest_token_ids(
+            store.keyring.sealing, manifest_name(keys.fingerprint, entry.namespace, digest), manifest.token_ids
+        )
+        stored = attrs.evolve(manifest, format_version=SEALED_MANIFEST_FORMAT_VERSION, token_ids=sealed_ids)
+        manifest = attrs.evolve(manifest, format_version=SEALED_MANIFEST_FORMAT_VERSION)
     try:
-        objects.put_if_absent(manifest_key, encode_manifest(manifest))
+        objects.put_if_absent(manifest_key, encode_manifest(stored))
     except SharedKeyTaken:
         _delete_orphan(objects, manifest_key, object_key)
         return UploadOutcome(outcome="already_shared", key=manifest_key, sent_bytes=size_bytes)
@@ -107,9 +124,16 @@ def _delete_orphan(objects: ObjectStore, manifest_key: str, object_key: str) -> 
             objects.delete(object_key)
 
 
-def fetch_manifest(objects: ObjectStore, key: str) -> SharedManifest:
-    """Raises `SharedObjectMissing`/`SharedStoreError`, or `CorruptEntry` for a bad manifest."""
-    return decode_manifest(objects.get_bytes(key), key)
+def fetch_manifest(objects: ObjectStore, key: str, keyring: KeyRing | None = None) -> SharedManifest:
+    """The manifest under `key`, a sealed one's token ids opened with
+    `keyring`. Raises `SharedObjectMissing`/`SharedStoreError`, `CorruptEntry`
+    for a bad manifest (or sealed token ids that fail their tag), and
+    `KeyUnavailable` for one sealed under a key the ring lacks."""
+    manifest = decode_manifest(objects.get_bytes(key), key)
+    if manifest.format_version != SEALED_MANIFEST_FORMAT_VERSION:
+        return manifest
+    name = manifest_name(manifest.fingerprint, manifest.namespace, manifest.tokens_sha256)
+    return attrs.evolve(manifest, token_ids=open_manifest_token_ids(keyring, name, manifest.token_ids))
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -228,7 +228,13 @@ class SsdStore:
         self.journal = (
             journal_opener(journal_path)
             if journal_opener is not None
-            else Journal.open(journal_path, clock_ns=clock_ns, runner=JournalThread(), safeguards=self.safeguards)
+            else Journal.open(
+                journal_path,
+                clock_ns=clock_ns,
+                runner=JournalThread(),
+                safeguards=self.safeguards,
+                keyring=self.keyring,
+            )
         )
         self.index.attach_journal(self.journal)
 
@@ -274,7 +280,10 @@ class SsdStore:
 
     def _reconcile_journal(self, journaled: JournalRows, trusted: set[str]) -> None:
         if self.journal is not None:
-            self.journal.append_many(reconciliation(self.index.entries(), journaled, trusted, self.index.fields))
+            sealing_key_id = self.journal.keyring.sealing.key_id if self.journal.keyring is not None else None
+            self.journal.append_many(
+                reconciliation(self.index.entries(), journaled, trusted, self.index.fields, sealing_key_id)
+            )
 
     def _supersede_all(self) -> None:
         """Redo supersession over the whole index at startup. Removals are not
@@ -403,6 +412,10 @@ class SsdStore:
     def quarantine_file(self, path: Path, reason: str) -> None:
         """Move a bad file that is not an indexed entry aside."""
         self.files.quarantine_file(path, reason)
+
+    def quarantine_sealed_file(self, path: Path, key_id: str) -> None:
+        """Move a file sealed under key `key_id`, which the ring lacks, to the sealed quarantine."""
+        self.files.quarantine_sealed(path, "", key_id)
 
     def record_event(self, event: Any) -> None:
         """Journal an event of another part of the tier (the listeners see it too)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from kvcellar.errors import CorruptEntry, DiskError, UnsupportedFormat
+from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable, UnsupportedFormat
 from kvcellar.store import kvfile
 from kvcellar.store.disk import Disk
 from kvcellar.store.keyring import KeyRing
@@ -56,8 +56,9 @@ class EntryAdopter:
 
         Returns the new entry id. A file that fails a check (or for which
         `fill` raises `CorruptEntry`) is quarantined and the error re-raised;
-        anything else `fill` raises (a broken download) and any `DiskError`
-        remove the temp file and propagate."""
+        anything else `fill` raises (a broken download), any `DiskError` and
+        `KeyUnavailable` (sealed under a key the ring lacks) remove the temp
+        file and propagate."""
         entry_id = self.new_entry_id()
         path = self.entry_path(namespace, entry_id)
         temp_path = path.with_name(f".{path.name}.{entry_id}{kvfile.TEMP_SUFFIX}")
@@ -106,7 +107,8 @@ class EntryAdopter:
         except (CorruptEntry, UnsupportedFormat) as e:
             self.quarantine_file(temp_path, str(e))
             raise
-        except DiskError:
+        except (DiskError, KeyUnavailable):
+            # A disk failure, or bytes sealed under a key this server lacks (not damaged): removed, not kept.
             with suppress(DiskError):
                 self.disk.unlink(temp_path)
             raise

@@ -31,6 +31,7 @@ from kvcellar.store import kvfile
 from kvcellar.store.disk import DirEntry, Disk
 from kvcellar.store.keyring import KeyRing
 from kvcellar.store.safeguards import Safeguards
+from kvcellar.store.sealed_tokens import open_token_ids, sealed_key_id
 from kvcellar.store.ssd_files import namespace_dir_name
 from kvcellar.store.ssd_index import IndexedEntry
 
@@ -83,14 +84,42 @@ class StartupScanner:
                     self._reap(ns_dir / item.name)
                 elif item.name.endswith(kvfile.FILE_SUFFIX) and not item.is_dir:
                     row = known.get(f"{entry.name}/{item.name}")
-                    if row is not None and row["bytes"] == item.size_bytes and row["mtime_ns"] == item.mtime_ns:
-                        self.index(_entry_from_row(row, ns_dir, item.name))
-                        trusted.add(row["entry_id"])
+                    indexed = self._entry_from_row(row, ns_dir, item) if row is not None else None
+                    if indexed is not None:
+                        self.index(indexed)
+                        trusted.add(indexed.entry_id)
                     else:
                         self._scan_file(ns_dir, entry.name, item)
         if journaled is None:
             journaled = {row["entry_id"]: row for row in rows_later()}
         return journaled, trusted
+
+    def _entry_from_row(self, row: dict[str, Any], ns_dir: Path, item: DirEntry) -> IndexedEntry | None:
+        """The entry as the journal's row has it, when the row matches the
+        file's size and mtime and its token ids open; None sends the file to a
+        header read (which quarantines a sealed file whose key the ring lacks,
+        and journals a row sealed under an unknown key, or left plain while the
+        ring seals, afresh)."""
+        if row["bytes"] != item.size_bytes or row["mtime_ns"] != item.mtime_ns:
+            return None
+        if self.keyring is not None and sealed_key_id(row["token_ids"], row["token_count"]) is None:
+            return None
+        try:
+            token_ids = open_token_ids(self.keyring, row["entry_id"], row["token_ids"], row["token_count"])
+        except (KeyUnavailable, CorruptEntry) as e:
+            log.info("journal row of %s not used (%s): reading its header", item.name, e)
+            return None
+        return IndexedEntry(
+            entry_id=row["entry_id"],
+            namespace=row["namespace"],
+            directory=ns_dir,
+            file_name=item.name,
+            tokens=np.frombuffer(token_ids, dtype="<u4"),
+            bytes=row["bytes"],
+            mtime_ns=row["mtime_ns"],
+            trimmable=bool(row["trimmable"]),
+            minimum_reusable_offset=row["minimum_reusable_offset"],
+        )
 
     def _reap(self, path: Path) -> None:
         try:
@@ -152,11 +181,13 @@ def reconciliation(
     journaled: JournalRows,
     trusted: set[str],
     fields: Callable[[IndexedEntry], ev.EntryFields],
+    sealing_key_id: str | None = None,
 ) -> list[ev.Event]:
     """The files are the truth: the events that bring the journal's
     projection `journaled` in line with the scanned `entries`, one per
     correction, in entry-id order. Entries indexed from the projection
-    (`trusted`) agree with it by construction."""
+    (`trusted`) agree with it by construction. `sealing_key_id`: the key the
+    journal seals token ids under (None: it stores them plain)."""
     corrections: list[ev.Event] = []
     # Only the entries indexed from their headers can disagree with the projection.
     for entry_id in sorted(entries.keys() - trusted):
@@ -164,7 +195,7 @@ def reconciliation(
         entry_fields = fields(entries[entry_id])
         if row is None:
             corrections.append(ev.ReconcileAdded(entry=entry_fields))
-        elif _row_fields(row) != entry_fields:
+        elif not _row_agrees(row, entry_fields, sealing_key_id):
             corrections.append(ev.ReconcileUpdated(entry=entry_fields))
     gone = sorted(set(journaled) - set(entries))
     corrections.extend(ev.ReconcileRemoved(entry_id=entry_id) for entry_id in gone)
@@ -193,19 +224,14 @@ def _is_entry_id(name: str) -> bool:
     return _ENTRY_ID.fullmatch(name) is not None
 
 
-def _entry_from_row(row: dict[str, Any], ns_dir: Path, file_name: str) -> IndexedEntry:
-    return IndexedEntry(
-        entry_id=row["entry_id"],
-        namespace=row["namespace"],
-        directory=ns_dir,
-        file_name=file_name,
-        tokens=np.frombuffer(row["token_ids"], dtype="<u4"),
-        bytes=row["bytes"],
-        mtime_ns=row["mtime_ns"],
-        trimmable=bool(row["trimmable"]),
-        minimum_reusable_offset=row["minimum_reusable_offset"],
-    )
-
-
-def _row_fields(row: dict[str, Any]) -> ev.EntryFields:
-    return ev.EntryFields(**{field.name: row[field.name] for field in attrs.fields(ev.EntryFields)})
+def _row_agrees(row: dict[str, Any], entry_fields: ev.EntryFields, sealing_key_id: str | None) -> bool:
+    """Whether the journal's row records `entry_fields` (plain token ids, as
+    the index has them) as the journal would store them now: a sealed row is
+    compared by its digest and sealing key (a fresh seal draws a new nonce)."""
+    row_key_id = sealed_key_id(row["token_ids"], row["token_count"])
+    if row_key_id != sealing_key_id:
+        return False
+    stored = ev.EntryFields(**{field.name: row[field.name] for field in attrs.fields(ev.EntryFields)})
+    if row_key_id is not None:
+        stored = attrs.evolve(stored, token_ids=entry_fields.token_ids)
+    return stored == entry_fields

@@ -105,16 +105,6 @@ def test_serve_refuses_a_key_without_the_ssd_tier(tmp_path, capsys):
     assert "needs --ssd-cache" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("flags", "named"),
-    [(["--shared-cache", "s3://bucket/prefix"], "--shared-cache"), (["--generation-checkpoint", "64"], "--generation")],
-)
-def test_serve_refuses_what_would_still_write_in_the_clear(tmp_path, capsys, flags, named):
-    write_new_key_file(tmp_path / "k")
-    assert _serve("--ssd-cache", str(tmp_path / "ssd"), "--encryption-key-file", str(tmp_path / "k"), *flags) == 2
-    assert named in capsys.readouterr().err
-
-
 def test_serve_stops_at_a_missing_key_file(tmp_path, capsys):
     assert _serve("--ssd-cache", str(tmp_path / "ssd"), "--encryption-key-file", str(tmp_path / "absent.key")) == 2
     assert "encryption key file missing" in capsys.readouterr().err

@@ -150,12 +150,12 @@ def test_truncated_file_is_detected_by_the_header_read(llama_entry, tmp_path):
 def test_future_format_version_and_foreign_files_are_refused(llama_entry, tmp_path):
     path, _, _, _ = llama_entry
     data = bytearray(path.read_bytes())
-    # Version 2 is a generation checkpoint (test_checkpoints.py), 3 a sealed entry (test_kvfile_sealed.py);
-    # 4 is from the future.
-    struct.pack_into("<I", data, 8, 4)
+    # Version 2 is a generation checkpoint (test_checkpoints.py), 3 a sealed entry and 4 a sealed checkpoint
+    # (test_kvfile_sealed.py); 5 is from the future.
+    struct.pack_into("<I", data, 8, 5)
     future = tmp_path / "future.kvc"
     future.write_bytes(bytes(data))
-    with pytest.raises(UnsupportedFormat, match="version 4"):
+    with pytest.raises(UnsupportedFormat, match="version 5"):
         kvfile.read_header(future)
     foreign = tmp_path / "foreign.kvc"
     foreign.write_text(json.dumps({"not": "a kv file"}))

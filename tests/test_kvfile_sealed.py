@@ -14,7 +14,7 @@ import pytest
 import xxhash
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.errors import CorruptEntry, KeyUnavailable, UsageError
+from kvcellar.errors import CorruptEntry, KeyUnavailable
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store import kvfile
 from kvcellar.store.keyring import load_key_ring, write_new_key_file
@@ -178,7 +178,10 @@ def test_a_flipped_payload_byte_fails_its_tag_even_unverified(llama_prefill, rin
         kvfile.verify_file(tmp_path / "e.kvc", keyring=ring)  # the xxh3 of the ciphertext needs no key
 
 
-def test_sealed_checkpoints_are_refused_for_now(llama_prefill, ring, tmp_path):
+def test_a_sealed_checkpoint_is_version_4_and_a_reader_of_version_3_refuses_it(
+    llama_prefill, ring, tmp_path, monkeypatch
+):
+    from kvcellar.errors import UnsupportedFormat
     from kvcellar.store.records import GenerationCheckpoint, SamplerState
 
     _, cache, _ = llama_prefill
@@ -190,8 +193,23 @@ def test_sealed_checkpoints_are_refused_for_now(llama_prefill, ring, tmp_path):
         pending_token=1,
         sampler=SamplerState(seed=None, sample_index=1),
     )
-    with pytest.raises(UsageError, match="not built yet"):
-        kvfile.KvFileWriter(tmp_path / "c.kvc", cache, PROMPT_TOKENS, generation_checkpoint=checkpoint, keyring=ring)
+    writer = kvfile.KvFileWriter(
+        tmp_path / "c.kvc", cache, PROMPT_TOKENS, generation_checkpoint=checkpoint, keyring=ring
+    )
+    kvfile.write_entry(writer)
+    assert token_runs_in((tmp_path / "c.kvc").read_bytes(), PROMPT_TOKENS) == 0
+    entry = kvfile.load(tmp_path / "c.kvc", keyring=ring)
+    assert entry.header.format_version == kvfile.SEALED_CHECKPOINT_FORMAT_VERSION
+    assert entry.header.generation_checkpoint == checkpoint and list(entry.tokens) == PROMPT_TOKENS
+    with pytest.raises(KeyUnavailable):
+        kvfile.load(tmp_path / "c.kvc")
+    monkeypatch.setattr(
+        kvfile,
+        "READABLE_FORMAT_VERSIONS",
+        frozenset({1, kvfile.CHECKPOINT_FORMAT_VERSION, kvfile.SEALED_FORMAT_VERSION}),
+    )
+    with pytest.raises(UnsupportedFormat, match="version 4"):
+        kvfile.load(tmp_path / "c.kvc", keyring=ring)
 
 
 def test_a_sealed_entry_is_refused_a_split_restore(llama_prefill, ring, tmp_path):

@@ -54,7 +54,12 @@ def test_sealed_tier_through_a_server(model_dir_factory, tmp_path):
     tokens = kvfile.read_header(sealed_files[0], keyring=right).tokens
     assert len(tokens) > RUN_TOKENS
     assert any(run in path.read_bytes() for path in plain_files for run in _runs(tokens))  # the scan can fail
-    assert not any(run in path.read_bytes() for path in sealed_files for run in _runs(tokens))
+    # Every file of the sealed cache directory: the entries, the journal (database and WAL), the lock.
+    every_sealed_file = [path for path in (tmp_path / "sealed").rglob("*") if path.is_file()]
+    assert any(path.name.startswith("journal.sqlite") for path in every_sealed_file)
+    assert not any(run in path.read_bytes() for path in every_sealed_file for run in _runs(tokens))
+    plain_journal = [path for path in (tmp_path / "plain").rglob("journal.sqlite*") if path.is_file()]
+    assert any(run in path.read_bytes() for path in plain_journal for run in _runs(tokens))
 
     restarted_text, restarted = _served(sealed_config)
     assert restarted["restores"] >= 1 and restarted_text == text

@@ -108,3 +108,59 @@ def test_journal_verify_opens_a_sealed_tier_with_its_key(llama, rings, tmp_path,
     assert "1 entries agree" in capsys.readouterr().out
     assert main(["journal", "verify", "--json", str(tmp_path / "tier")]) == 1
     assert right.sealing.key_id in capsys.readouterr().out
+
+
+def _journal_runs(directory, tokens) -> int:
+    """16-token runs of `tokens` as uint32/int32 LE in the journal's files (the database, its WAL)."""
+    runs = [np.asarray(tokens[i : i + RUN_TOKENS], dtype="<u4").tobytes() for i in range(len(tokens) - RUN_TOKENS + 1)]
+    files = [path for path in directory.rglob("journal.sqlite*") if path.is_file()]
+    assert files
+    return sum(run in path.read_bytes() for path in files for run in runs)
+
+
+def test_a_sealed_tier_journals_no_prompt_run(llama, rings, tmp_path):
+    right, _ = rings
+    _store_one(tmp_path / "plain", llama, None)
+    _store_one(tmp_path / "sealed", llama, right)
+    assert _journal_runs(tmp_path / "plain", PROMPT) > 0
+    assert _journal_runs(tmp_path / "sealed", PROMPT) == 0
+
+
+def test_plain_journal_rows_are_sealed_at_the_next_start_with_a_key(llama, rings, tmp_path):
+    from kvcellar.store.sealed_tokens import open_token_ids, sealed_key_id
+
+    right, _ = rings
+    _store_one(tmp_path, llama, None)
+    store = SsdStore.open(tmp_path, FINGERPRINT, keyring=right)
+    assert store.find(PROMPT + [5]) is not None
+    rows = store.journal.entries()
+    store.close()
+    assert [sealed_key_id(row["token_ids"], row["token_count"]) for row in rows] == [right.sealing.key_id]
+    row = rows[0]
+    assert (
+        open_token_ids(right, row["entry_id"], row["token_ids"], row["token_count"])
+        == np.asarray(PROMPT, dtype="<u4").tobytes()
+    )
+    reopened = SsdStore.open(tmp_path, FINGERPRINT, keyring=right)
+    assert reopened.find(PROMPT + [5]) is not None
+    assert reopened.journal.entries() == rows, "a sealed row that agrees is not journaled again"
+    reopened.close()
+
+
+def test_a_sealed_row_opens_only_for_its_entry_and_key(rings):
+    from kvcellar.errors import CorruptEntry, KeyUnavailable
+    from kvcellar.store.sealed_tokens import open_token_ids, seal_token_ids
+
+    right, wrong = rings
+    plain = np.asarray(PROMPT, dtype="<u4").tobytes()
+    sealed = seal_token_ids(right.sealing, "a" * 32, plain)
+    assert open_token_ids(right, "a" * 32, sealed, len(PROMPT)) == plain
+    assert open_token_ids(None, "a" * 32, plain, len(PROMPT)) == plain
+    with pytest.raises(CorruptEntry):
+        open_token_ids(right, "b" * 32, sealed, len(PROMPT))
+    with pytest.raises(CorruptEntry):
+        open_token_ids(right, "a" * 32, sealed[:-1], len(PROMPT))
+    for ring in (wrong, None):
+        with pytest.raises(KeyUnavailable) as raised:
+            open_token_ids(ring, "a" * 32, sealed, len(PROMPT))
+        assert raised.value.key_id == right.sealing.key_id
