@@ -177,6 +177,11 @@ class SpillQueue:
         self._shell.send_nowait(AwaitIdle(waiter_id=waiter_id))
         await idle.wait()
 
+    def holds_snapshots_before(self, wipe_epoch: int) -> int:
+        """How many snapshots this queue still holds (queued or being written) that were taken
+        before the RAM tier's wipe epoch `wipe_epoch`: a wipe keeps its intent until none is left."""
+        return sum(1 for snapshot in self._snapshots.values() if snapshot.wipe_epoch < wipe_epoch)
+
     def stats(self) -> dict[str, int]:
         """The core's counters plus `held`, the snapshots this shell still holds."""
         return {**self.core.stats(), "held": len(self._snapshots)}

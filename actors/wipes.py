@@ -15,11 +15,15 @@ One wipe, in order:
    "wipe"), unlinked, and their directories fsynced (a lost unlink would bring one back).
 4. shared tier: uploads in flight settle (bounded by `timeout_s`), the index is refreshed from
    the bucket, and every selected manifest is deleted, then its object.
-5. done, only when nothing selected is left anywhere: `wipe.done` journaled and the intent
+5. in flight: the wipe waits (bounded by `timeout_s`) until the spill queue holds no snapshot
+   taken before its RAM epoch. Until then a crash between such a write's rename and the
+   tombstone's unlink of it would bring the entry back at the next start; with the intent still
+   there, that start redoes the wipe.
+6. done, only when nothing selected is left anywhere: `wipe.done` journaled and the intent
    unlinked. Otherwise the answer says what is left; the intent stays, and the next wipe with
    the same selector (or the next start) finishes it.
 
-A crash anywhere before step 5 leaves the intent: `SsdStore.open` puts the tombstone back (it
+A crash anywhere before step 6 leaves the intent: `SsdStore.open` puts the tombstone back (it
 refuses every selected commit until the wipe is done) and removes the SSD entries before
 serving, and `resume` (called by `open_system` before the system is handed out) runs steps 3
 to 5 again. Without an SSD tier there is nothing durable to wipe: only the RAM tier, no intent.
@@ -43,6 +47,8 @@ log = logging.getLogger("kvcellar.wipe")
 TIERS = ("ram", "ssd", "checkpoints", "shared")
 # How long a wipe waits for shared-tier uploads in flight (each pauses while requests run).
 SHARED_UPLOADS_SETTLE_S = 60.0
+# How often a wipe looks again at the spill queue's snapshots taken before it.
+SPILL_POLL_S = 0.02
 
 
 @attrs.frozen(kw_only=True)
@@ -85,7 +91,7 @@ class Wipes:
         return f"{now_ns:x}-{next(self._serial)}"
 
     async def wipe(self, selector: WipeSelector, timeout_s: float | None = None) -> WipeResult:
-        """Run one wipe (steps 1 to 5 of the module doc); `timeout_s` bounds the wait for shared-tier
+        """Run one wipe (steps 1 to 6 of the module doc); `timeout_s` bounds the wait for shared-tier
         uploads in flight (None: `SHARED_UPLOADS_SETTLE_S`)."""
         async with self._lock:
             wipe_id = self._existing_wipe_id(selector) or self._new_wipe_id()
@@ -103,7 +109,7 @@ class Wipes:
             removed["ram"] = {"entries": entries, "bytes": size}
             if store is not None:
                 store.bound_wipe(wipe_id, ram_epoch)
-            return await self._finish(wipe_id, selector, removed, timeout_s)
+            return await self._finish(wipe_id, selector, removed, timeout_s, ram_epoch=ram_epoch)
 
     async def resume(self) -> list[WipeResult]:
         """Finish the wipes a crash left (the SSD tier already removed their entries at open)."""
@@ -131,6 +137,8 @@ class Wipes:
         selector: WipeSelector,
         removed: dict[str, dict[str, int]],
         timeout_s: float | None = None,
+        *,
+        ram_epoch: int | None = None,
     ) -> WipeResult:
         store, seams = self.system.store, self.system.seams
         left: dict[str, list[str]] = {}
@@ -150,6 +158,8 @@ class Wipes:
             self._left_files[wipe_id] = [store.directory / relative for relative in ssd_left]
         await self._wipe_checkpoints(selector, removed, left)
         await self._wipe_shared(selector, removed, left, timeout_s)
+        if ram_epoch is not None:
+            await self._await_spills_before(ram_epoch, left, timeout_s)
         if left:
             return _result(wipe_id, selector, removed, left, "not everything selected is gone yet; wipe again")
         try:
@@ -159,6 +169,22 @@ class Wipes:
             return _result(wipe_id, selector, removed, {"intent": [str(e)]}, "the wipe's intent could not be removed")
         self.completed += 1
         return _result(wipe_id, selector, removed, left, "")
+
+    async def _await_spills_before(self, ram_epoch: int, left: dict[str, list[str]], timeout_s: float | None) -> None:
+        """The intent stays until no spill or write-behind snapshot taken before the wipe is still
+        queued or being written: the tombstone refuses such a write at commit, but a crash between
+        its rename and the refusal's unlink would bring the entry back at the next start, unless
+        the intent is still there to be redone. (Snapshots reach the queue through `run_sync_soon`,
+        FIFO, so every one taken before the wipe's RAM turn is queued before that turn's answer.)"""
+        queue = self.system.queue
+        if queue is None:
+            return
+        with trio.move_on_after(SHARED_UPLOADS_SETTLE_S if timeout_s is None else timeout_s):
+            while queue.holds_snapshots_before(ram_epoch):
+                await trio.sleep(SPILL_POLL_S)
+        in_flight = queue.holds_snapshots_before(ram_epoch)
+        if in_flight:
+            left["ssd"] = [*left.get("ssd", []), f"{in_flight} spill writes of caches taken before the wipe in flight"]
 
     async def _wipe_checkpoints(
         self, selector: WipeSelector, removed: dict[str, dict[str, int]], left: dict[str, list[str]]

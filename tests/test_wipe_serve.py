@@ -128,3 +128,57 @@ def test_a_wipe_that_cannot_remove_a_file_says_what_is_left_and_finishes_when_se
     assert finished.done and finished.wipe_id == stuck.wipe_id and finished.left == {}
     assert after == {"completed": 1, "unfinished": []}
     assert _kvc_dirs(tmp_path / "ssd") == {namespace_dir_name(BOB)}
+
+
+class WriterGate:
+    """A `run_blocking` seam that holds only the SSD writer's write-and-commit call (every other
+    blocking call, the wipe's included, runs at once) until `open()`; `entered` is set once held."""
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()
+        self._opened = trio.Event()
+
+    def open(self) -> None:
+        self._opened.set()
+
+    async def __call__(self, fn, *args):
+        if getattr(fn, "__name__", "") == "write_and_index" and not self._opened.is_set():
+            self.entered.set()
+            await self._opened.wait()
+        return await trio.to_thread.run_sync(fn, *args)
+
+
+def test_a_wipe_keeps_its_intent_while_a_write_taken_before_it_is_in_flight(model_dir_factory, tmp_path):
+    """A write-behind snapshot of alice's entry is being written when the wipe runs: the wipe
+    answers 503 naming the write in flight and keeps its intent (a crash now would redo it at
+    the next start); once the write has landed (and been refused), the same wipe finishes."""
+    config = _config(model_dir_factory("llama"), tmp_path, restore_policy="restore")
+    gate = WriterGate()
+    answers: list = []
+
+    async def main() -> None:
+        async with open_system(config, SystemSeams(run_blocking=gate)) as system:
+
+            def put_alice(loaded) -> None:
+                caches = make_prompt_cache(loaded.model)
+                mx.eval(loaded.model(mx.array([OTHER]), cache=caches))
+                system.prompt_cache.put(OTHER, caches, ALICE)
+
+            await system.engine.call(put_alice, label="test")
+            await gate.entered.wait()
+            selector = selector_from_body({"tenant": "alice"})
+            answers.append(await system.wipes.wipe(selector, timeout_s=0.2))
+            answers.append(sorted((tmp_path / "ssd").rglob("wipes/*.wipe")))
+            gate.open()
+            await system.queue.wait_idle()
+            answers.append(await system.wipes.wipe(selector))
+            answers.append(system.store.find(OTHER + [1], ALICE))
+
+    trio.run(main)
+    held, intents, finished, found = answers
+    assert not held.done and any("in flight" in line for line in held.left["ssd"]), held
+    assert len(intents) == 1, "the intent stays while a write taken before the wipe is in flight"
+    assert finished.done and finished.wipe_id == held.wipe_id and finished.left == {}
+    assert found is None
+    assert not list((tmp_path / "ssd").rglob("wipes/*.wipe"))
+    assert _kvc_dirs(tmp_path / "ssd") == set()
