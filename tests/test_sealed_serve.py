@@ -1,11 +1,13 @@
 """Encryption at rest through a real server (issue 39 part 2): with a key the
 SSD tier's files hold no 16-token run of the prompt's ids (the same scan finds
 them without a key), a restart with the key restores, and a restart with a
-wrong key serves cold with identical greedy output and quarantines the entry."""
+wrong key serves cold with identical greedy output and quarantines the entry.
+The requests go through the official openai SDK."""
 
 from __future__ import annotations
 
 import numpy as np
+import openai
 import trio
 from test_flush import _config, serving
 
@@ -27,12 +29,14 @@ def _served(config) -> tuple[str, dict]:
 
     async def main() -> None:
         async with serving(config) as (_, client):
-            reply = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
-            assert reply.status_code == 200, reply.text
+            sdk = openai.AsyncOpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0)
+            model = (await sdk.models.list()).data[0].id
+            reply = await sdk.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+            await sdk.close()
             flushed = await client.post("/admin/cache/flush", json={"timeout_s": 60})
             assert flushed.status_code == 200, flushed.text
             stats = (await client.get("/stats")).json()["ssd_cache"]
-            result.extend([reply.json()["choices"][0]["text"], stats])
+            result.extend([reply.choices[0].text, stats])
 
     trio.run(main)
     return result[0], result[1]
@@ -58,6 +62,7 @@ def test_sealed_tier_through_a_server(model_dir_factory, tmp_path):
     every_sealed_file = [path for path in (tmp_path / "sealed").rglob("*") if path.is_file()]
     assert any(path.name.startswith("journal.sqlite") for path in every_sealed_file)
     assert not any(run in path.read_bytes() for path in every_sealed_file for run in _runs(tokens))
+    assert not any(PROMPT[:48].encode() in path.read_bytes() for path in every_sealed_file)
     plain_journal = [path for path in (tmp_path / "plain").rglob("journal.sqlite*") if path.is_file()]
     assert any(run in path.read_bytes() for path in plain_journal for run in _runs(tokens))
 
