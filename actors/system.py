@@ -211,7 +211,7 @@ class System:
             added = tuple(self.seams.logits_processors(request))
             request = attrs.evolve(request, logits_processors=request.logits_processors + added)
         if self.shared is not None:
-            await self.shared.before_request(request.prompt_ids, request.namespace)
+            await self.shared.before_request(request.prompt_ids, self.prompt_cache.readable(request.namespace))
         if self.scheduler is not None:
             # aclosing: a consumer that stops early cancels its row now, not when collected.
             async with aclosing(self.scheduler.generate(request)) as items:

@@ -353,17 +353,23 @@ class SharedTier:
 
     # -- downloads -------------------------------------------------------------
 
-    async def before_request(self, tokens: Sequence[int], namespace: str) -> None:
+    async def before_request(self, tokens: Sequence[int], readable: Sequence[str]) -> None:
         """Bring a strictly longer shared prefix into the SSD tier before the
-        request reaches the engine, waiting at most `request_timeout_s`."""
+        request reaches the engine, waiting at most `request_timeout_s`.
+        `readable`: the namespaces the request may read, its own first (then
+        the tenants' `shared = true` ones); the longest match wins, a tie the
+        earlier namespace."""
         with trio.move_on_after(self.config.request_timeout_s) as bound:
             await self._first_refresh.wait()
             query = np.asarray(tokens, dtype=np.uint32)
-            match = self.index.best(query, namespace)
+            match = None
+            for namespace in readable:
+                candidate = self.index.best(query, namespace)
+                if candidate is not None and (match is None or candidate.usable_tokens > match.usable_tokens):
+                    match = candidate
             if match is None:
                 return
-            local = self.store.find(query, namespace)
-            local_tokens = local.usable_tokens if local is not None else 0
+            local_tokens = max((self._local_tokens(query, namespace) for namespace in readable), default=0)
             if match.usable_tokens - local_tokens < self.config.download_min_gain_tokens:
                 return
             done = self._downloads.get(match.manifest_key)
@@ -379,6 +385,10 @@ class SharedTier:
             log.warning(
                 "shared cache: a request went on without the shared tier after %g s", self.config.request_timeout_s
             )
+
+    def _local_tokens(self, query: np.ndarray, namespace: str) -> int:
+        local = self.store.find(query, namespace)
+        return local.usable_tokens if local is not None else 0
 
     async def _download(self, key: str, done: trio.Event) -> None:
         try:

@@ -275,19 +275,25 @@ class PromptCache:
             self._publish()
 
     def divergence(self, prompt: Sequence[int], namespace: str = "", next_tokens: int = 32) -> CacheDivergence:
-        """Where `prompt` leaves the longest prefix a RAM or SSD entry shares
-        with it (the longer wins; RAM on a tie). Index-only, no I/O; changes nothing."""
+        """Where `prompt` leaves the longest prefix a RAM or SSD entry of a namespace the
+        caller may read (`readable`) shares with it (the longer wins; RAM, then the caller's
+        own namespace, on a tie). Index-only, no I/O; changes nothing."""
         query = np.asarray(prompt, dtype=np.uint32)
         found = CacheDivergence(matched_tokens=0, cached_next_ids=(), tier="none")
-        index = self._indexes.get(namespace)
-        if self.enabled and index is not None:
-            matched, following = index.divergence(query, next_tokens)
-            found = CacheDivergence(matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier="ram")
         cold_divergence = getattr(self.cold_tier, "divergence", None)
-        if cold_divergence is not None:
-            matched, following = cold_divergence(query, namespace, next_tokens)
-            if matched > found.matched_tokens:
-                found = CacheDivergence(matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier="ssd")
+        for tier in ("ram", "ssd"):
+            for readable in self.readable(namespace):
+                index = self._indexes.get(readable) if tier == "ram" and self.enabled else None
+                if index is not None:
+                    matched, following = index.divergence(query, next_tokens)
+                elif tier == "ssd" and cold_divergence is not None:
+                    matched, following = cold_divergence(query, readable, next_tokens)
+                else:
+                    continue
+                if matched > found.matched_tokens:
+                    found = CacheDivergence(
+                        matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier=tier
+                    )
         return found
 
     def _take(self, query: np.ndarray, namespace: str) -> TakeResult:
@@ -300,13 +306,13 @@ class PromptCache:
             usage.misses += 1
         return result
 
-    def _readable(self, namespace: str) -> tuple[str, ...]:
+    def readable(self, namespace: str) -> tuple[str, ...]:
         """The caller's own namespace first, then the shared ones (a tie keeps the own)."""
         return (namespace, *(shared for shared in self.shared_namespaces if shared != namespace))
 
     def _take_readable(self, query: np.ndarray, namespace: str) -> TakeResult:
         ram = None
-        for readable in self._readable(namespace):
+        for readable in self.readable(namespace):
             candidate = self._ram_candidate(query, readable)
             if candidate is not None and (ram is None or candidate[1] > ram[1]):
                 ram = candidate
@@ -315,7 +321,7 @@ class PromptCache:
         else:
             self.counters.hits += 1
         ram_tokens = ram[1] if ram is not None else 0
-        for readable in self._readable(namespace):
+        for readable in self.readable(namespace):
             cold = self._cold_take(query, readable, ram_tokens)
             if cold is not None:
                 self._notify_take(readable, query[: cold.reused_tokens])

@@ -20,7 +20,7 @@ from hypercorn.trio import serve
 from test_serve import Server, _free_port
 
 from kvcellar.actors.system import System, SystemConfig, SystemSeams, open_system
-from kvcellar.http.app import build_app
+from kvcellar.http.app import HttpSettings, build_app
 
 FLUSH = "/admin/cache/flush"
 
@@ -66,9 +66,11 @@ def _config(model_dir, tmp_path, **overrides: Any) -> SystemConfig:
 async def serving(
     config: SystemConfig,
     gate: WriteGate | None = None,
+    settings: HttpSettings | None = None,
 ) -> AsyncIterator[tuple[System, httpx.AsyncClient]]:
     """The system and hypercorn serving its app on 127.0.0.1, in this Trio
-    run; `gate` holds the system's blocking calls (the writer's file I/O)."""
+    run; `gate` holds the system's blocking calls (the writer's file I/O);
+    `settings` the app's (tenants, tokens)."""
     port = _free_port()
     hypercorn_config = Config()
     hypercorn_config.bind = [f"127.0.0.1:{port}"]
@@ -76,7 +78,9 @@ async def serving(
     async with open_system(config, SystemSeams(run_blocking=gate) if gate is not None else None) as system:
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(serve, build_app(system), hypercorn_config, shutdown_trigger=stop.wait))
+            await nursery.start(
+                partial(serve, build_app(system, settings), hypercorn_config, shutdown_trigger=stop.wait)
+            )
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
                 yield system, client
             stop.set()

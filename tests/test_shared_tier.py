@@ -26,11 +26,14 @@ from moto.server import ThreadedMotoServer
 from polling import wait_until
 from test_flush import _config, serving
 
+from kvcellar.actors.system import SystemConfig
 from kvcellar.actors.uploader import SharedCacheConfig
 from kvcellar.cli.serve import shared_cache_config
 from kvcellar.errors import UsageError
+from kvcellar.http.app import HttpSettings
 from kvcellar.store.journal import Journal
 from kvcellar.store.shared_tier import UploadPolicyConfig
+from kvcellar.store.tenants import parse_tenants
 
 FLUSH = "/admin/cache/flush"
 PROMPT = "The shared system prompt of a fleet of servers, long enough to be worth sharing across them all. " * 6
@@ -448,3 +451,51 @@ def test_the_serve_flags_check_the_url_and_need_the_ssd_tier(tmp_path):
     assert config is not None and (config.url, config.endpoint_url) == ("s3://bucket/prefix", "http://127.0.0.1:9")
     assert (config.upload.min_tokens, config.upload.bytes_per_day) == (5, 7)
     assert (config.request_timeout_s, config.refresh_s) == (2.0, 9.0)
+
+
+# -- tenants ----------------------------------------------------------------------
+
+SHARED_TENANTS = """
+[tenants.common]
+api_keys = ["sk-common"]
+shared = true
+
+[tenants.alice]
+api_keys = ["sk-alice"]
+"""
+
+
+def test_a_shared_tenants_prefix_reaches_another_server_through_the_bucket(
+    model_dir_factory, tmp_path, bucket, moto_url
+):
+    """Server A serves the `shared = true` tenant `common` and shares its prefix; server B has never
+    seen it, and alice's request there downloads common's entry (a namespace alice may read) and
+    reads it from the cache."""
+    model_dir = model_dir_factory("llama")
+    tenants = parse_tenants(SHARED_TENANTS)
+    settings = HttpSettings(tenants=tenants)
+    answers: list = []
+
+    def config(name: str) -> SystemConfig:
+        shared = _shared(bucket, moto_url)
+        return _config(model_dir, tmp_path, ssd_dir=tmp_path / name, shared_cache=shared, tenants=tenants)
+
+    async def complete(client: httpx.AsyncClient, key: str) -> dict[str, Any]:
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        reply = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    async def main() -> None:
+        async with serving(config("a"), settings=settings) as (_, client):
+            answers.append(await complete(client, "sk-common"))
+            await _share(client)
+        async with serving(config("b"), settings=settings) as (_, client):
+            answers.append(await complete(client, "sk-alice"))
+            answers.append((await client.get("/stats")).json()["shared_cache"])
+
+    trio.run(main)
+    cold, warm, stats = answers
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= warm["usage"]["prompt_tokens"] - 1
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert stats["downloads"] == 1
