@@ -78,3 +78,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return not item.nodeid.startswith(AGENT_CLIENT_TESTS), not item.nodeid.startswith(LONG_TESTS_FIRST)
 
     items.sort(key=rank)
+
+
+@pytest.fixture
+def rings(tmp_path):
+    """Two key rings of fresh keys, (right, wrong): the sealed-tier tests seal with one and open with the other."""
+    from kvcellar.store.keyring import load_key_ring, write_new_key_file
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    write_new_key_file(keys / "right.key")
+    write_new_key_file(keys / "wrong.key")
+    return load_key_ring([keys / "right.key"]), load_key_ring([keys / "wrong.key"])

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import attrs
 import numpy as np
-import pytest
 import trio
 
 from kvcellar.actors.system import open_system
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.store import kvfile
 from kvcellar.store.checkpoints import CheckpointStore
-from kvcellar.store.keyring import load_key_ring, write_new_key_file
 from kvcellar.store.ssd import SEALED_QUARANTINE_DIR_NAME, SsdStore
 from tests.test_checkpoints import GREEDY, PROMPT, STOP_AFTER_TOKENS, _caches, _checkpoint, _config, _generate
 
@@ -22,15 +20,6 @@ RUN_TOKENS = 16
 
 def _runs(tokens) -> list[bytes]:
     return [np.asarray(tokens[i : i + RUN_TOKENS], dtype="<u4").tobytes() for i in range(len(tokens) - RUN_TOKENS + 1)]
-
-
-@pytest.fixture
-def rings(tmp_path):
-    keys = tmp_path / "keys"
-    keys.mkdir()
-    write_new_key_file(keys / "right.key")
-    write_new_key_file(keys / "wrong.key")
-    return load_key_ring([keys / "right.key"]), load_key_ring([keys / "wrong.key"])
 
 
 def test_a_sealed_checkpoint_holds_no_run_and_opens_only_with_its_key(loaded_model_factory, rings, tmp_path):

@@ -6,23 +6,11 @@ restores them, and one with a wrong key serves cold without a crash."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import trio
 from test_flush import _config, serving
 from test_shared_tier import _complete, _keys, _s3, _share, _shared, bucket, moto_url  # noqa: F401 (fixtures)
 
-from kvcellar.store.keyring import load_key_ring, write_new_key_file
-
 RUN_TOKENS = 16
-
-
-@pytest.fixture
-def rings(tmp_path):
-    keys = tmp_path / "keys"
-    keys.mkdir()
-    write_new_key_file(keys / "right.key")
-    write_new_key_file(keys / "wrong.key")
-    return load_key_ring([keys / "right.key"]), load_key_ring([keys / "wrong.key"])
 
 
 def test_sealed_shared_objects_restore_with_the_key_and_serve_cold_without(

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.store.keyring import load_key_ring, write_new_key_file
 from kvcellar.store.ssd import SEALED_QUARANTINE_DIR_NAME, SsdStore
 
 FINGERPRINT = "f" * 32
@@ -36,15 +35,6 @@ def _token_runs(directory, tokens) -> int:
 @pytest.fixture
 def llama(loaded_model_factory):
     return loaded_model_factory("llama")[0]
-
-
-@pytest.fixture
-def rings(tmp_path):
-    keys = tmp_path / "keys"
-    keys.mkdir()
-    write_new_key_file(keys / "right.key")
-    write_new_key_file(keys / "wrong.key")
-    return load_key_ring([keys / "right.key"]), load_key_ring([keys / "wrong.key"])
 
 
 def _store_one(root, model, keyring) -> None:
