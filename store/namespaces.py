@@ -74,3 +74,9 @@ def tenant_of(namespace: str) -> str | None:
 def belongs_to_tenant(namespace: str, name: str) -> bool:
     """Whether `namespace` is tenant `name`'s own, salted or not."""
     return tenant_of(namespace) == name
+
+
+def owner_of(namespace: str) -> str:
+    """The tenant an entry's bytes are billed to in a tier's per-tenant usage and quotas;
+    "" for the default namespace (and any namespace no tenant owns)."""
+    return tenant_of(namespace) or ""

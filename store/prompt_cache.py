@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from kvcellar.store.lending import lend_caches, snapshot_caches
-from kvcellar.store.namespaces import tenant_of
+from kvcellar.store.namespaces import owner_of
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.scheme import held_bytes
 from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
@@ -206,11 +206,6 @@ class TenantUsage:
     cached_tokens: int = 0  # prompt tokens those takes served
 
 
-def owner_of(namespace: str) -> str:
-    """The tenant an entry's bytes are billed to; "" for the default namespace."""
-    return tenant_of(namespace) or ""
-
-
 def logical_bytes(caches: Sequence[Any], token_count: int | None = None) -> int:
     """Bytes the caches really hold (rows up to `offset`, the ring a sliding
     window holds, recurrent state as is), never the slack: the RAM tier's bill.
@@ -279,21 +274,20 @@ class PromptCache:
         caller may read (`readable`) shares with it (the longer wins; RAM, then the caller's
         own namespace, on a tie). Index-only, no I/O; changes nothing."""
         query = np.asarray(prompt, dtype=np.uint32)
-        found = CacheDivergence(matched_tokens=0, cached_next_ids=(), tier="none")
+        readable = self.readable(namespace)
+        # In order of preference on a tie: RAM before SSD, the caller's own namespace first.
+        candidates = [
+            ("ram", *self._indexes[ns].divergence(query, next_tokens))
+            for ns in readable
+            if self.enabled and ns in self._indexes
+        ]
         cold_divergence = getattr(self.cold_tier, "divergence", None)
-        for tier in ("ram", "ssd"):
-            for readable in self.readable(namespace):
-                index = self._indexes.get(readable) if tier == "ram" and self.enabled else None
-                if index is not None:
-                    matched, following = index.divergence(query, next_tokens)
-                elif tier == "ssd" and cold_divergence is not None:
-                    matched, following = cold_divergence(query, readable, next_tokens)
-                else:
-                    continue
-                if matched > found.matched_tokens:
-                    found = CacheDivergence(
-                        matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier=tier
-                    )
+        if cold_divergence is not None:
+            candidates += [("ssd", *cold_divergence(query, ns, next_tokens)) for ns in readable]
+        found = CacheDivergence(matched_tokens=0, cached_next_ids=(), tier="none")
+        for tier, matched, following in candidates:
+            if matched > found.matched_tokens:
+                found = CacheDivergence(matched_tokens=matched, cached_next_ids=tuple(following.tolist()), tier=tier)
         return found
 
     def _take(self, query: np.ndarray, namespace: str) -> TakeResult:
@@ -475,10 +469,14 @@ class PromptCache:
             over = {owner for owner, quota in self.owner_bytes_max.items() if self._usage_of(owner).bytes > quota}
             if not over and self.bytes_total <= self.bytes_max:
                 return
-            others = [e for e in self._entries.values() if e.entry_id != keep]
-            victim = next((e for e in others if owner_of(e.namespace) in over), None)
+            # Lazy scans in LRU order: an eviction looks only as far as its victim.
+            victim = None
+            if over:
+                victim = next(
+                    (e for e in self._entries.values() if e.entry_id != keep and owner_of(e.namespace) in over), None
+                )
             if victim is None and self.bytes_total > self.bytes_max:
-                victim = next(iter(others), None)
+                victim = next((e for e in self._entries.values() if e.entry_id != keep), None)
             if victim is None:
                 return
             self._spill(victim, "evict")

@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 
 from kvcellar.store import events as ev
-from kvcellar.store.namespaces import tenant_of
+from kvcellar.store.namespaces import owner_of
 from kvcellar.store.prefix_index import PrefixIndex
 from kvcellar.store.wipe import WipeSelector
 
@@ -106,11 +106,6 @@ class OwnerUsage:
     entries: int = 0
     bytes: int = 0
     hits: int = 0
-
-
-def _owner(namespace: str) -> str:
-    # The tenant an entry is billed to; "" for the default namespace (store/namespaces.py).
-    return tenant_of(namespace) or ""
 
 
 class SsdIndex:
@@ -373,7 +368,7 @@ class SsdIndex:
 
     def _bill(self, entry: IndexedEntry, sign: int) -> None:
         self._bytes_total += sign * entry.bytes
-        usage = self._usage.setdefault(_owner(entry.namespace), OwnerUsage())
+        usage = self._usage.setdefault(owner_of(entry.namespace), OwnerUsage())
         usage.entries += sign
         usage.bytes += sign * entry.bytes
 
@@ -413,7 +408,7 @@ class SsdIndex:
             over_cap = self.bytes_max is not None and self._bytes_total > self.bytes_max
             if not over and not over_cap:
                 break
-            candidates = [e for e in self._entries.values() if _owner(e.namespace) in over]
+            candidates = [e for e in self._entries.values() if owner_of(e.namespace) in over]
             if not candidates:
                 candidates = list(self._entries.values())
             oldest = min(candidates, key=lambda e: (e.mtime_ns, e.entry_id))
@@ -472,7 +467,7 @@ class SsdIndex:
                 return None
             entry = self._entries[entry_id] = attrs.evolve(entry, mtime_ns=max(entry.mtime_ns, mtime_ns))
             self._counters.hits += 1
-            self._usage.setdefault(_owner(entry.namespace), OwnerUsage()).hits += 1
+            self._usage.setdefault(owner_of(entry.namespace), OwnerUsage()).hits += 1
             self._event(ev.EntryHit(entry_id=entry_id, mtime_ns=mtime_ns, usable_tokens=usable_tokens))
             return entry
 
