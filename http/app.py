@@ -142,12 +142,7 @@ def flush_timeout_s(query_value: str | None, body: bytes) -> float:
     `{"timeout_s": ...}` (not both); 60 s when neither has it. Raises
     `BadRequest` naming `timeout_s` (or the body) for anything else than one
     finite number of seconds > 0."""
-    values: list[Any] = []
-    if query_value is not None:
-        try:
-            values.append(float(query_value))
-        except ValueError:
-            raise BadRequest(f"timeout_s={query_value!r} is not a number of seconds", param="timeout_s") from None
+    values = _query_timeout_s(query_value)
     if body.strip():
         try:
             parsed = json.loads(body.decode("utf-8"))
@@ -160,6 +155,21 @@ def flush_timeout_s(query_value: str | None, body: bytes) -> float:
             raise BadRequest(f"the flush body has no field {unknown[0]!r}", param=unknown[0])
         if "timeout_s" in parsed:
             values.append(parsed["timeout_s"])
+    return _one_timeout_s(values)
+
+
+def _query_timeout_s(query_value: str | None) -> list[Any]:
+    """The query string's `timeout_s`, as a list of zero or one value."""
+    if query_value is None:
+        return []
+    try:
+        return [float(query_value)]
+    except ValueError:
+        raise BadRequest(f"timeout_s={query_value!r} is not a number of seconds", param="timeout_s") from None
+
+
+def _one_timeout_s(values: list[Any]) -> float:
+    """The one `timeout_s` the query and the body gave (the default when neither did), checked."""
     if len(values) > 1:
         raise BadRequest("timeout_s is given both in the query string and in the body", param="timeout_s")
     timeout_s = values[0] if values else FLUSH_TIMEOUT_S_DEFAULT
@@ -185,29 +195,17 @@ def _refused() -> Response:
     return refused_unread(JSONResponse(body, status_code=401))
 
 
-def _guarded(secret: Callable[[], str | None], handler: Callable[[Request], Awaitable[Response]]):
-    """`handler` behind the admin token (a bearer)."""
+def _guarded(
+    secret: Callable[[], str | None], handler: Callable[[Request], Awaitable[Response]], *, required: bool = False
+):
+    """`handler` behind the admin token (a bearer); open when there is none, unless `required`
+    (then refused to everyone without one)."""
+    message = "this route needs the admin token (--admin-token)" if required else "missing or wrong bearer token"
 
     async def guarded(request: Request) -> Response:
-        if not _bearer_ok(request, secret()):
-            return refused_unread(
-                error_response(401, "missing or wrong bearer token", error_type="authentication_error")
-            )
-        return await handler(request)
-
-    return guarded
-
-
-def _operator_only(admin_token: str | None, handler: Callable[[Request], Awaitable[Response]]):
-    """`handler` behind the admin token; refused to everyone when there is none."""
-
-    async def guarded(request: Request) -> Response:
-        if not admin_token or not _bearer_ok(request, admin_token):
-            return refused_unread(
-                error_response(
-                    401, "this route needs the admin token (--admin-token)", error_type="authentication_error"
-                )
-            )
+        token = secret()
+        if (required and not token) or not _bearer_ok(request, token):
+            return refused_unread(error_response(401, message, error_type="authentication_error"))
         return await handler(request)
 
     return guarded
@@ -233,7 +231,11 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
     access = Access(api_key=settings.api_key, tenants=settings.tenants)
     # The KV events name every namespace's blocks (a namespace's root is computable from its tenant's
     # name): with tenants they are the operator's alone, behind the admin token, and off without one.
-    kv_guard = partial(_operator_only, settings.admin_token) if settings.tenants else partial(_for_tenants, access)
+    kv_guard = (
+        partial(_guarded, lambda: settings.admin_token, required=True)
+        if settings.tenants
+        else partial(_for_tenants, access)
+    )
     kv_routes, kv_log = kv_events_routes(system, settings.kv_events_block_size, kv_guard)
     stats_snapshot = partial(http_stats, system, tool_grammar, inbound, kv_log)
     tokenizer_lane = TokenizerLane(tool_grammar, inbound)
@@ -338,8 +340,8 @@ async def _wipe(system: System, request: Request) -> Response:
     # 200 only when every tier holds nothing the selector selects; 503 with what is left otherwise.
     try:
         body = _json_object(await request.body(), "wipe")
-        timeout_body = json.dumps({"timeout_s": body.pop("timeout_s")}).encode() if "timeout_s" in body else b""
-        timeout_s = flush_timeout_s(request.query_params.get("timeout_s"), timeout_body)
+        values = _query_timeout_s(request.query_params.get("timeout_s"))
+        timeout_s = _one_timeout_s([*values, body.pop("timeout_s")] if "timeout_s" in body else values)
         selector = selector_from_body(body)
     except BadRequest as e:
         return error_response(400, str(e), param=e.param)
