@@ -45,8 +45,9 @@ from kvcellar.store.wipe import WipeSelector
 log = logging.getLogger("kvcellar.wipe")
 
 TIERS = ("ram", "ssd", "checkpoints", "shared")
-# How long a wipe waits for shared-tier uploads in flight (each pauses while requests run).
-SHARED_UPLOADS_SETTLE_S = 60.0
+# How long a wipe waits, by default, for work in flight to settle: shared-tier uploads (each pauses
+# while requests run) and spill writes of caches taken before it.
+IN_FLIGHT_SETTLE_S = 60.0
 # How often a wipe looks again at the spill queue's snapshots taken before it.
 SPILL_POLL_S = 0.02
 
@@ -91,8 +92,8 @@ class Wipes:
         return f"{now_ns:x}-{next(self._serial)}"
 
     async def wipe(self, selector: WipeSelector, timeout_s: float | None = None) -> WipeResult:
-        """Run one wipe (steps 1 to 6 of the module doc); `timeout_s` bounds the wait for shared-tier
-        uploads in flight (None: `SHARED_UPLOADS_SETTLE_S`)."""
+        """Run one wipe (steps 1 to 6 of the module doc); `timeout_s` bounds each wait for work in
+        flight (None: `IN_FLIGHT_SETTLE_S`)."""
         async with self._lock:
             wipe_id = self._existing_wipe_id(selector) or self._new_wipe_id()
             removed = {tier: {"entries": 0, "bytes": 0} for tier in TIERS}
@@ -179,7 +180,7 @@ class Wipes:
         queue = self.system.queue
         if queue is None:
             return
-        with trio.move_on_after(SHARED_UPLOADS_SETTLE_S if timeout_s is None else timeout_s):
+        with trio.move_on_after(IN_FLIGHT_SETTLE_S if timeout_s is None else timeout_s):
             while queue.holds_snapshots_before(ram_epoch):
                 await trio.sleep(SPILL_POLL_S)
         in_flight = queue.holds_snapshots_before(ram_epoch)
@@ -208,7 +209,7 @@ class Wipes:
         if shared is None:
             return
         # An upload that began before the SSD removal may still commit its manifest: let it settle.
-        with trio.move_on_after(SHARED_UPLOADS_SETTLE_S if timeout_s is None else timeout_s):
+        with trio.move_on_after(IN_FLIGHT_SETTLE_S if timeout_s is None else timeout_s):
             while shared.uploading:
                 await trio.sleep(shared.config.idle_poll_s)
         await shared.refresh()

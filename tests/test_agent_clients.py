@@ -68,15 +68,15 @@ def test_claude_code_runs_two_sessions_and_the_second_reads_its_prompt_from_the_
     assert_second_session_reused(sessions[1])
 
 
+MODEL_CUT_MARK = "Incomplete response returned, reason: max_output_tokens"
+
+
 def _model_cut_its_reply(session: Session) -> bool:
     """Codex exited because the demo model's reply ran into the server's default reply bound (Codex
     sends no `max_output_tokens`; `--max-tokens`, 256): every request was 2xx and the server's answer
     was a well-formed `incomplete`. The tiny model does that on a few prompts in a hundred (its tool
     call rambles), and which prompts depends on the workspace path and the date in Codex's prompt."""
     return bool(session.exit_code and not session.non_2xx and MODEL_CUT_MARK in session.output)
-
-
-MODEL_CUT_MARK = "Incomplete response returned, reason: max_output_tokens"
 
 
 def _codex_pair(proxy: RecordingProxy, server_url: str, root) -> list[Session]:
