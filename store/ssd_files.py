@@ -147,6 +147,7 @@ class TierFiles:
         try:
             self.disk.makedirs(quarantine_dir)
             self.disk.rename(path, target)
+            self._unlink_if_still_linked(path)
         except DiskError as e:
             log.warning("cannot quarantine %s (%s); removing it", path, e)
             with suppress(DiskError):
@@ -157,6 +158,17 @@ class TierFiles:
                 entry_id=entry_id, path=self.relative(path), quarantine_path=str(target.name), reason=reason
             )
         )
+
+    def _unlink_if_still_linked(self, path: Path) -> None:
+        """A rename onto another link to the same file does nothing (POSIX), and a crash can
+        leave a quarantined file linked in both directories (the quarantine's addition
+        durable, the source's removal not) under the same name when the clock repeats:
+        the source link goes, or every later start would quarantine it again."""
+        try:
+            self.disk.stat(path)
+        except DiskError:
+            return
+        self.disk.unlink(path)
 
     def quarantine_file(self, path: Path, reason: str) -> None:
         """Move a bad file that is not an indexed entry aside."""

@@ -104,6 +104,12 @@ def test_the_default_sweep_checks_every_crash_point_as_an_image(workload):
     assert outcome.image_recoveries > outcome.crash_points // 2
 
 
+def test_crash_images_of_wipes_recover_with_nothing_wiped_back():
+    outcome = run_sweep(SweepPlan(seed=0, runs=8, faults="mixed", shape_name="wipes", crash_points="images"))
+    assert not outcome.failures, _describe(outcome)
+    assert outcome.image_recoveries > outcome.crash_points // 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("first_seed", [0, 25])
 def test_crash_images_of_the_default_workload(first_seed):
@@ -113,7 +119,9 @@ def test_crash_images_of_the_default_workload(first_seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("workload", "seeds"), [*((name, 100) for name in CI_IMAGE_WORKLOADS), ("checkpoints", 20)])
+@pytest.mark.parametrize(
+    ("workload", "seeds"), [*((name, 100) for name in CI_IMAGE_WORKLOADS), ("checkpoints", 20), ("wipes", 100)]
+)
 def test_crash_images_of_many_more_small_workload_seeds(workload, seeds):
     outcome = run_sweep(SweepPlan(seed=1000, runs=seeds, faults="mixed", shape_name=workload, crash_points="images"))
     assert not outcome.failures, _describe(outcome)

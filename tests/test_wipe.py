@@ -12,14 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.errors import BadRequest
+from kvcellar.errors import BadRequest, StoreError
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
 from kvcellar.store.disk import RealDisk
 from kvcellar.store.namespaces import DEFAULT_NAMESPACE, salted, tenant_namespace
 from kvcellar.store.ssd import SsdStore
-from kvcellar.store.ssd_wipe import WIPE_DIR_NAME
+from kvcellar.store.ssd_wipe import WIPE_DIR_NAME, WipeIntents
 from kvcellar.store.wipe import WipeSelector, selector_from_body
 
 FINGERPRINT = "w" * 32
@@ -217,3 +217,59 @@ def test_the_simulator_catches_a_wipe_without_its_tombstone():
     assert outcome.failures, "wipe-skips-tombstone went unnoticed"
     result, _ = outcome.failures[0]
     assert result.violations[0].invariant == "wiped_stays_wiped"
+
+
+# -- the intent file against torn, flipped and misplaced writes ------------------------------
+
+
+class MisdirectFirstWrite(RealDisk):
+    """The first write of the intent lands one sector away (a misdirected write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.misdirected = 0
+
+    def write_at(self, handle, offset, data):
+        if self.misdirected == 0:
+            self.misdirected += 1
+            return super().write_at(handle, offset + 512, data)
+        return super().write_at(handle, offset, data)
+
+
+def test_an_intent_written_in_the_wrong_place_is_written_again(tmp_path):
+    disk = MisdirectFirstWrite()
+    intents = WipeIntents(directory=tmp_path, disk=disk)
+    selector = WipeSelector.of(tenant="alice", prefix_tokens=[5, 6])
+    intents.write("w1", selector)
+    assert disk.misdirected == 1
+    assert intents.pending() == [("w1", selector)]
+    assert sorted(p.name for p in (tmp_path / WIPE_DIR_NAME).iterdir()) == ["w1.wipe"]
+
+
+def test_an_intent_that_fails_its_digest_refuses_the_start_and_names_the_fix(tmp_path):
+    intents = WipeIntents(directory=tmp_path, disk=RealDisk())
+    intents.write("w1", WipeSelector.of(tenant="alice"))
+    path = intents.path("w1")
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0x01  # a flipped bit in the selector: it must never decode to another tenant
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"fails its digest.*POST /admin/cache/wipe"):
+        intents.pending()
+
+
+@pytest.mark.parametrize(("seed", "point"), [(17, 226), (20, 173)])
+def test_wipe_crash_images_that_once_failed_recover(seed, point):
+    # 17@226: a crash left a quarantined file linked both in its directory and in the quarantine
+    # under the same name, so each start "quarantined" it again (a rename onto itself does
+    # nothing). 20@173: the intent's own write was misdirected, and the start could not read it.
+    from kvcellar.simulations.sweep import SweepPlan, run_sweep
+
+    plan = SweepPlan(
+        seed=seed,
+        faults=frozenset({"eio", "misdirect"}),
+        shape_name="wipes",
+        crash_points="images",
+        crash_at_op=point,
+    )
+    outcome = run_sweep(plan)
+    assert outcome.crash_points == 1 and not outcome.failures, outcome.failures[:1]
