@@ -197,7 +197,9 @@ def download_entry(store: SsdStore, objects: ObjectStore, manifest: SharedManife
     """Stream the manifest's object into the SSD tier and adopt it; returns
     the local entry id. The bytes must match the manifest's size and sha256
     and pass the `.kvc` header checks, else they are quarantined and
-    `CorruptEntry` raised; a broken or partial stream raises `SharedStoreError` (nothing kept)."""
+    `CorruptEntry` raised; a broken or partial stream raises `SharedStoreError` (nothing kept).
+    A wipe not done when the stream began refuses the adopted entry (`SsdStore.wipe_seq`)."""
+    fetched_since = store.wipe_seq()
     hasher = hashlib.sha256()
     received = 0
 
@@ -225,4 +227,4 @@ def download_entry(store: SsdStore, objects: ObjectStore, manifest: SharedManife
     # The whole object's sha256 matched the manifest, whose writer verified
     # every tensor before uploading, and every restore verifies them again:
     # adoption checks the header, size, fingerprint, namespace and tokens.
-    return store.adopt(manifest.namespace, manifest.tokens, fill, verify_tensors=False)
+    return store.adopt(manifest.namespace, manifest.tokens, fill, verify_tensors=False, fetched_since=fetched_since)

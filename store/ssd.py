@@ -384,12 +384,25 @@ class SsdStore:
         outside the lock, so call it off the Trio thread."""
         return self._committer.finish_store(pending)
 
-    def adopt(self, namespace: str, tokens: np.ndarray, fill: Fill, *, verify_tensors: bool = True) -> str:
+    def adopt(
+        self,
+        namespace: str,
+        tokens: np.ndarray,
+        fill: Fill,
+        *,
+        verify_tensors: bool = True,
+        fetched_since: int | None = None,
+    ) -> str:
         """Commit an entry file fetched from elsewhere (a shared-tier download)
         as if it had been stored here, verified first (`EntryAdopter.adopt`,
-        `store/ssd_adopt.py`); returns the new entry id. Blocking file I/O:
-        call it off the Trio thread."""
-        return self._adopter.adopt(namespace, tokens, fill, verify_tensors=verify_tensors)
+        `store/ssd_adopt.py`); returns the new entry id. `fetched_since`:
+        `wipe_seq()` taken before the fetch began. Blocking file I/O: call it
+        off the Trio thread."""
+        return self._adopter.adopt(namespace, tokens, fill, verify_tensors=verify_tensors, fetched_since=fetched_since)
+
+    def wipe_seq(self) -> int:
+        """Take it before fetching an entry to adopt (`adopt(fetched_since=...)`)."""
+        return self.index.wipe_seq()
 
     # -- for the tier's other parts (store/checkpoints.py, the shared tier) ----
 

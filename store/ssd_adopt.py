@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -26,8 +27,22 @@ from kvcellar.store.safeguards import Safeguards
 
 # `fill(write)` streams a file's bytes through `write`.
 Fill = Callable[[Callable[[memoryview | bytes], None]], None]
-# (entry id, namespace, committed path, tokens, header) -> entry id; indexes, supersedes, evicts.
-IndexWritten = Callable[[str, str, Path, np.ndarray, kvfile.Header], str]
+
+
+class IndexWritten(Protocol):
+    """Indexes a committed entry file, supersedes, evicts; returns the entry id (`fetched_since`:
+    the index's `wipe_seq` as the fetch began, for the wipes' tombstones)."""
+
+    def __call__(
+        self,
+        entry_id: str,
+        namespace: str,
+        path: Path,
+        tokens: np.ndarray,
+        header: kvfile.Header,
+        *,
+        fetched_since: int | None = None,
+    ) -> str: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -44,7 +59,15 @@ class EntryAdopter:
     index_written: IndexWritten
     keyring: KeyRing | None = None  # opens a sealed file to check it
 
-    def adopt(self, namespace: str, tokens: np.ndarray, fill: Fill, *, verify_tensors: bool = True) -> str:
+    def adopt(
+        self,
+        namespace: str,
+        tokens: np.ndarray,
+        fill: Fill,
+        *,
+        verify_tensors: bool = True,
+        fetched_since: int | None = None,
+    ) -> str:
         """`fill(write)` streams the file's bytes through `write` into a temp
         file beside its place; then the whole file is verified (header and
         size, and every tensor checksum unless `verify_tensors` is false: a
@@ -58,7 +81,8 @@ class EntryAdopter:
         `fill` raises `CorruptEntry`) is quarantined and the error re-raised;
         anything else `fill` raises (a broken download), any `DiskError` and
         `KeyUnavailable` (sealed under a key the ring lacks) remove the temp
-        file and propagate."""
+        file and propagate. `fetched_since`: the index's `wipe_seq` before
+        the fetch began (a wipe not done by then refuses the entry)."""
         entry_id = self.new_entry_id()
         path = self.entry_path(namespace, entry_id)
         temp_path = path.with_name(f".{path.name}.{entry_id}{kvfile.TEMP_SUFFIX}")
@@ -67,7 +91,8 @@ class EntryAdopter:
         header = self._verified(temp_path, namespace, tokens, verify_tensors)
         self.disk.rename(temp_path, path)
         self.disk.fsync_dir(path.parent)
-        return self.index_written(entry_id, namespace, path, np.asarray(header.token_array, dtype=np.uint32), header)
+        token_array = np.asarray(header.token_array, dtype=np.uint32)
+        return self.index_written(entry_id, namespace, path, token_array, header, fetched_since=fetched_since)
 
     def _fill_temp_file(self, temp_path: Path, fill: Fill) -> None:
         handle = self.disk.create_exclusive(temp_path)

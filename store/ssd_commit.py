@@ -136,6 +136,7 @@ class EntryCommitter:
         header: kvfile.Header,
         *,
         captured_epoch: int | None = None,
+        fetched_since: int | None = None,
     ) -> str:
         """Index a committed entry file (a store or an adoption), then
         supersede and evict; returns the entry id (a wipe's tombstone may
@@ -158,7 +159,7 @@ class EntryCommitter:
             trimmable=header.trimmable,
             minimum_reusable_offset=header.minimum_reusable_offset,
         )
-        self.files.unlink_removed(self.index.commit(entry, captured_epoch))
+        self.files.unlink_removed(self.index.commit(entry, captured_epoch, fetched_since))
         if self.index.entry(entry_id) is None:
             # Refused by a wipe's tombstone (or evicted at once): a refused file's removal must
             # survive a power loss, like the wipe's own.

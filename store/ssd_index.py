@@ -140,6 +140,7 @@ class SsdIndex:
         self._owner_bytes_max: dict[str, int] = {}
         # The wipes of this process by id (`Tombstone`); a commit one refuses is dropped
         # (`drop_wiped_commits`; off only for the simulator's `wipe-skips-tombstone`).
+        self._wipe_seq = 0  # wipe begins and ends so far (`wipe_seq`)
         self._tombstones: dict[str, Tombstone] = {}
         self._drop_wiped_commits = drop_wiped_commits
 
@@ -309,13 +310,18 @@ class SsdIndex:
         self._mtime_max_ns = max(self._clock_ns(), self._mtime_max_ns + 1)
         return self._mtime_max_ns
 
-    def commit(self, entry: IndexedEntry, captured_epoch: int | None = None) -> list[Path]:
+    def commit(
+        self, entry: IndexedEntry, captured_epoch: int | None = None, fetched_since: int | None = None
+    ) -> list[Path]:
         """Index a committed entry file, journal it, then supersede and evict;
         returns the files to unlink. A commit a wipe's tombstone refuses
         (`Tombstone.refuses`; `captured_epoch`: the RAM tier's wipe epoch when
-        the caches were taken) is not indexed: its own file is returned."""
+        the caches were taken; `fetched_since`: for an adoption, `wipe_seq()`
+        when its fetch began) is not indexed: its own file is returned."""
         with self._lock:
-            if self._drop_wiped_commits and self._tombstoned(entry.namespace, entry.tokens, captured_epoch):
+            if self._drop_wiped_commits and self._tombstoned(
+                entry.namespace, entry.tokens, captured_epoch, fetched_since
+            ):
                 # A write that began before a wipe (a spill of a wiped RAM entry) lands after
                 # its removal: it must not resurrect the entry.
                 self._counters.wipe_dropped_commits += 1
@@ -492,9 +498,16 @@ class SsdIndex:
 
     # -- wipes (store/wipe.py; the system's wipe runs them in order: begin, wipe, end) ----
 
+    def wipe_seq(self) -> int:
+        """How many wipe begins and ends this process has seen: an adoption takes it when its fetch
+        begins, so a wipe not done by then refuses the adopted entry even after it is done."""
+        with self._lock:
+            return self._wipe_seq
+
     def begin_wipe(self, wipe_id: str, selector: WipeSelector) -> None:
         """Install the wipe's tombstone (from now on a commit it selects is refused) and journal it."""
         with self._lock:
+            self._wipe_seq += 1
             self._tombstones[wipe_id] = Tombstone(selector=selector)
             self._event(ev.WipeBegun(wipe_id=wipe_id, selector=selector))
 
@@ -530,17 +543,20 @@ class SsdIndex:
         """The wipe is done in every tier: journal it. Its tombstone stays for the process's life
         if it has a RAM epoch (a snapshot taken before may still be in the spill queue), else goes."""
         with self._lock:
+            self._wipe_seq += 1
             tombstone = self._tombstones.pop(wipe_id, None)
             if tombstone is not None and tombstone.ram_epoch is not None:
-                self._tombstones[wipe_id] = attrs.evolve(tombstone, done=True)
+                self._tombstones[wipe_id] = attrs.evolve(tombstone, done=True, done_seq=self._wipe_seq)
             self._event(ev.WipeDone(wipe_id=wipe_id, entries=entries, bytes=bytes_removed))
 
     def unfinished_wipes(self) -> dict[str, WipeSelector]:
         with self._lock:
             return {wipe_id: t.selector for wipe_id, t in self._tombstones.items() if not t.done}
 
-    def _tombstoned(self, namespace: str, tokens: np.ndarray, captured_epoch: int | None) -> bool:
-        return any(t.refuses(namespace, tokens, captured_epoch) for t in self._tombstones.values())
+    def _tombstoned(
+        self, namespace: str, tokens: np.ndarray, captured_epoch: int | None, fetched_since: int | None
+    ) -> bool:
+        return any(t.refuses(namespace, tokens, captured_epoch, fetched_since) for t in self._tombstones.values())
 
 
 @attrs.frozen(kw_only=True)
@@ -548,16 +564,24 @@ class Tombstone:
     """What a wipe refuses to let commit. Until the RAM tier dropped the wipe's entries
     (`ram_epoch` None), every commit it selects; then, a commit it selects of caches taken
     before that epoch (a spill or write-behind snapshot in flight), and, until the wipe is
-    `done`, one whose epoch is unknown (a direct store, an adoption of a shared download).
-    Caches taken later are new puts: a wipe does not refuse what was put after it."""
+    `done`, one whose epoch is unknown (a direct store). An adoption of a shared download is
+    refused when the wipe was not done as its fetch began (`fetched_since`, the index's
+    `wipe_seq` then; `done_seq`, the sequence at the wipe's end): its bytes may predate the wipe's
+    removal from the shared tier. Caches taken later are new puts: a wipe does not refuse what
+    was put after it."""
 
     selector: WipeSelector
     ram_epoch: int | None = None
     done: bool = False
+    done_seq: int | None = None
 
-    def refuses(self, namespace: str, tokens: np.ndarray, captured_epoch: int | None) -> bool:
+    def refuses(
+        self, namespace: str, tokens: np.ndarray, captured_epoch: int | None, fetched_since: int | None = None
+    ) -> bool:
         if not self.selector.matches(namespace, tokens):
             return False
+        if fetched_since is not None:
+            return self.done_seq is None or self.done_seq > fetched_since
         if self.ram_epoch is None:
             return True
         if captured_epoch is None:

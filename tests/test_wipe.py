@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -184,6 +185,33 @@ def test_a_crash_mid_wipe_resumes_at_the_next_open(cache, tmp_path):
     again = SsdStore.open(tmp_path, FINGERPRINT)
     assert again.unfinished_wipes() == {} and _files(again) == [f"{bob_id}.kvc"]
     again.close()
+
+
+def test_a_download_fetched_before_a_wipe_finished_is_refused_after_it(cache, tmp_path):
+    """A shared-tier download of the tenant's entry whose fetch began before the wipe was done
+    (it may carry bytes the wipe deleted from the bucket) is refused when it commits after the
+    wipe, while one fetched after the wipe is adopted."""
+    source = SsdStore.open(tmp_path / "other-server", FINGERPRINT)
+    source_entry = source.entry(source.store(BASE, cache, ALICE))
+    image = source_entry.path.read_bytes()
+    source.close()
+
+    def fill(write):
+        write(image)
+
+    store = SsdStore.open(tmp_path / "here", FINGERPRINT)
+    fetched_before = store.wipe_seq()
+    selector = selector_from_body({"tenant": "alice"})
+    store.begin_wipe("w1", selector)
+    store.bound_wipe("w1", ram_epoch=1)
+    store.wipe_entries(selector)
+    store.finish_wipe("w1", 0, 0)
+    store.adopt(ALICE, np.asarray(BASE, dtype=np.uint32), fill, fetched_since=fetched_before)
+    assert store.find(BASE + [1], ALICE) is None and _files(store) == []
+    assert store.counters.wipe_dropped_commits == 1
+    adopted = store.adopt(ALICE, np.asarray(BASE, dtype=np.uint32), fill, fetched_since=store.wipe_seq())
+    assert store.find(BASE + [1], ALICE).entry_id == adopted
+    store.close()
 
 
 def test_wipe_events_decode():
