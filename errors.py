@@ -264,6 +264,21 @@ class TenantsFileError(UsageError):
     names the file, what is wrong and how to fix it, and never a key."""
 
 
+class ModelsFileError(UsageError):
+    """Raised at start-up for `serve --model NAME=DIR` or a `serve --models` file that cannot be used:
+    it names the file or flag, what is wrong and how to fix it."""
+
+
+class UnknownModel(BadRequest):
+    """Raised for a request naming a model this server does not serve (no name, alias or default
+    matches). A 404 in each API's shape, naming the served models (`served`)."""
+
+    def __init__(self, message: str, *, served: tuple[str, ...]) -> None:
+        super().__init__(message, param="model")
+        self.served = served
+        self.code = "model_not_found"
+
+
 class PromptRefused(UsageError):
     """Raised when the messages or tools cannot be rendered for this model:
     tools for a model without tool calling, or a chat template that refuses
