@@ -54,3 +54,20 @@ def plan_unloads(resident: Mapping[str, Resident], wanted: str, wanted_bytes: in
         # Unloading cannot make room: unload nothing rather than lose caches for a load that cannot happen.
         return UnloadPlan(unload=(), fits=False, bytes_after=sum(r.weights_bytes for r in resident.values()))
     return UnloadPlan(unload=tuple(chosen), fits=True, bytes_after=total)
+
+
+def ram_shares(uses: Mapping[str, int], total_bytes: int, floor_share: float = 0.1) -> dict[str, int]:
+    """Each loaded model's share of the RAM prompt cache, proportional to its requests (`uses`), each
+    at least `floor_share` of an equal split so that a quiet model keeps a warm entry or two. The
+    shares never sum past `total_bytes`."""
+    if not uses:
+        return {}
+    count = len(uses)
+    floor_bytes = int(total_bytes / count * floor_share)
+    spread = total_bytes - floor_bytes * count
+    used = sum(max(0, use) for use in uses.values())
+    shares = {}
+    for name, use in uses.items():
+        part = max(0, use) / used if used else 1 / count
+        shares[name] = floor_bytes + int(spread * part)
+    return shares

@@ -94,6 +94,7 @@ _TOOL_CHOICE_TYPES = {"auto": "auto", "any": "required", "tool": "function", "no
 _THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 _ERROR_TYPES = {
     "invalid_request": (400, "invalid_request_error"),
+    "not_found": (404, "not_found_error"),
     "unavailable": (529, "overloaded_error"),
     "server": (500, "api_error"),
     "insufficient_memory": (503, "insufficient_memory"),

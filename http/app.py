@@ -112,6 +112,7 @@ def error_response(
 # OpenAI's error `type` for each kind of failure (http/failures.py classifies).
 _OPENAI_ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
+    "not_found": "invalid_request_error",
     "unavailable": "server_unavailable",
     "server": "server_error",
     "insufficient_memory": "insufficient_memory",

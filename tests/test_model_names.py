@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcellar.actors.model_names import ModelNames, ModelSpec, parse_model_flag, parse_models_file
-from kvcellar.actors.model_pool_plan import Resident, plan_unloads
+from kvcellar.actors.model_pool_plan import Resident, plan_unloads, ram_shares
 from kvcellar.errors import ModelsFileError, UnknownModel
 
 POOL_TOML = """
@@ -154,3 +154,19 @@ def test_the_plan_unloads_lru_unpinned_idle_models_only_as_needed(resident, want
         times = [resident[n].last_used_s for n in plan.unload]
         assert times == sorted(times)
         assert plan.bytes_after + resident[plan.unload[-1]].weights_bytes > budget
+
+
+@given(
+    uses=st.dictionaries(st.sampled_from("abcdef"), st.integers(min_value=0, max_value=1000), max_size=6),
+    total=st.integers(min_value=0, max_value=10**12),
+)
+def test_ram_shares_follow_use_and_never_exceed_the_total(uses, total):
+    shares = ram_shares(uses, total)
+    assert set(shares) == set(uses)
+    assert sum(shares.values()) <= total
+    floor = int(total / len(uses) * 0.1) if uses else 0
+    assert all(share >= floor for share in shares.values())
+    for a in uses:
+        for b in uses:
+            if uses[a] > uses[b]:
+                assert shares[a] >= shares[b]
