@@ -152,11 +152,13 @@ def messages_routes(
     access: Access,
     *,
     keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
+    model_id: str | None = None,
 ) -> list[Route]:
     """The two Messages API routes over a started system, parsing on `lane`;
-    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py)."""
+    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py).
+    `model_id`: the name replies give the model (None: its directory's name)."""
     loaded = system.loaded
-    model_id = loaded.model_dir.name
+    model_id = model_id or loaded.model_dir.name
 
     async def messages(request: Request) -> Response:
         if not _key_ok(request, access):

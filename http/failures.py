@@ -6,8 +6,9 @@ answers with; each API shapes the same `Failure` into its own body (OpenAI's
 `{"type": "error", "error": {"type", "message"}}` in http/anthropic.py), so
 the mapping lives here once. Nothing the server can name is a 500: a
 `BadRequest` or `UsageError` is the client's (400, naming its field when it
-has one), a model the server does not serve a 404 naming the served ones; a request the server cannot take now (shutting down, its batch
-aborted, the engine stopped, the store's disk failing) is unavailable (503;
+has one), a model the server does not serve a 404 naming the served ones; a
+request the server cannot take now (shutting down, its batch aborted, the
+engine stopped, the store's disk failing) is unavailable (503;
 retry later or elsewhere); a request the memory budget cannot take is
 `insufficient_memory` (503, with the numbers in `details`); only an error
 kvcellar cannot name is a 500, and it is logged with its traceback.
