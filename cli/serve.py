@@ -416,11 +416,15 @@ def serve_command(**options: Any) -> None:
     logging.basicConfig(level=flags.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_flags(flags)
     tenants = _tenants(flags)  # before any model work: a bad file stops the start at once
-    from kvcellar.cli.serve_pool import pool_names, run_pool
+    from kvcellar.cli.serve_pool import make_pool, pool_names
 
     names = pool_names(flags.model, flags.models_file, flags.default_model)
     if names is not None:
-        run_pool(names, flags, _system_config(flags, tenants, model_dir=Path(".")), _http_settings(flags, tenants))
+        from kvcellar.http.server import serve_pool_forever
+
+        base = _system_config(flags, tenants, model_dir=Path("."))
+        pool = make_pool(names, base, flags.models_memory_gb, resolve_model_dir)
+        run_trio_and_exit(serve_pool_forever, pool, flags.host, flags.port, _http_settings(flags, tenants))
     _run(_system_config(flags, tenants), flags.host, flags.port, _http_settings(flags, tenants))
 
 

@@ -10,8 +10,9 @@ engine job holds the engine for as long as its rows keep coming, which would sta
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -21,8 +22,6 @@ from kvcellar.errors import UsageError
 if TYPE_CHECKING:
     from kvcellar.actors.model_pool import ModelPool
     from kvcellar.actors.system import SystemConfig
-    from kvcellar.cli.serve import ServeFlags
-    from kvcellar.http.app import HttpSettings
 
 log = logging.getLogger("kvcellar.serve")
 GB = 10**9
@@ -46,11 +45,11 @@ def pool_names(models: tuple[str, ...], models_file: Path | None, default: str |
     return ModelNames(models=tuple(parse_model_flag(value) for value in models), default=default)
 
 
-def pool_configs(names: ModelNames, base: SystemConfig) -> dict[str, SystemConfig]:
-    """Each model's configuration: serve's, with its directory (a hub id resolved now), KV scheme and the
-    serial lane; its RAM share starts at an equal split of `--prompt-cache`."""
-    from kvcellar.cli.serve import resolve_model_dir
-
+def pool_configs(
+    names: ModelNames, base: SystemConfig, resolve_model_dir: Callable[[str], Path]
+) -> dict[str, SystemConfig]:
+    """Each model's configuration: serve's, with its directory (`resolve_model_dir`: a hub id is resolved
+    now), KV scheme and the serial lane; its RAM share starts at an equal split of `--prompt-cache`."""
     if base.batch_rows_max > 1:
         log.info("model pool: every model runs the serial lane (round robin between models; docs/models.md)")
     share = base.prompt_cache_bytes // len(names.models)
@@ -67,17 +66,19 @@ def _model_config(spec: ModelSpec, base: SystemConfig, model_dir: Path, share_by
     )
 
 
-def make_pool(names: ModelNames, base: SystemConfig, models_memory_gb: float | None) -> ModelPool:
+def make_pool(
+    names: ModelNames,
+    base: SystemConfig,
+    models_memory_gb: float | None,
+    resolve_model_dir: Callable[[str], Path],
+) -> ModelPool:
     from kvcellar.actors.model_pool import ModelPool
     from kvcellar.engine.memory import default_memory_budget_bytes
 
     budget = default_memory_budget_bytes() if models_memory_gb is None else int(models_memory_gb * GB)
-    return ModelPool(names, pool_configs(names, base), budget_bytes=budget, ram_total_bytes=base.prompt_cache_bytes)
-
-
-def run_pool(names: ModelNames, flags: ServeFlags, base: SystemConfig, settings: HttpSettings) -> NoReturn:
-    from kvcellar.cli.serve import run_trio_and_exit
-    from kvcellar.http.server import serve_pool_forever
-
-    pool = make_pool(names, base, flags.models_memory_gb)
-    run_trio_and_exit(serve_pool_forever, pool, flags.host, flags.port, settings)
+    return ModelPool(
+        names,
+        pool_configs(names, base, resolve_model_dir),
+        budget_bytes=budget,
+        ram_total_bytes=base.prompt_cache_bytes,
+    )
