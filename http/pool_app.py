@@ -34,8 +34,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from kvcellar.actors.model_pool import DRAIN_TIMEOUT_S_DEFAULT, ModelPool
+from kvcellar.actors.system_config import FlushResult
 from kvcellar.errors import BadRequest, KvCellarError, UnknownModel
 from kvcellar.http.anthropic import anthropic_error, failure_event_body
 from kvcellar.http.app import HttpSettings, _guarded, build_app, error_response, failure_body, flush_timeout_s
@@ -47,10 +49,6 @@ GENERATION_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
 )
 MODEL_PREFIX = "/models/"
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def _model_field(raw: bytes) -> Any:
@@ -144,7 +142,7 @@ class PoolApp:
             await self._app_for(name, system)(dict(scope, path="/" + rest, raw_path=None), receive, send)
 
     async def _respond(self, scope: Scope, send: Send, response: Response) -> None:
-        async def nothing() -> dict[str, Any]:
+        async def nothing() -> Message:
             return {"type": "http.disconnect"}
 
         await response(scope, nothing, send)
@@ -186,6 +184,7 @@ class PoolApp:
             status, error = failure_body(e)
             return JSONResponse(error, status_code=status)
         slot = self.pool.slots[name]
+        verdict: FlushResult | None
         try:
             if body["unload"]:
                 verdict = await self.pool.unload(name, reason="POST /admin/drain", timeout_s=body["timeout_s"])
@@ -251,7 +250,7 @@ async def _replay(app: Any, scope: Scope, raw: bytes, receive: Receive, send: Se
     messages (its disconnect, which cancels a generation between two steps)."""
     given = False
 
-    async def replayed() -> dict[str, Any]:
+    async def replayed() -> Message:
         nonlocal given
         if not given:
             given = True
