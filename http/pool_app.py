@@ -41,6 +41,7 @@ from kvcellar.actors.system_config import FlushResult
 from kvcellar.errors import BadRequest, KvCellarError, UnknownModel
 from kvcellar.http.anthropic import anthropic_error, failure_event_body
 from kvcellar.http.app import HttpSettings, _guarded, build_app, error_response, failure_body, flush_timeout_s
+from kvcellar.http.streaming import ANTHROPIC_PING_KEEPALIVE, SSE_COMMENT_KEEPALIVE
 from kvcellar.http.tenancy import Access
 
 log = logging.getLogger("kvcellar.http")
@@ -51,13 +52,16 @@ GENERATION_ROUTES = frozenset(
 MODEL_PREFIX = "/models/"
 
 
-def _model_field(raw: bytes) -> Any:
-    """The body's `model`, or None when the body is no JSON object (the model's app answers its 400)."""
+def _model_field(raw: bytes) -> tuple[Any, bool]:
+    """The body's `model` and whether it asks for a stream; (None, False) when the body is no JSON
+    object (the model's app answers its 400)."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return body.get("model") if isinstance(body, dict) else None
+        return None, False
+    if not isinstance(body, dict):
+        return None, False
+    return body.get("model"), body.get("stream") is True
 
 
 def _with_model(raw: bytes, model: str) -> bytes:
@@ -108,21 +112,30 @@ class PoolApp:
             await self._respond(scope, send, _unauthorized(anthropic))
             return
         raw = await request.body()
-        requested = await trio.to_thread.run_sync(_model_field, raw)
+        requested, stream = await trio.to_thread.run_sync(_model_field, raw)
         try:
             name = self.pool.names.resolve(requested if isinstance(requested, str) else None)
         except UnknownModel as e:
             await self._respond(scope, send, _failure(e, anthropic))
             return
+        if stream and self.pool.slots[name].state != "loaded":
+            await LoadingStream(self, anthropic).run(name, scope, raw, requested, receive, send)
+            return
         try:
             async with self.pool.use(name) as system:
-                accepted = system.loaded.model_dir.name
-                if isinstance(requested, str) and requested != accepted:
-                    raw = await trio.to_thread.run_sync(_with_model, raw, accepted)
-                await _replay(self._app_for(name, system), scope, raw, receive, send)
+                await self.forward(name, system, scope, raw, requested, receive, send)
         except KvCellarError as e:
             # Only before the model's app answered: a load that failed or found no room (503).
             await self._respond(scope, send, _failure(e, anthropic))
+
+    async def forward(
+        self, name: str, system: Any, scope: Scope, raw: bytes, requested: Any, receive: Receive, send: Send
+    ):
+        """Hand the request to the model's own app, an alias rewritten to the name that app accepts."""
+        accepted = system.loaded.model_dir.name
+        if isinstance(requested, str) and requested != accepted:
+            raw = await trio.to_thread.run_sync(_with_model, raw, accepted)
+        await _replay(self._app_for(name, system), scope, raw, receive, send)
 
     def _app_for(self, name: str, system: Any) -> Starlette:
         held = self._apps.get(name)
@@ -210,6 +223,72 @@ class PoolApp:
             verdicts[name] = attrs.asdict(await system.flush(timeout_s=timeout_s))
         durable = all(v["durable"] for v in verdicts.values())
         return JSONResponse({"durable": durable, "models": verdicts}, status_code=200 if durable else 503)
+
+
+class LoadingStream:
+    """A streamed request for a model that is not loaded yet: the 200 and the event stream's headers go out
+    at once, and the API's keep-alive (an SSE comment, Anthropic's `ping`) every `keepalive_interval_s`
+    while the model loads, as during a long prefill (http/streaming.py); then the model's own stream
+    follows. A load that fails, or an error the model's app answers, ends the stream with one error event."""
+
+    def __init__(self, app: PoolApp, anthropic: bool) -> None:
+        self.app = app
+        self.anthropic = anthropic
+        self.keepalive = (ANTHROPIC_PING_KEEPALIVE if anthropic else SSE_COMMENT_KEEPALIVE).encode()
+        self._sending = trio.Lock()
+
+    async def run(self, name: str, scope: Scope, raw: bytes, requested: Any, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        pinging = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._ping, pinging, send)
+            try:
+                async with self.app.pool.use(name) as system:
+                    await self._stop(pinging)
+                    await self.app.forward(name, system, scope, raw, requested, receive, self._into_stream(send))
+            except KvCellarError as e:
+                await self._stop(pinging)
+                _, body = failure_event_body(e) if self.anthropic else failure_body(e)
+                await self._error_event(send, body)
+
+    async def _ping(self, pinging: trio.CancelScope, send: Send) -> None:
+        with pinging:
+            while True:
+                await trio.sleep(self.app.settings.keepalive_interval_s)
+                async with self._sending:
+                    with trio.CancelScope(shield=True):
+                        await send({"type": "http.response.body", "body": self.keepalive, "more_body": True})
+
+    async def _stop(self, pinging: trio.CancelScope) -> None:
+        pinging.cancel()
+        async with self._sending:  # a keep-alive being sent ends before the model's stream begins
+            pass
+
+    def _into_stream(self, send: Send) -> Send:
+        """The model's answer without its own response start; a non-200 JSON answer becomes an error event."""
+        status = 200
+        parts: list[bytes] = []
+
+        async def forward(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif status == 200 or message["type"] != "http.response.body":
+                await send(message)
+            else:
+                parts.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    await self._error_event(send, json.loads(b"".join(parts) or b"{}"))
+
+        return forward
+
+    async def _error_event(self, send: Send, body: dict[str, Any]) -> None:
+        if self.anthropic:
+            text = f"event: error\ndata: {json.dumps(body)}\n\n"
+        else:
+            text = f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": text.encode(), "more_body": False})
 
 
 def partial_guard(settings: HttpSettings) -> Callable[[Callable[[Request], Awaitable[Response]]], Any]:

@@ -101,8 +101,16 @@ def small_dir(model_dir_factory) -> Path:
 
 
 def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
-    server = PoolServer(_toml(small_dir), tmp_path)
+    server = PoolServer(_toml(small_dir), tmp_path, "--keepalive-interval", "0.05")
     try:
+        # A stream for a model still to load gets its 200 at once and keep-alives while the model loads.
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body, timeout=120) as streamed:
+            assert streamed.status_code == 200
+            lines = [line for line in streamed.iter_lines() if line]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+        assert lines[0] == ": keep-alive" and first_data > 0 and lines[-1] == "data: [DONE]"
+        assert '"model": "coder"' in lines[first_data].replace('":"', '": "')
         listed = [model.id for model in server.openai().models.list().data]
         assert listed == ["coder", "small", "gpt-*", "claude-sonnet-*", "claude-haiku-*"]
         reply, _ = _chat(server, "gpt-4o")
@@ -122,7 +130,7 @@ def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
             server.anthropic().messages.create(model="opus", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert "'coder', 'small'" in refused.value.body["error"]["message"]
         models = server.models()
-        assert models["coder"]["requests"] == 2 and models["small"]["requests"] == 1
+        assert models["coder"]["requests"] == 3 and models["small"]["requests"] == 1
         metrics = httpx.get(f"{server.base}/metrics", timeout=10).text
         assert 'kvcellar_pool_model_loaded{model="small"} 1.0' in metrics
     finally:
