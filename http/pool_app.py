@@ -8,8 +8,9 @@ not (`ModelPool.use`), and the request handed whole to that model's own app (htt
 errors and caching are the single-model server's. A name no model serves is a 404 in the API's own
 shape naming the served models. The model is held (not unloaded) until the response has ended.
 
-Pool-level routes: `GET /v1/models` (names and aliases), `GET /health`, `GET /stats` (the pool: each
-model's load state, RAM and SSD bytes, hits, last drain), `GET /metrics`, `POST /admin/drain`
+Pool-level routes: `GET /v1/models` (names and aliases), `GET /health`, `GET /dashboard` (the pool's
+page over `/stats`), `GET /stats` (the pool: each model's load state, RAM and SSD bytes, hits, last
+drain), `GET /metrics`, `POST /admin/drain`
 (`{"model": NAME, "timeout_s"?, "unload"?}`: the model's write-behind flushed, answered like
 `/admin/cache/flush`: 200 durable with the evidence, 503 with what is left), `POST /admin/cache/flush`
 (every loaded model), and `/models/{name}/...`: any route of a loaded model's own app (its full
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -32,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
@@ -50,6 +52,7 @@ GENERATION_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
 )
 MODEL_PREFIX = "/models/"
+POOL_DASHBOARD_PATH = Path(__file__).parent / "static" / "pool_dashboard.html"
 
 
 def _model_field(raw: bytes) -> tuple[Any, bool]:
@@ -86,6 +89,7 @@ class PoolApp:
             routes=[
                 Route("/", self.index, methods=["GET", "HEAD"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/dashboard", self.dashboard, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/stats", admin(self.stats), methods=["GET"]),
                 Route("/metrics", admin(self.metrics), methods=["GET"]),
@@ -172,6 +176,10 @@ class PoolApp:
                 "docs": "docs/models.md (the model pool), docs/api.md (the APIs) in the kvcellar sources",
             }
         )
+
+    async def dashboard(self, _: Request) -> Response:
+        # A static page (package data); its data comes from /stats, behind the admin token.
+        return HTMLResponse(POOL_DASHBOARD_PATH.read_text(encoding="utf-8"))
 
     async def health(self, _: Request) -> Response:
         return JSONResponse({"status": "ok", "models": {n: s.state for n, s in self.pool.slots.items()}})

@@ -131,6 +131,11 @@ def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
         assert "'coder', 'small'" in refused.value.body["error"]["message"]
         models = server.models()
         assert models["coder"]["requests"] == 3 and models["small"]["requests"] == 1
+        assert "kvcellar model pool" in httpx.get(f"{server.base}/dashboard", timeout=10).text
+        # A loaded model's own routes, under /models/NAME/ (its dashboard's relative paths read them).
+        assert httpx.get(f"{server.base}/models/coder/stats", timeout=10).json()["prompt_cache"]["entries"] >= 1
+        assert httpx.get(f"{server.base}/models/coder/health", timeout=10).json()["model"] == "coder"
+        assert httpx.get(f"{server.base}/models/coder/dashboard", timeout=10).status_code == 200
         metrics = httpx.get(f"{server.base}/metrics", timeout=10).text
         assert 'kvcellar_pool_model_loaded{model="small"} 1.0' in metrics
     finally:
