@@ -235,6 +235,11 @@ class AdmissionClosed(KvCellarError):
     the client should retry elsewhere or later (HTTP 503)."""
 
 
+class RoomRefused(AdmissionClosed):
+    """Raised by the model pool when a model cannot be loaded now: the memory budget is held by pinned or
+    busy models, or the model to unload could not be drained durably (HTTP 503; retry later)."""
+
+
 class BatchAborted(KvCellarError):
     """Raised to a batch row whose batch job ended before the row did: an MLX
     error in the job (it fails every row of that batch) or the engine stopping.

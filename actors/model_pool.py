@@ -34,7 +34,7 @@ from kvcellar.actors.system import System, open_system
 from kvcellar.actors.system_config import FlushResult, SystemConfig, SystemSeams
 from kvcellar.engine.engine import resolve_compute_dtype
 from kvcellar.engine.shared_engine import SharedEngineThread
-from kvcellar.errors import AdmissionClosed, KvCellarError
+from kvcellar.errors import KvCellarError, RoomRefused
 
 log = logging.getLogger("kvcellar.pool")
 
@@ -72,10 +72,6 @@ class ModelSlot:
     close: trio.Event = attrs.field(factory=trio.Event)
     closed: trio.Event = attrs.field(factory=trio.Event)
     ready: trio.Event = attrs.field(factory=trio.Event)
-
-
-class RoomRefused(AdmissionClosed):
-    """A model cannot be loaded now: the budget is full of pinned or undrainable models (a 503)."""
 
 
 class ModelPool:
