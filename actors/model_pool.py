@@ -42,6 +42,7 @@ SlotState = Literal["unloaded", "loading", "loaded", "draining", "failed"]
 DRAIN_TIMEOUT_S_DEFAULT = 60.0
 # How long a load waits for a busy model to finish its requests before refusing (503).
 ROOM_WAIT_S = 120.0
+RAM_REBALANCE_S = 30.0
 
 
 def weights_bytes_on_disk(model_dir: Path) -> int:
@@ -258,8 +259,9 @@ class ModelPool:
 
             try:
                 await system.gateway.run_when_idle(resize)
-            except KvCellarError as e:
-                log.warning("model %s: RAM share not updated: %s", name, e)
+            except (KvCellarError, trio.ClosedResourceError, trio.BrokenResourceError) as e:
+                # The model closed meanwhile (an unload): its next load gets a share again.
+                log.info("model %s: RAM share not updated: %s", name, e)
 
     # -- lifetime and stats --------------------------------------------------------
 
@@ -269,7 +271,10 @@ class ModelPool:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
-                await trio.sleep_forever()
+                while True:
+                    # Shares follow use between loads too (each load and unload re-divides at once).
+                    await trio.sleep(RAM_REBALANCE_S)
+                    await self.rebalance_ram()
         finally:
             self.engine.stop()
 
