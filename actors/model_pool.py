@@ -148,8 +148,12 @@ class ModelPool:
                 }
                 plan = plan_unloads(resident, slot.name, slot.weights_bytes, self.budget_bytes)
                 if plan.fits:
-                    for name in plan.unload:
-                        await self.unload(name, reason=f"making room for {slot.name}")
+                    try:
+                        for name in plan.unload:
+                            await self.unload(name, reason=f"making room for {slot.name}")
+                    except RoomRefused:
+                        self.refusals += 1
+                        raise
                     return
                 if not any(r.busy and not r.pinned for r in resident.values()):
                     break

@@ -32,7 +32,9 @@ def _free_port() -> int:
 
 
 class PoolServer:
-    def __init__(self, models_toml: str, tmp_path: Path, *args: str, ssd_dir: Path | None = None) -> None:
+    def __init__(
+        self, models_toml: str, tmp_path: Path, *args: str, ssd_dir: Path | None = None, env: dict | None = None
+    ) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         models_file = tmp_path / f"models-{self.port}.toml"
@@ -44,7 +46,7 @@ class PoolServer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -175,6 +177,23 @@ def test_a_pinned_model_never_unloads(small_dir, tmp_path):
         assert models["small"]["loads"] == 0
         drained = httpx.post(f"{server.base}/admin/drain", json={"model": "coder"}, timeout=60)
         assert drained.status_code == 200 and drained.json()["durable"] and drained.json()["state"] == "loaded"
+    finally:
+        server.kill()
+
+
+def test_a_drain_that_cannot_vouch_for_every_entry_keeps_the_model_loaded(small_dir, tmp_path):
+    # Write-behind off: puts are not tracked, so no drain is durable and no model may unload for room.
+    env = {"KVCELLAR_SSD_WRITEBEHIND": "0"}
+    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB), env=env)
+    try:
+        _chat(server, "coder")
+        with pytest.raises(openai.APIStatusError) as refused:
+            _chat(server, "small")
+        assert refused.value.status_code == 503 and "not durable" in refused.value.message
+        models = server.models()
+        assert models["coder"]["state"] == "loaded" and models["coder"]["unloads"] == 0
+        assert models["coder"]["last_drain"]["reason"] == "write-behind off"
+        _chat(server, "coder")
     finally:
         server.kill()
 
