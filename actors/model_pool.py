@@ -23,13 +23,24 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import trio
 
 from kvcellar.actors.model_names import ModelNames
 from kvcellar.actors.model_pool_plan import Resident, plan_unloads, ram_shares
+from kvcellar.actors.model_slot_core import (
+    DrainBegun,
+    DrainRefused,
+    LoadBegun,
+    Loaded,
+    LoadFailed,
+    ServingFailed,
+    SlotCore,
+    SlotState,
+    Unloaded,
+)
 from kvcellar.actors.system import System, open_system
 from kvcellar.actors.system_config import FlushResult, SystemConfig, SystemSeams
 from kvcellar.engine.engine import resolve_compute_dtype
@@ -38,7 +49,6 @@ from kvcellar.errors import KvCellarError, RoomRefused
 
 log = logging.getLogger("kvcellar.pool")
 
-SlotState = Literal["unloaded", "loading", "loaded", "draining", "failed"]
 DRAIN_TIMEOUT_S_DEFAULT = 60.0
 # How long a load waits for a busy model to finish its requests before refusing (503).
 ROOM_WAIT_S = 120.0
@@ -58,21 +68,21 @@ class ModelSlot:
     config: SystemConfig
     pinned: bool = False
     weights_bytes: int = 0
-    state: SlotState = "unloaded"
+    # The lifecycle (actors/model_slot_core.py); `state` reads it.
+    core: SlotCore = attrs.field(factory=SlotCore)
     system: System | None = None
     in_flight: int = 0
     requests: int = 0
     last_used_s: float = 0.0
-    loads: int = 0
-    unloads: int = 0
-    load_s_last: float | None = None
-    loading_since_s: float | None = None
-    error: str = ""
     last_drain: dict[str, Any] | None = None
     # Set to close the model's System; the task that holds it sets `closed` once it is gone.
     close: trio.Event = attrs.field(factory=trio.Event)
     closed: trio.Event = attrs.field(factory=trio.Event)
     ready: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def state(self) -> str:
+        return self.core.state.value
 
 
 class ModelPool:
@@ -167,7 +177,7 @@ class ModelPool:
 
     async def _load(self, slot: ModelSlot) -> None:
         assert self._nursery is not None, "the pool is not running"
-        slot.state, slot.error, slot.loading_since_s = "loading", "", self.clock_s()
+        slot.core.handle(LoadBegun(), self.clock_s())
         slot.close, slot.closed, slot.ready = trio.Event(), trio.Event(), trio.Event()
         self._changed.unpark_all()
         log.info("model %s: loading from %s", slot.name, slot.config.model_dir)
@@ -175,15 +185,14 @@ class ModelPool:
         try:
             await self._nursery.start(self._hold_system, slot)
         except BaseException as e:
-            slot.state, slot.error, slot.loading_since_s = "failed", f"{type(e).__name__}: {e}", None
+            slot.core.handle(LoadFailed(error=f"{type(e).__name__}: {e}"), self.clock_s())
             self._changed.unpark_all()
-            log.error("model %s: load failed: %s", slot.name, slot.error)
+            log.error("model %s: load failed: %s", slot.name, slot.core.error)
             raise
-        slot.state, slot.loading_since_s = "loaded", None
-        slot.loads += 1
-        slot.load_s_last = time.perf_counter() - started
+        load_s = time.perf_counter() - started
+        slot.core.handle(Loaded(load_s=load_s), self.clock_s())
         slot.last_used_s = self.clock_s()
-        log.info("model %s: loaded in %.2f s", slot.name, slot.load_s_last)
+        log.info("model %s: loaded in %.2f s", slot.name, load_s)
         await self.rebalance_ram()
         self._changed.unpark_all()
 
@@ -203,8 +212,8 @@ class ModelPool:
             if not started:
                 raise
             # Past its start a model's failure is its own: the pool and the other models go on.
-            slot.state, slot.error = "failed", f"{type(e).__name__}: {e}"
-            log.error("model %s: failed while serving or closing: %s", slot.name, slot.error, exc_info=e)
+            slot.core.handle(ServingFailed(error=f"{type(e).__name__}: {e}"), self.clock_s())
+            log.error("model %s: failed while serving or closing: %s", slot.name, slot.core.error, exc_info=e)
         finally:
             slot.system = None
             slot.closed.set()
@@ -228,7 +237,7 @@ class ModelPool:
         slot = self.slots[name]
         if slot.state != "loaded" or slot.system is None:
             raise RoomRefused(f"model {name!r} is {slot.state}, not loaded")
-        slot.state = "draining"
+        slot.core.handle(DrainBegun(), self.clock_s())
         self._changed.unpark_all()
         while slot.in_flight:
             await self._wait_changed()
@@ -236,12 +245,13 @@ class ModelPool:
         verdict = await self.drain(name, timeout_s)
         assert verdict is not None
         if not verdict.durable and verdict.reason != "no SSD tier":
-            slot.state = "loaded"
+            slot.core.handle(DrainRefused(reason=verdict.reason), self.clock_s())
             self._changed.unpark_all()
             raise RoomRefused(f"model {name!r} stays loaded: its drain was not durable ({verdict.reason})")
         slot.close.set()
         await slot.closed.wait()
-        slot.state, slot.unloads = "unloaded", slot.unloads + 1
+        if slot.core.state is SlotState.DRAINING:  # else its System failed while closing (FAILED, logged)
+            slot.core.handle(Unloaded(), self.clock_s())
         log.info("model %s: unloaded", name)
         await self.rebalance_ram()
         self._changed.unpark_all()
@@ -294,9 +304,12 @@ class ModelPool:
             if slot.system is not None:
                 slot.close.set()
         for slot in self.slots.values():
-            if slot.state in ("loaded", "draining"):
+            if slot.core.state is SlotState.LOADED:
+                slot.core.handle(DrainBegun(), self.clock_s())
+            if slot.core.state is SlotState.DRAINING:
                 await slot.closed.wait()
-                slot.state = "unloaded"
+                if slot.core.state is SlotState.DRAINING:
+                    slot.core.handle(Unloaded(), self.clock_s())
 
     def loaded_systems(self) -> list[System]:
         return [s.system for s in self.slots.values() if s.system is not None and s.state == "loaded"]
@@ -313,11 +326,11 @@ class ModelPool:
                 "weights_bytes": slot.weights_bytes,
                 "in_flight": slot.in_flight,
                 "requests": slot.requests,
-                "loads": slot.loads,
-                "unloads": slot.unloads,
-                "load_s_last": slot.load_s_last,
-                "loading_for_s": None if slot.loading_since_s is None else now - slot.loading_since_s,
-                "error": slot.error,
+                "loads": slot.core.loads,
+                "unloads": slot.core.unloads,
+                "load_s_last": slot.core.load_s_last,
+                "loading_for_s": None if slot.core.loading_since_s is None else now - slot.core.loading_since_s,
+                "error": slot.core.error,
                 "ram_bytes": tiers["prompt_cache"]["bytes"] if tiers else 0,
                 "ram_max_bytes": tiers["prompt_cache"]["max_bytes"] if tiers else 0,
                 "ram_hits": tiers["prompt_cache"].get("hits", 0) if tiers else 0,

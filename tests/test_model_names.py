@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import fnmatch
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcellar.actors.model_names import ModelNames, ModelSpec, parse_model_flag, parse_models_file
 from kvcellar.actors.model_pool_plan import Resident, plan_unloads, ram_shares
-from kvcellar.errors import ModelsFileError, UnknownModel
+from kvcellar.actors.model_slot_core import (
+    DrainBegun,
+    DrainRefused,
+    LoadBegun,
+    Loaded,
+    LoadFailed,
+    ServingFailed,
+    SlotCore,
+    SlotState,
+    Unloaded,
+)
+from kvcellar.errors import IllegalTransition, ModelsFileError, UnknownModel
 
 POOL_TOML = """
 default = "coder"
@@ -170,3 +182,46 @@ def test_ram_shares_follow_use_and_never_exceed_the_total(uses, total):
         for b in uses:
             if uses[a] > uses[b]:
                 assert shares[a] >= shares[b]
+
+
+SLOT_MESSAGES = st.sampled_from(
+    [
+        LoadBegun(),
+        Loaded(load_s=1.0),
+        LoadFailed(error="boom"),
+        DrainBegun(),
+        DrainRefused(reason="pending"),
+        Unloaded(),
+        ServingFailed(error="gone"),
+    ]
+)
+# The lifecycle the pool's shell may drive: (state, message) -> next state; nothing else is taken.
+SLOT_RULES = {
+    (SlotState.UNLOADED, LoadBegun): SlotState.LOADING,
+    (SlotState.FAILED, LoadBegun): SlotState.LOADING,
+    (SlotState.LOADING, Loaded): SlotState.LOADED,
+    (SlotState.LOADING, LoadFailed): SlotState.FAILED,
+    (SlotState.LOADED, DrainBegun): SlotState.DRAINING,
+    (SlotState.DRAINING, DrainRefused): SlotState.LOADED,
+    (SlotState.DRAINING, Unloaded): SlotState.UNLOADED,
+    (SlotState.LOADING, ServingFailed): SlotState.FAILED,
+    (SlotState.LOADED, ServingFailed): SlotState.FAILED,
+    (SlotState.DRAINING, ServingFailed): SlotState.FAILED,
+}
+
+
+@given(messages=st.lists(SLOT_MESSAGES, max_size=30))
+def test_a_model_slot_follows_its_lifecycle_and_a_refused_message_changes_nothing(messages):
+    core = SlotCore()
+    for now, msg in enumerate(messages):
+        before = attrs.asdict(core)
+        expected = SLOT_RULES.get((core.state, type(msg)))
+        if expected is None:
+            with pytest.raises(IllegalTransition):
+                core.handle(msg, float(now))
+            assert attrs.asdict(core) == before
+            continue
+        assert core.handle(msg, float(now)) == []
+        assert core.state is expected
+    # Every unload followed a load, and a drain's refusal never counts as one.
+    assert core.unloads <= core.loads
