@@ -235,6 +235,11 @@ class AdmissionClosed(KvCellarError):
     the client should retry elsewhere or later (HTTP 503)."""
 
 
+class RoomRefused(AdmissionClosed):
+    """Raised by the model pool when a model cannot be loaded now: the memory budget is held by pinned or
+    busy models, or the model to unload could not be drained durably (HTTP 503; retry later)."""
+
+
 class BatchAborted(KvCellarError):
     """Raised to a batch row whose batch job ended before the row did: an MLX
     error in the job (it fails every row of that batch) or the engine stopping.
@@ -262,6 +267,21 @@ class BadNamespace(UsageError):
 class TenantsFileError(UsageError):
     """Raised at start-up for a `serve --tenants` file that cannot be used: it
     names the file, what is wrong and how to fix it, and never a key."""
+
+
+class ModelsFileError(UsageError):
+    """Raised at start-up for `serve --model NAME=DIR` or a `serve --models` file that cannot be used:
+    it names the file or flag, what is wrong and how to fix it."""
+
+
+class UnknownModel(BadRequest):
+    """Raised for a request naming a model this server does not serve (no name, alias or default
+    matches). A 404 in each API's shape, naming the served models (`served`)."""
+
+    def __init__(self, message: str, *, served: tuple[str, ...]) -> None:
+        super().__init__(message, param="model")
+        self.served = served
+        self.code = "model_not_found"
 
 
 class PromptRefused(UsageError):

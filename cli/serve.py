@@ -75,9 +75,35 @@ def shutdown_timeout_s(environ=os.environ) -> float:
 @click.command("serve")
 @click.option(
     "--model",
-    default=None,
+    "model",
+    multiple=True,
     help="Model: a local mlx-lm directory or a hub repo id ORG/NAME (downloaded into the Hugging Face "
-    "cache unless cached; HF_HUB_OFFLINE=1 forbids it). Default: the built-in demo-coder model.",
+    "cache unless cached; HF_HUB_OFFLINE=1 forbids it). Default: the built-in demo-coder model. "
+    "NAME=DIR or NAME=ORG/NAME, repeatable, serves a model pool under those names (docs/models.md).",
+)
+@click.option(
+    "--models",
+    "models_file",
+    default=None,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="A TOML file of the models to serve: per model its path, aliases (names or globs such as "
+    "claude-haiku-*), pin and kv_quant, and an optional default model (docs/models.md).",
+)
+@click.option(
+    "--models-memory-gb",
+    "models_memory_gb",
+    default=None,
+    type=click.FloatRange(min=0),
+    help="A model pool's budget for loaded weights in GB: a model loads when first asked for, and the "
+    "least recently used unpinned model is drained to the SSD tier and unloaded to make room. "
+    "Default: the memory budget's default (75% of physical memory); 0 = no limit.",
+)
+@click.option(
+    "--default-model",
+    "default_model",
+    default=None,
+    help="In a model pool, the model a request naming no served model or alias goes to "
+    "(else it is a 404 naming the served models).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback by default.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
@@ -390,6 +416,15 @@ def serve_command(**options: Any) -> None:
     logging.basicConfig(level=flags.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_flags(flags)
     tenants = _tenants(flags)  # before any model work: a bad file stops the start at once
+    from kvcellar.cli.serve_pool import make_pool, pool_names
+
+    names = pool_names(flags.model, flags.models_file, flags.default_model)
+    if names is not None:
+        from kvcellar.http.server import serve_pool_forever
+
+        base = _system_config(flags, tenants, model_dir=Path("."))
+        pool = make_pool(names, base, flags.models_memory_gb, resolve_model_dir)
+        run_trio_and_exit(serve_pool_forever, pool, flags.host, flags.port, _http_settings(flags, tenants))
     _run(_system_config(flags, tenants), flags.host, flags.port, _http_settings(flags, tenants))
 
 
@@ -429,14 +464,15 @@ def check_encryption(flags: ServeFlags, ssd_dir: Path | None) -> None:
         raise UsageError("--encryption-key-file seals the SSD tier's entries: it needs --ssd-cache")
 
 
-def _system_config(flags: ServeFlags, tenants: Tenants | None = None) -> SystemConfig:
+def _system_config(flags: ServeFlags, tenants: Tenants | None = None, model_dir: Path | None = None) -> SystemConfig:
+    """The system's configuration; `model_dir` given, it is used as is (a pool sets each model's own)."""
     from kvcellar.actors.system import SystemConfig
     from kvcellar.store.fingerprint import ShardDigestMemo
 
     ssd_dir = flags.ssd_dir
     keyring = _keyring(flags.encryption_key_files)  # first: a bad key file stops the start before any model work
     return SystemConfig(
-        model_dir=resolve_model_dir(flags.model),
+        model_dir=model_dir if model_dir is not None else resolve_model_dir(flags.model[0] if flags.model else None),
         ssd_dir=ssd_dir,
         ssd_bytes_max=int(flags.ssd_max_gb * GB) if ssd_dir is not None and flags.ssd_max_gb else None,
         prompt_cache_bytes=int(flags.prompt_cache_gb * GB),
@@ -495,6 +531,23 @@ def _http_settings(flags: ServeFlags, tenants: Tenants | None = None) -> HttpSet
     )
 
 
+def run_trio_and_exit(main: Any, *args: Any) -> NoReturn:
+    """`trio.run(main, *args)`, then end the process as `_run` explains."""
+    import trio
+
+    try:
+        trio.run(main, *args)
+    except UsageError as e:
+        click.echo(f"error: {e}", err=True)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(2)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _run(config: SystemConfig, host: str, port: int, settings: HttpSettings) -> NoReturn:
     import trio
 
@@ -523,7 +576,10 @@ def _run(config: SystemConfig, host: str, port: int, settings: HttpSettings) -> 
 class ServeFlags:
     """`kvcellar serve`'s options as click parsed them (one field per option, named as its parameter)."""
 
-    model: str | None
+    model: tuple[str, ...]
+    models_file: Path | None
+    models_memory_gb: float | None
+    default_model: str | None
     host: str
     port: int
     prompt_cache_gb: float

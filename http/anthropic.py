@@ -94,6 +94,7 @@ _TOOL_CHOICE_TYPES = {"auto": "auto", "any": "required", "tool": "function", "no
 _THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 _ERROR_TYPES = {
     "invalid_request": (400, "invalid_request_error"),
+    "not_found": (404, "not_found_error"),
     "unavailable": (529, "overloaded_error"),
     "server": (500, "api_error"),
     "insufficient_memory": (503, "insufficient_memory"),
@@ -151,11 +152,13 @@ def messages_routes(
     access: Access,
     *,
     keepalive_interval_s: float = KEEPALIVE_INTERVAL_S_DEFAULT,
+    model_id: str | None = None,
 ) -> list[Route]:
     """The two Messages API routes over a started system, parsing on `lane`;
-    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py)."""
+    a stream silent for `keepalive_interval_s` gets a `ping` (http/streaming.py).
+    `model_id`: the name replies give the model (None: its directory's name)."""
     loaded = system.loaded
-    model_id = loaded.model_dir.name
+    model_id = model_id or loaded.model_dir.name
 
     async def messages(request: Request) -> Response:
         if not _key_ok(request, access):

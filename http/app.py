@@ -91,6 +91,8 @@ class HttpSettings:
     prompt_normalize: bool = True
     # `--kv-events-block-size`: tokens per block of the KV events (http/kv_events.py, docs/cluster.md).
     kv_events_block_size: int = BLOCK_SIZE_DEFAULT
+    # The name replies give the model (a pool's model name, http/pool_app.py); None: its directory's name.
+    model_id: str | None = None
 
 
 def error_body(
@@ -112,6 +114,7 @@ def error_response(
 # OpenAI's error `type` for each kind of failure (http/failures.py classifies).
 _OPENAI_ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
+    "not_found": "invalid_request_error",
     "unavailable": "server_unavailable",
     "server": "server_error",
     "insufficient_memory": "insufficient_memory",
@@ -225,7 +228,7 @@ def _for_tenants(access: Access, handler: Callable[[Request], Awaitable[Response
 def build_app(system: System, settings: HttpSettings | None = None) -> Starlette:
     """The ASGI app over a started system."""
     settings = settings or HttpSettings()
-    model_id = system.loaded.model_dir.name
+    model_id = settings.model_id or system.loaded.model_dir.name
     tool_grammar = ToolGrammarPolicy(enabled=settings.tool_call_grammar)
     inbound = InboundPolicy(hosted_tools=settings.hosted_tools, prompt_normalize=settings.prompt_normalize)
     access = Access(api_key=settings.api_key, tenants=settings.tenants)
@@ -259,7 +262,9 @@ def build_app(system: System, settings: HttpSettings | None = None) -> Starlette
         Route("/v1/models", _for_tenants(access, info.models), methods=["GET"]),
         Route("/v1/chat/completions", _for_tenants(access, completions.chat), methods=["POST"]),
         Route("/v1/completions", _for_tenants(access, completions.text), methods=["POST"]),
-        *messages_routes(system, tokenizer_lane, access, keepalive_interval_s=settings.keepalive_interval_s),
+        *messages_routes(
+            system, tokenizer_lane, access, keepalive_interval_s=settings.keepalive_interval_s, model_id=model_id
+        ),
         Route("/v1/responses", _for_tenants(access, responses.create), methods=["POST"]),
         Route(
             "/v1/responses/{response_id:path}",

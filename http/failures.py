@@ -6,8 +6,9 @@ answers with; each API shapes the same `Failure` into its own body (OpenAI's
 `{"type": "error", "error": {"type", "message"}}` in http/anthropic.py), so
 the mapping lives here once. Nothing the server can name is a 500: a
 `BadRequest` or `UsageError` is the client's (400, naming its field when it
-has one); a request the server cannot take now (shutting down, its batch
-aborted, the engine stopped, the store's disk failing) is unavailable (503;
+has one), a model the server does not serve a 404 naming the served ones; a
+request the server cannot take now (shutting down, its batch aborted, the
+engine stopped, the store's disk failing) is unavailable (503;
 retry later or elsewhere); a request the memory budget cannot take is
 `insufficient_memory` (503, with the numbers in `details`); only an error
 kvcellar cannot name is a 500, and it is logged with its traceback.
@@ -28,12 +29,13 @@ from kvcellar.errors import (
     InsufficientMemory,
     KvCellarError,
     StoreError,
+    UnknownModel,
     UsageError,
 )
 
 log = logging.getLogger("kvcellar.http")
 
-FailureKind = Literal["invalid_request", "unavailable", "server", "insufficient_memory"]
+FailureKind = Literal["invalid_request", "not_found", "unavailable", "server", "insufficient_memory"]
 
 # Checked in order.
 _CLIENT_ERRORS = (BadRequest, UsageError)
@@ -56,6 +58,9 @@ class Failure:
 
 def classify_failure(error: Exception) -> Failure:
     """Whose fault `error` is; logs what is not the client's."""
+    if isinstance(error, UnknownModel):
+        # A model this server does not serve: 404, as OpenAI's and Anthropic's own APIs answer it.
+        return Failure(kind="not_found", status=404, message=str(error), param="model", code=error.code)
     if isinstance(error, _CLIENT_ERRORS):
         return Failure(
             kind="invalid_request",

@@ -29,7 +29,7 @@ from kvcellar.engine.forcing import ForcedTokens
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.structured import compile_response_grammar
 from kvcellar.engine.tool_calls import offered_tool_names
-from kvcellar.errors import BadRequest, GrammarError, PromptRefused, StrictToolsRefused
+from kvcellar.errors import BadRequest, GrammarError, PromptRefused, StrictToolsRefused, UnknownModel
 from kvcellar.http.inbound import MAX_TOKENS_LIMIT, InboundPolicy, Intake
 from kvcellar.http.tenancy import body_namespace
 from kvcellar.http.tool_grammar import ToolGrammarPolicy
@@ -189,11 +189,12 @@ def parse_job(
 
 
 def _check_model(model_name: Any, loaded: LoadedModel, model_names: frozenset[str]) -> None:
+    """A 404 (`UnknownModel`, as OpenAI answers it) for a model this server does not serve."""
     if model_name is not None and model_name not in model_names | _model_names(loaded):
-        raise BadRequest(
+        raise UnknownModel(
             f"model {model_name!r} is not served here: this server serves {loaded.model_dir.name!r} "
             "(GET /v1/models); set your client's model to that name (Codex: model = ... in config.toml)",
-            param="model",
+            served=(loaded.model_dir.name,),
         )
 
 

@@ -18,6 +18,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from kvcellar.actors.model_pool import ModelPool
 from kvcellar.actors.system import System, SystemConfig, open_system
 from kvcellar.http.app import HttpSettings, build_app
 
@@ -99,3 +100,46 @@ async def _wait_for_signal() -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             return
+
+
+async def serve_pool_forever(
+    pool: ModelPool, host: str, port: int, settings: HttpSettings, *, ready: trio.Event | None = None
+) -> None:
+    """A model pool (http/pool_app.py) until SIGINT/SIGTERM; then every loaded model shuts down as one server does."""
+    from kvcellar.http.pool_app import PoolApp
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        try:
+            await pool.start_pinned()
+            hypercorn_config = Config()
+            hypercorn_config.bind = [f"{host}:{port}"]
+            hypercorn_config.accesslog = None
+            hypercorn_config.errorlog = logging.getLogger("hypercorn.error")
+            stop_serving = trio.Event()
+
+            async def shutdown_trigger() -> None:
+                await stop_serving.wait()
+
+            async with trio.open_nursery() as http_nursery:
+                app = cast("ASGIFramework", PoolApp(pool, settings))
+                await http_nursery.start(partial(serve, app, hypercorn_config, shutdown_trigger=shutdown_trigger))
+                log.info("kvcellar serving a model pool on http://%s:%d: %s", host, port, pool_banner(pool))
+                if ready is not None:
+                    ready.set()
+                await _wait_for_signal()
+                log.info("shutting down: every loaded model drains and flushes")
+                await pool.shutdown()
+                stop_serving.set()
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def pool_banner(pool: ModelPool) -> str:
+    models = ", ".join(
+        f"{spec.name} ({spec.source}{', pinned' if spec.pin else ''}"
+        f"{', aliases ' + ' '.join(spec.aliases) if spec.aliases else ''})"
+        for spec in pool.names.models
+    )
+    budget = "no limit" if pool.budget_bytes <= 0 else f"{pool.budget_bytes / 1e9:.3g} GB"
+    return f"{models}; weights budget {budget}; default model {pool.names.default or '(none: unknown names are 404s)'}"

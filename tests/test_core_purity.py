@@ -26,6 +26,9 @@ CORE_MODULES = (
     "kvcellar.actors.ssd_writer_core",
     "kvcellar.actors.durability_core",
     "kvcellar.actors.admission_core",
+    "kvcellar.actors.model_slot_core",
+    "kvcellar.actors.model_names",
+    "kvcellar.actors.model_pool_plan",
     "kvcellar.actors.transitions",
     "kvcellar.actors.effects",
 )

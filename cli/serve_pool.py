@@ -1,0 +1,84 @@
+"""`kvcellar serve` with a model pool (issue 41): `--model NAME=DIR` (repeatable) or `--models FILE`.
+
+One `--model` without `NAME=` (or none) is the single-model server, unchanged; this module takes over
+only when a pool is asked for. Each model's `SystemConfig` is serve's own with the model's directory and
+KV scheme; the RAM prompt cache (`--prompt-cache`) is shared out among the loaded models by use
+(actors/model_pool_plan.py `ram_shares`). A pool's models run the serial lane: the batch lane's one
+engine job holds the engine for as long as its rows keep coming, which would starve the other models.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvcellar.actors.model_names import ModelNames, ModelSpec, load_models_file, parse_model_flag
+from kvcellar.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvcellar.actors.model_pool import ModelPool
+    from kvcellar.actors.system import SystemConfig
+
+log = logging.getLogger("kvcellar.serve")
+GB = 10**9
+
+
+def pool_names(models: tuple[str, ...], models_file: Path | None, default: str | None) -> ModelNames | None:
+    """The pool the flags ask for, or None for the single-model server (no `--models`, at most one `--model`
+    that is a directory or a hub repo id, not `NAME=...`)."""
+    if models_file is not None:
+        if models:
+            raise UsageError("--models FILE and --model cannot be combined: list every model in the file")
+        names = load_models_file(models_file)
+        if default is not None:
+            names = attrs.evolve(names, default=default)
+        return names
+    pooled = len(models) > 1 or any("=" in value and not Path(value).expanduser().exists() for value in models)
+    if not pooled:
+        if default is not None:
+            raise UsageError("--default-model needs a model pool: --model NAME=DIR (repeatable) or --models FILE")
+        return None
+    return ModelNames(models=tuple(parse_model_flag(value) for value in models), default=default)
+
+
+def pool_configs(
+    names: ModelNames, base: SystemConfig, resolve_model_dir: Callable[[str], Path]
+) -> dict[str, SystemConfig]:
+    """Each model's configuration: serve's, with its directory (`resolve_model_dir`: a hub id is resolved
+    now), KV scheme and the serial lane; its RAM share starts at an equal split of `--prompt-cache`."""
+    if base.batch_rows_max > 1:
+        log.info("model pool: every model runs the serial lane (round robin between models; docs/models.md)")
+    share = base.prompt_cache_bytes // len(names.models)
+    return {spec.name: _model_config(spec, base, resolve_model_dir(spec.source), share) for spec in names.models}
+
+
+def _model_config(spec: ModelSpec, base: SystemConfig, model_dir: Path, share_bytes: int) -> SystemConfig:
+    return attrs.evolve(
+        base,
+        model_dir=model_dir,
+        kv_quant=spec.kv_quant if spec.kv_quant is not None else base.kv_quant,
+        batch_rows_max=1,
+        prompt_cache_bytes=share_bytes,
+    )
+
+
+def make_pool(
+    names: ModelNames,
+    base: SystemConfig,
+    models_memory_gb: float | None,
+    resolve_model_dir: Callable[[str], Path],
+) -> ModelPool:
+    from kvcellar.actors.model_pool import ModelPool
+    from kvcellar.engine.memory import default_memory_budget_bytes
+
+    budget = default_memory_budget_bytes() if models_memory_gb is None else int(models_memory_gb * GB)
+    return ModelPool(
+        names,
+        pool_configs(names, base, resolve_model_dir),
+        budget_bytes=budget,
+        ram_total_bytes=base.prompt_cache_bytes,
+    )

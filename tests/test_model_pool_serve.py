@@ -1,0 +1,226 @@
+"""The model pool through a real `kvcellar serve` (issue 41): two models (the demo-coder model and a
+tiny llama), the official openai and anthropic SDKs, load on demand, drain before unload."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from kvcellar.engine.demo_models import packaged_demo_coder_dir
+
+# demo-coder's safetensors are about 10.5 MB, the tiny llama's about 0.56 MB: this budget holds either, not both.
+ONE_MODEL_GB = 0.0108
+PROMPT = "Write a python function that adds two numbers and explain it at length please. " * 6
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class PoolServer:
+    def __init__(
+        self, models_toml: str, tmp_path: Path, *args: str, ssd_dir: Path | None = None, env: dict | None = None
+    ) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        models_file = tmp_path / f"models-{self.port}.toml"
+        models_file.write_text(models_toml)
+        ssd = ssd_dir or tmp_path / "ssd"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvcellar.cli", "serve", "--models", str(models_file), "--port", str(self.port)]
+            + ["--ssd-cache", str(ssd), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"server exited: {self.process.stdout.read()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.kill()
+        pytest.fail("server did not become healthy")
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def anthropic(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
+
+    def models(self) -> dict:
+        return httpx.get(f"{self.base}/stats", timeout=10).json()["pool"]["models"]
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        return self.process.stdout.read()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _toml(small_dir: Path, *, coder_pin: bool = False, default: str | None = None) -> str:
+    head = f'default = "{default}"\n' if default else ""
+    return head + (
+        f'[models.coder]\npath = "{packaged_demo_coder_dir()}"\naliases = ["gpt-*", "claude-sonnet-*"]\n'
+        f"pin = {'true' if coder_pin else 'false'}\n"
+        f'[models.small]\npath = "{small_dir}"\naliases = ["claude-haiku-*"]\n'
+    )
+
+
+def _chat(server: PoolServer, model: str, content: str = PROMPT):
+    reply = server.openai().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+    )
+    details = reply.usage.prompt_tokens_details
+    return reply, (details.cached_tokens if details else 0) / reply.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def small_dir(model_dir_factory) -> Path:
+    return model_dir_factory("llama")
+
+
+def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
+    server = PoolServer(_toml(small_dir), tmp_path, "--keepalive-interval", "0.05")
+    try:
+        # A stream for a model still to load gets its 200 at once and keep-alives while the model loads.
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body, timeout=120) as streamed:
+            assert streamed.status_code == 200
+            lines = [line for line in streamed.iter_lines() if line]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+        assert lines[0] == ": keep-alive" and first_data > 0 and lines[-1] == "data: [DONE]"
+        assert '"model": "coder"' in lines[first_data].replace('":"', '": "')
+        listed = [model.id for model in server.openai().models.list().data]
+        assert listed == ["coder", "small", "gpt-*", "claude-sonnet-*", "claude-haiku-*"]
+        reply, _ = _chat(server, "gpt-4o")
+        assert reply.model == "coder"
+        haiku = server.anthropic().messages.create(
+            model="claude-haiku-4-5", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert haiku.model == "small"
+        sonnet = server.anthropic().messages.create(
+            model="claude-sonnet-4-5", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert sonnet.model == "coder"
+        with pytest.raises(openai.NotFoundError) as unknown:
+            _chat(server, "llama-70b")
+        assert unknown.value.body["code"] == "model_not_found" and unknown.value.body["served"] == ["coder", "small"]
+        with pytest.raises(anthropic.NotFoundError) as refused:
+            server.anthropic().messages.create(model="opus", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert "'coder', 'small'" in refused.value.body["error"]["message"]
+        models = server.models()
+        assert models["coder"]["requests"] == 3 and models["small"]["requests"] == 1
+        assert "kvcellar model pool" in httpx.get(f"{server.base}/dashboard", timeout=10).text
+        # A loaded model's own routes, under /models/NAME/ (its dashboard's relative paths read them).
+        assert httpx.get(f"{server.base}/models/coder/stats", timeout=10).json()["prompt_cache"]["entries"] >= 1
+        assert httpx.get(f"{server.base}/models/coder/health", timeout=10).json()["model"] == "coder"
+        assert httpx.get(f"{server.base}/models/coder/dashboard", timeout=10).status_code == 200
+        metrics = httpx.get(f"{server.base}/metrics", timeout=10).text
+        assert 'kvcellar_pool_model_loaded{model="small"} 1.0' in metrics
+    finally:
+        server.kill()
+
+
+def test_a_budget_for_one_model_swaps_and_the_conversation_resumes_from_ssd(small_dir, tmp_path):
+    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB))
+    try:
+        first, cold_share = _chat(server, "coder")
+        assert cold_share == 0
+        _chat(server, "small")
+        models = server.models()
+        assert (models["coder"]["state"], models["small"]["state"]) == ("unloaded", "loaded")
+        assert models["coder"]["last_drain"]["durable"] is True
+        again, cached_share = _chat(server, "coder")
+        assert cached_share >= 0.9
+        assert again.choices[0].message.content == first.choices[0].message.content
+        models = server.models()
+        assert models["coder"]["loads"] == 2 and models["coder"]["ssd_restores"] >= 1
+        assert models["small"]["state"] == "unloaded" and models["small"]["last_drain"]["durable"] is True
+    finally:
+        server.kill()
+
+
+def test_a_pinned_model_never_unloads(small_dir, tmp_path):
+    server = PoolServer(_toml(small_dir, coder_pin=True), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB))
+    try:
+        assert server.models()["coder"]["state"] == "loaded"  # pinned models load at start
+        for _ in range(2):
+            with pytest.raises(openai.APIStatusError) as refused:
+                _chat(server, "small")
+            assert refused.value.status_code == 503
+            _chat(server, "coder")
+        models = server.models()
+        assert models["coder"]["unloads"] == 0 and models["coder"]["state"] == "loaded"
+        assert models["small"]["loads"] == 0
+        drained = httpx.post(f"{server.base}/admin/drain", json={"model": "coder"}, timeout=60)
+        assert drained.status_code == 200 and drained.json()["durable"] and drained.json()["state"] == "loaded"
+    finally:
+        server.kill()
+
+
+def test_a_drain_that_cannot_vouch_for_every_entry_keeps_the_model_loaded(small_dir, tmp_path):
+    # Write-behind off: puts are not tracked, so no drain is durable and no model may unload for room.
+    env = {"KVCELLAR_SSD_WRITEBEHIND": "0"}
+    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB), env=env)
+    try:
+        _chat(server, "coder")
+        with pytest.raises(openai.APIStatusError) as refused:
+            _chat(server, "small")
+        assert refused.value.status_code == 503 and "not durable" in refused.value.message
+        models = server.models()
+        assert models["coder"]["state"] == "loaded" and models["coder"]["unloads"] == 0
+        assert models["coder"]["last_drain"]["reason"] == "write-behind off"
+        _chat(server, "coder")
+    finally:
+        server.kill()
+
+
+def test_sigkill_during_a_drain_loses_nothing_the_drain_reported_durable(small_dir, tmp_path):
+    ssd = tmp_path / "ssd"
+    server = PoolServer(_toml(small_dir), tmp_path, ssd_dir=ssd)
+    prompts = [f"Conversation {i}: " + PROMPT for i in range(3)]
+    try:
+        firsts = [_chat(server, "coder", prompt)[0].choices[0].message.content for prompt in prompts]
+        drained = httpx.post(f"{server.base}/admin/drain", json={"model": "coder"}, timeout=60)
+        assert drained.status_code == 200 and drained.json()["durable"], drained.text
+        # More work, then a drain the server is killed in the middle of.
+        for i in range(3):
+            _chat(server, "coder", f"Later {i}: " + PROMPT)
+        killer = threading.Timer(0.05, server.kill)
+        killer.start()
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{server.base}/admin/drain", json={"model": "coder"}, timeout=60)
+        killer.join()
+    finally:
+        server.kill()
+    restarted = PoolServer(_toml(small_dir), tmp_path, ssd_dir=ssd)
+    try:
+        for prompt, first in zip(prompts, firsts, strict=True):
+            reply, cached_share = _chat(restarted, "coder", prompt)
+            assert cached_share >= 0.9
+            assert reply.choices[0].message.content == first
+    finally:
+        restarted.kill()
