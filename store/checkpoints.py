@@ -375,6 +375,11 @@ class CheckpointStore:
             return False
         return True
 
+    def files(self) -> list[CheckpointFile]:
+        """The indexed checkpoints, by request key (a snapshot)."""
+        with self._lock:
+            return [self._files[key] for key in sorted(self._files)]
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {

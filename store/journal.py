@@ -422,6 +422,31 @@ class Journal:
             self._db = None
             self.degraded_reason = f"cannot be written: {e}"
 
+    def rewrite_payloads(self, kinds: tuple[str, ...], rewrite: Callable[[Any], Any | None]) -> int:
+        """Replace the payload of every stored event of `kinds` that `rewrite` changes (it returns
+        the new event, or None to keep the row), in ONE transaction on the runner after every
+        queued append: a crash leaves all rows or none rewritten. Returns the rows rewritten.
+        Only `kvcellar cache rekey` does this (a history sealed under a retired key); a row
+        `rewrite` raises on keeps its payload and the error propagates, nothing committed."""
+        if self._db is None:
+            return 0
+        marks = ", ".join("?" for _ in kinds)
+
+        def run() -> int:
+            assert self._db is not None
+            rows = self._db.execute(f"SELECT seq, kind, payload FROM events WHERE kind IN ({marks})", kinds).fetchall()
+            changed = [(seq, rewrite(decode_event(kind, payload))) for seq, kind, payload in rows]
+            updates = [(to_cbor(event), seq) for seq, event in changed if event is not None]
+            if self._durability is not None:
+                self._durability.before_transaction()
+            with self._db.conn:
+                self._db.conn.executemany("UPDATE events SET payload = ? WHERE seq = ?", updates)
+            if self._durability is not None:
+                self._durability.committed(self._db.conn)
+            return len(updates)
+
+        return self._runner.call(run)
+
     def wait_applied(self, timeout_s: float | None = None) -> None:
         """Wait until every append queued before this call has been applied.
         Raises `JournalError` past `timeout_s`."""
@@ -509,6 +534,9 @@ def _connect(path: Path) -> sqlite_utils.Database:
     db = sqlite_utils.Database(connection)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
+    # Freed pages are zeroed: a row sealed again (startup reconciliation, `cache rekey`) leaves
+    # no plain token ids behind in the file's free pages.
+    db.execute("PRAGMA secure_delete=ON")
     try:
         _migrate(db)
     except BaseException:

@@ -18,11 +18,19 @@ server) keeps one of them by its startup supersession. A rerun skips what is
 done and finishes. Rows still sealed under another key are journaled afresh
 at the end (`reconcile.updated`).
 
-Not rekeyed: generation checkpoints (short-lived; they stay readable while
-their key is given), the sealed quarantine, and the journal's event history
-(old `entry.stored` payloads keep their token ids sealed under the key they
-were written with). A re-stored entry's mtime is the rekey's time, so the
-eviction order of rekeyed entries starts afresh.
+Generation checkpoints are sealed again in place: each is loaded with the
+ring and written under the first key to a temp file renamed over it (the
+old file stays valid until the rename, as when a generation writes its
+next checkpoint). The journal's event history (every stored event carrying
+an entry's token ids: `entry.stored`, `reconcile.added`, `reconcile.updated`)
+is sealed again in one SQLite transaction (`Journal.rewrite_payloads`), so
+the old key can be dropped afterwards: nothing the tier holds needs it. An
+event whose token ids no key of the ring opens keeps its payload and is
+counted in `history_failed`.
+
+Not rekeyed: the sealed quarantine (entries whose key was missing; kept as
+they are for the operator). A re-stored entry's mtime is the rekey's time,
+so the eviction order of rekeyed entries starts afresh.
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ import attrs
 from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable, StoreError, UnsupportedFormat
 from kvcellar.store import events as ev
 from kvcellar.store import kvfile
+from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.keyring import KeyRing
-from kvcellar.store.sealed_tokens import sealed_key_id
+from kvcellar.store.sealed_tokens import TOKEN_CARRYING_KINDS, resealed_event, sealed_key_id
 from kvcellar.store.ssd import SsdStore
 from kvcellar.store.ssd_files import CHECKPOINT_DIR_NAME, QUARANTINE_DIR_NAME, SEALED_QUARANTINE_DIR_NAME
 
@@ -54,6 +63,9 @@ class RekeyReport:
     rekeyed: int = 0  # files sealed again under the first key
     already: int = 0  # files under the first key already
     rows_resealed: int = 0  # journal rows sealed again under the first key
+    checkpoints_rekeyed: int = 0  # generation checkpoints sealed again under the first key
+    history_resealed: int = 0  # journal events whose token ids were sealed again under the first key
+    history_failed: int = 0  # journal events no key of the ring opens (left as they were)
     failed: list[str] = attrs.Factory(list)  # "entry id: reason" for entries left as they were
 
     def as_json(self) -> dict[str, Any]:
@@ -83,6 +95,8 @@ def rekey_directory(
             outcome = _rekey_entry(store, entry_id, keyring, report)
             progress(f"{fingerprint} {number}/{len(entry_ids)} {entry_id} {outcome}")
         report.rows_resealed = _reseal_rows(store, keyring)
+        _rekey_checkpoints(store, keyring, report, progress)
+        _reseal_history(store, keyring, report)
     finally:
         store.close()
     return report
@@ -125,6 +139,42 @@ def _reseal_rows(store: SsdStore, keyring: KeyRing) -> int:
     store.journal.append_many(corrections)
     store.journal.wait_applied()
     return len(corrections)
+
+
+def _rekey_checkpoints(store: SsdStore, keyring: KeyRing, report: RekeyReport, progress: Callable[[str], None]) -> None:
+    """Seal every generation checkpoint not under the first key again, in place (atomic rename)."""
+    checkpoints = CheckpointStore.open(store)
+    for found in checkpoints.files():
+        try:
+            header = kvfile.read_header(found.path, disk=store.disk, keyring=keyring)
+            if header.seal is not None and header.seal.key_id == keyring.sealing.key_id:
+                continue
+            loaded = kvfile.load(found.path, verify=True, disk=store.disk, keyring=keyring)
+            checkpoint = loaded.header.generation_checkpoint
+            assert checkpoint is not None  # the checkpoint store's scan indexed only checkpoints
+            kvfile.write_entry(checkpoints.plan(checkpoint, loaded.tokens, loaded.caches))
+        except (CorruptEntry, UnsupportedFormat, KeyUnavailable, DiskError) as e:
+            report.failed.append(f"checkpoint {found.request_key}: {e}")
+            progress(f"{report.fingerprint} checkpoint {found.request_key} failed: {e}")
+            continue
+        report.checkpoints_rekeyed += 1
+        progress(f"{report.fingerprint} checkpoint {found.request_key} rekeyed")
+
+
+def _reseal_history(store: SsdStore, keyring: KeyRing, report: RekeyReport) -> None:
+    """Seal the token ids of every stored event under the first key (one transaction)."""
+    if store.journal is None:
+        return
+
+    def reseal(event: ev.Event) -> ev.Event | None:
+        try:
+            return resealed_event(keyring, event)
+        except (KeyUnavailable, CorruptEntry):
+            report.history_failed += 1
+            return None
+
+    store.journal.wait_applied()
+    report.history_resealed = store.journal.rewrite_payloads(TOKEN_CARRYING_KINDS, reseal)
 
 
 def _fingerprint_fields(directory: Path, keyring: KeyRing, disk: Disk) -> dict[str, str]:

@@ -105,6 +105,23 @@ def sealed_fields(key: EncryptionKey, entry: ev.EntryFields) -> ev.EntryFields:
     return attrs.evolve(entry, token_ids=seal_token_ids(key, entry.entry_id, entry.token_ids))
 
 
+# The stored events that carry an entry's token ids (`sealed_event` seals them).
+TOKEN_CARRYING_KINDS = (ev.EntryStored.kind, ev.ReconcileAdded.kind, ev.ReconcileUpdated.kind)
+
+
+def resealed_event(keyring: KeyRing, event: ev.Event) -> ev.Event | None:
+    """A stored event with its entry's token ids sealed under the ring's first key; None when
+    it carries none or they are sealed under that key already. Raises like `open_token_ids`."""
+    if not isinstance(event, (ev.EntryStored, ev.ReconcileAdded, ev.ReconcileUpdated)):
+        return None
+    entry = event.entry
+    key_id = sealed_key_id(entry.token_ids, entry.token_count)
+    if key_id == keyring.sealing.key_id:
+        return None
+    plain = open_token_ids(keyring, entry.entry_id, entry.token_ids, entry.token_count)
+    return attrs.evolve(event, entry=sealed_fields(keyring.sealing, attrs.evolve(entry, token_ids=plain)))
+
+
 def sealed_event(key: EncryptionKey, event: ev.Event) -> ev.Event:
     """The event as the journal stores it: the token ids of any entry it carries sealed."""
     if isinstance(event, (ev.EntryStored, ev.ReconcileAdded, ev.ReconcileUpdated)):

@@ -4,6 +4,7 @@ a rerun finishes; a directory a live store holds is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,8 +17,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvcellar.cli import main
 from kvcellar.store import kvfile
+from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.keyring import load_key_ring, write_new_key_file
-from kvcellar.store.sealed_tokens import sealed_key_id
+from kvcellar.store.records import GenerationCheckpoint, SamplerState
+from kvcellar.store.sealed_tokens import TOKEN_CARRYING_KINDS, sealed_key_id
 from kvcellar.store.ssd import SsdStore
 
 FINGERPRINT = "f" * 32
@@ -118,3 +121,48 @@ def test_rekey_refuses_a_directory_a_live_store_holds(cache_dir, keys, capsys):
     finally:
         store.close()
     assert "error:" in capsys.readouterr().err
+
+
+def test_rekey_reseals_checkpoints_and_the_journal_history_so_the_old_key_can_go(loaded_model_factory, cache_dir, keys):
+    """After a rekey nothing of the tier needs the old key: the generation checkpoints and every
+    stored event carrying token ids are sealed under the new one."""
+    model = loaded_model_factory("llama")[0]
+    new, old = keys
+    prompt = PROMPTS[2] + [7, 8, 9]
+    store = SsdStore.open(cache_dir, FINGERPRINT, keyring=load_key_ring([old]))
+    checkpoints = CheckpointStore.open(store)
+    checkpoint = GenerationCheckpoint(
+        request_key="c" * 32,
+        prompt_tokens=len(PROMPTS[2]),
+        emitted_tokens=3,
+        namespace="",
+        pending_token=11,
+        sampler=SamplerState(seed=5, sample_index=4, rng_key=(0, 5)),
+        attempt=1,
+    )
+    writer = checkpoints.plan(checkpoint, prompt, _prefill(model, prompt))
+    kvfile.write_entry(writer)
+    assert checkpoints.commit(writer)
+    store.close()
+
+    result = subprocess.run([*_rekey_command(cache_dir, keys), "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])["directories"][0]
+    assert report["checkpoints_rekeyed"] == 1 and report["history_failed"] == 0
+    assert report["history_resealed"] >= len(PROMPTS)
+
+    new_ring = load_key_ring([new])
+    store = SsdStore.open(cache_dir, FINGERPRINT, keyring=new_ring)
+    try:
+        (found,) = CheckpointStore.open(store).files()
+        assert kvfile.read_header(found.path, keyring=new_ring).seal.key_id == new_ring.sealing.key_id
+        resumed = kvfile.load(found.path, keyring=new_ring)
+        assert resumed.header.generation_checkpoint == checkpoint
+        history = [r.event for r in store.journal.events() if r.kind in TOKEN_CARRYING_KINDS]
+    finally:
+        store.close()
+    assert history and {sealed_key_id(e.entry.token_ids, e.entry.token_count) for e in history} == {
+        new_ring.sealing.key_id
+    }
+    journal_bytes = b"".join(p.read_bytes() for p in (cache_dir / FINGERPRINT).glob("journal.sqlite*"))
+    assert not any(np.asarray(p[:16], dtype="<u4").tobytes() in journal_bytes for p in PROMPTS)
