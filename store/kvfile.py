@@ -187,6 +187,7 @@ class KvFileWriter:
         self._tensors = list(self._header.tensor_records())
         self._checksums: dict[str, bytes] = {}
         self._handle: Any = None
+        self._stream: tensor_io.StreamWriter | None = None  # sealed writes, one helper thread per file
 
     @property
     def tensor_count(self) -> int:
@@ -217,8 +218,11 @@ class KvFileWriter:
         if self._sealing_key is not None and self._on_disk.seal is not None:
             # Segment 0 is the token ids; tensor i is segment i + 1. The tag lands right after the ciphertext.
             sealed = sealing.seal_segments(self._sealing_key, self._on_disk.seal, self._binding, index + 1, segments)
+            if self._stream is None and self.disk.concurrent_io:
+                # One writer thread for the file: the next tensor is sealed while this one is written.
+                self._stream = tensor_io.StreamWriter(self.disk, self._handle)
             self._checksums[record.name] = tensor_io.write_stream_and_hash(
-                self.disk, self._handle, record.file_offset, sealed
+                self.disk, self._handle, record.file_offset, sealed, self._stream
             )
             return
         self._checksums[record.name] = tensor_io.write_and_hash(self.disk, self._handle, record.file_offset, segments)
@@ -236,6 +240,7 @@ class KvFileWriter:
 
     def commit_data(self) -> Header:
         """The first half of `commit`: header written, data fsynced, file closed."""
+        self._finish_stream()
         header = _with_checksums(self._on_disk, self._checksums)
         header_bytes = to_cbor(header)
         planned_bytes = to_cbor(self._on_disk)
@@ -263,8 +268,16 @@ class KvFileWriter:
         if self.safeguards.fsync_entry_dir:
             self.disk.fsync_dir(self.path.parent)
 
+    def _finish_stream(self) -> None:
+        """Wait for the sealed tensors' queued writes; raises the first write error."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.finish()
+
     def abort(self) -> None:
         """Close and remove the temp file; never raises."""
+        with contextlib.suppress(Exception):
+            self._finish_stream()
         if self._handle is not None:
             with contextlib.suppress(DiskError):
                 self.disk.close(self._handle)

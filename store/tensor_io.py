@@ -316,13 +316,19 @@ def write_and_hash(disk: Disk, handle: Any, offset: int, segments: Sequence[memo
 STREAM_QUEUE_PIECES = 4
 
 
-def write_stream_and_hash(disk: Disk, handle: Any, offset: int, pieces: Iterable[bytes]) -> bytes:
+def write_stream_and_hash(
+    disk: Disk, handle: Any, offset: int, pieces: Iterable[bytes], writer: StreamWriter | None = None
+) -> bytes:
     """`write_and_hash` for bytes made while they are written (a sealed
     tensor's ciphertext, `sealing.seal_segments`): this thread makes and
     hashes each piece and queues it, a helper thread writes them back to back
     from `offset`, so sealing overlaps writing and at most
     `STREAM_QUEUE_PIECES` pieces wait. Returns the xxh3-64 digest; raises the
-    write's error (after the helper stopped). Inline on a disk without `concurrent_io`."""
+    write's error (after the helper stopped). Inline on a disk without
+    `concurrent_io`. With `writer` (the file's one `StreamWriter`) the pieces
+    join its queue and this returns without waiting for them: the next
+    tensor is sealed while this one's last pieces are written, and the
+    writer's `finish` raises any error."""
     hasher = xxhash.xxh3_64()
     if not disk.concurrent_io:
         cursor = offset
@@ -332,35 +338,61 @@ def write_stream_and_hash(disk: Disk, handle: Any, offset: int, pieces: Iterable
             cursor += len(piece)
         disk.start_writeback(handle, offset, cursor - offset)
         return hasher.digest()
-    queued: queue.Queue[Any] = queue.Queue(maxsize=STREAM_QUEUE_PIECES)
-    failure: list[BaseException] = []
-
-    def write_all() -> None:
-        cursor = offset
-        # After a failure the queue is still drained, so the maker never blocks on a full queue.
-        while (piece := queued.get()) is not _FINISHED:
-            if failure:
-                continue
-            try:
-                disk.write_at(handle, cursor, piece)
-            except BaseException as e:  # re-raised on the calling thread below
-                failure.append(e)
-            cursor += len(piece)
-        if not failure:
-            try:
-                disk.start_writeback(handle, offset, cursor - offset)
-            except BaseException as e:  # re-raised on the calling thread below
-                failure.append(e)
-
-    writer = threading.Thread(target=write_all, name="kvc-writer", daemon=True)
-    writer.start()
+    own = writer is None
+    stream = StreamWriter(disk, handle) if writer is None else writer
+    cursor = offset
     try:
         for piece in pieces:
             hasher.update(piece)
-            queued.put(piece)
+            stream.write(cursor, piece)
+            cursor += len(piece)
+        stream.written(offset, cursor - offset)
     finally:
-        queued.put(_FINISHED)
-        writer.join()
-    if failure:
-        raise failure[0]
+        if own:
+            stream.finish()
     return hasher.digest()
+
+
+class StreamWriter:
+    """One helper thread writing a file's queued pieces at their offsets, in
+    order (at most `STREAM_QUEUE_PIECES` wait). `finish` waits for them and
+    raises the first write error; after an error the rest are drained
+    unwritten, so a producer never blocks on a full queue. Owned by the
+    thread that makes the pieces (`KvFileWriter`'s writing thread)."""
+
+    def __init__(self, disk: Disk, handle: Any) -> None:
+        self._disk = disk
+        self._handle = handle
+        self._queued: queue.Queue[Any] = queue.Queue(maxsize=STREAM_QUEUE_PIECES)
+        self._failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._write_all, name="kvc-writer", daemon=True)
+        self._thread.start()
+        self._finished = False
+
+    def write(self, offset: int, piece: bytes) -> None:
+        self._queued.put((offset, piece))
+
+    def written(self, offset: int, length: int) -> None:
+        """A tensor's bytes are all queued: start their writeback after them."""
+        self._queued.put((offset, length))
+
+    def finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._queued.put(_FINISHED)
+            self._thread.join()
+        if self._failure:
+            raise self._failure[0]
+
+    def _write_all(self) -> None:
+        while (item := self._queued.get()) is not _FINISHED:
+            if self._failure:
+                continue
+            offset, data = item
+            try:
+                if isinstance(data, int):
+                    self._disk.start_writeback(self._handle, offset, data)
+                else:
+                    self._disk.write_at(self._handle, offset, data)
+            except BaseException as e:  # re-raised on the producing thread by `finish`
+                self._failure.append(e)

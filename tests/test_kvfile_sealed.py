@@ -5,6 +5,7 @@ fails its tag."""
 
 from __future__ import annotations
 
+import errno
 import struct
 from pathlib import Path
 
@@ -14,9 +15,10 @@ import pytest
 import xxhash
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvcellar.errors import CorruptEntry, KeyUnavailable
+from kvcellar.errors import CorruptEntry, DiskError, KeyUnavailable
 from kvcellar.serialization import from_cbor, to_cbor
 from kvcellar.store import kvfile
+from kvcellar.store.disk import RealDisk
 from kvcellar.store.keyring import load_key_ring, write_new_key_file
 from kvcellar.store.records import Header
 
@@ -259,3 +261,30 @@ def test_kv_inspect_and_verify_open_a_sealed_entry_with_its_key(llama_prefill, r
     assert main(["kv", "verify", str(tmp_path / "e.kvc"), *key]) == 0
     assert main(["kv", "verify", str(tmp_path / "e.kvc")]) == 1
     assert ring.sealing.key_id in capsys.readouterr().err
+
+
+class FailingWrite(RealDisk):
+    """Fails the `fail_at`-th write with EIO (on the sealed save's writer thread)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.writes = 0
+
+    def write_at(self, handle, offset, data):
+        self.writes += 1
+        if self.writes == self.fail_at:
+            raise DiskError(f"write of {len(data)} bytes failed (injected)", errno=errno.EIO)
+        return super().write_at(handle, offset, data)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_a_failed_write_behind_the_sealing_fails_the_save_and_leaves_no_file(llama_prefill, ring, tmp_path, fail_at):
+    # A sealed save writes on one helper thread while the next tensor is sealed: its error must
+    # still fail the save, and the temp file go.
+    _, cache, _ = llama_prefill
+    disk = FailingWrite(fail_at)
+    with pytest.raises(DiskError, match="injected"):
+        kvfile.save(tmp_path / "e.kvc", cache, PROMPT_TOKENS, {"namespace": "ns"}, keyring=ring, disk=disk)
+    assert list(tmp_path.glob("*.kvc*")) == [] and list(tmp_path.glob(".*")) == []
+    assert disk.writes >= fail_at
