@@ -182,7 +182,8 @@ def sealed_section(result: dict[str, Any], machine: dict[str, str], command: str
         f"Targets: {verdicts}. A sealed save seals each tensor 1 MiB at a time on the writer's thread while "
         f"one helper thread per file writes the pieces before, across tensor boundaries (`StreamWriter`: a "
         f"helper per tensor left each tensor's last pieces unoverlapped and measured 0.80-0.84x); "
-        f"a sealed load reads each tensor's ciphertext into its MLX array and opens it in place on the calling thread while the reader reads the next. {load_note()} "
+        f"a sealed load reads each tensor's ciphertext into its MLX array and opens it in place "
+        f"on the calling thread while the reader reads the next. {load_note()} "
         f"This machine's 2 cores are shared with other work, so single runs move by tens of percent; the "
         f"ratios compare pairs run back to back."
     ]
