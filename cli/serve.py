@@ -79,6 +79,20 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="Model: a local mlx-lm directory or a hub repo id ORG/NAME (downloaded into the Hugging Face "
     "cache unless cached; HF_HUB_OFFLINE=1 forbids it). Default: the built-in demo-coder model.",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding: a draft model (local directory or hub ORG/NAME, the target's tokenizer) proposes "
+    "tokens the model verifies; greedy and seeded output is unchanged. Its KV rides with the target's in every "
+    "cache tier. Off unless set.",
+)
+@click.option(
+    "--num-draft-tokens",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens the draft model proposes per step (with --draft-model).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback by default.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
 @click.option(
@@ -437,6 +451,8 @@ def _system_config(flags: ServeFlags, tenants: Tenants | None = None) -> SystemC
     keyring = _keyring(flags.encryption_key_files)  # first: a bad key file stops the start before any model work
     return SystemConfig(
         model_dir=resolve_model_dir(flags.model),
+        draft_model_dir=resolve_model_dir(flags.draft_model) if flags.draft_model is not None else None,
+        num_draft_tokens=flags.num_draft_tokens,
         ssd_dir=ssd_dir,
         ssd_bytes_max=int(flags.ssd_max_gb * GB) if ssd_dir is not None and flags.ssd_max_gb else None,
         prompt_cache_bytes=int(flags.prompt_cache_gb * GB),
@@ -524,6 +540,8 @@ class ServeFlags:
     """`kvcellar serve`'s options as click parsed them (one field per option, named as its parameter)."""
 
     model: str | None
+    draft_model: str | None
+    num_draft_tokens: int
     host: str
     port: int
     prompt_cache_gb: float

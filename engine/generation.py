@@ -651,6 +651,7 @@ def _decode_speculative(
     else:
         token, _ = start.sampling.sample(start.logits)
         batch = [item_int(token)]
+    fed_offered = len(fed)
     while True:
         for index, token_id in enumerate(batch):
             produced += 1
@@ -659,13 +660,14 @@ def _decode_speculative(
                 rounds.cut(len(batch) - 1 - index)
                 fed[:] = rounds.covered[len(prompt) :]
                 return produced
-        fed_before = len(fed)
-        fed[:] = rounds.covered[len(prompt) :]
-        if checkpoints is not None and checkpoints.due_between(fed_before, len(fed)):
+        if checkpoints is not None and checkpoints.due_between(fed_offered, len(fed)):
             checkpoints.offer(rounds.covered, start.entry_caches(paged_kv), batch[-1], produced, start.sampling.rng_key)
+        fed_offered = len(fed)
         # A round may step over a multiple of the guard's interval: check at the multiple, draft KV counted.
         crossed = produced // DECODE_CHECK_TOKENS * DECODE_CHECK_TOKENS
         if crossed > checked:
             memory.decode_check(crossed, len(prompt) + produced, [*start.cache, *rounds.draft])
             checked = crossed
         batch = rounds.round(batch[-1])
+        # The caches now cover the round's tokens but its last: so does `fed`, also while they are yielded.
+        fed[:] = rounds.covered[len(prompt) :]

@@ -38,6 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS, prefill
 from kvcellar.engine.sampling import SerialSampling
 from kvcellar.engine.scalars import item_int
+from kvcellar.errors import ModelError, UsageError
 from kvcellar.store.companion import SplitEntry
 
 # Why a request (or a generation from some point on) decodes without the draft.
@@ -135,18 +136,27 @@ class Drafter:
     stats: SpeculationStats = attrs.field(factory=SpeculationStats)
 
 
-def refusal(request: Any, target_cache: Sequence[Any], *, paged: bool) -> str | None:
-    """Why the plain loop serves this request instead (None: speculation
-    serves it). Log-probabilities are refused because a (k+1)-token forward's
-    values differ from a one-token forward's in the last bits, which reported
-    numbers show; a grammar and the request's own processors (a forced reply
-    start) keep state the verification could run ahead of."""
+def request_refusal(request: Any) -> str | None:
+    """Why the request itself is served without the draft (None: it can be).
+    Log-probabilities are refused because a (k+1)-token forward's values
+    differ from a one-token forward's in the last bits, which reported numbers
+    show; a grammar and the request's own processors (a forced reply start)
+    keep state the verification could run ahead of."""
     if request.params.logprobs:
         return REFUSED_LOGPROBS
     if request.params.grammar is not None:
         return REFUSED_GRAMMAR
     if request.logits_processors:
         return REFUSED_REQUEST_PROCESSORS
+    return None
+
+
+def refusal(request: Any, target_cache: Sequence[Any], *, paged: bool) -> str | None:
+    """Why the plain loop serves this request (None: speculation serves it):
+    the request's own reasons, then paged KV and caches that cannot trim."""
+    reason = request_refusal(request)
+    if reason is not None:
+        return reason
     if paged:
         return REFUSED_PAGED_KV
     if not all(_layer_trimmable(cache) for cache in target_cache):
@@ -203,8 +213,8 @@ def prepare_draft(
         draft, draft_tokens = make_prompt_cache(drafter.model), 0
     else:
         draft_tokens = cached_tokens
-    logits = prefill(drafter.model, prompt[draft_tokens:], draft, prefill_step_tokens)
-    mx.eval(logits, [layer.state for layer in _layers(draft)])
+    if len(prompt) > draft_tokens:
+        mx.eval(prefill(drafter.model, prompt[draft_tokens:], draft, prefill_step_tokens))
     return draft
 
 
@@ -305,3 +315,35 @@ class SpeculativeRounds:
             self.draft_tokens += len(lag)
         mx.eval([layer.state for layer in _layers(self.draft)])
         return self.draft
+
+
+def load_drafter(draft_dir: Path, num_draft_tokens: int, target: Any, memo: Any = None) -> Drafter:
+    """The draft model in `draft_dir`, loaded on the engine thread beside the
+    `target` (a `LoadedModel`), computing in the target's dtype. Refuses
+    (`UsageError`) a draft whose tokenizer is not the target's (the ids must
+    mean the same tokens) or whose caches cannot trim (recurrent state):
+    speculation trims the draft back after every round. `memo`: the shard
+    digest memo the target's fingerprint uses (None: one in RAM)."""
+    from kvcellar.engine.attention_window import load_model_and_tokenizer
+    from kvcellar.store.fingerprint import ShardDigestMemo, compute_fingerprint
+
+    if num_draft_tokens < 1:
+        raise UsageError("--num-draft-tokens must be at least 1")
+    try:
+        model, tokenizer = load_model_and_tokenizer(draft_dir)
+    except Exception as e:
+        raise ModelError(f"cannot load the draft model in {draft_dir}: {e}") from e
+    if tokenizer.vocab_size != target.tokenizer.vocab_size or tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise UsageError(f"the draft model in {draft_dir} has another tokenizer than the target: its ids differ")
+    if target.compute.cast_to is not None:
+        model.set_dtype(getattr(mx, target.compute.cast_to))
+        mx.eval(model.parameters())
+    if not all(_layer_trimmable(cache) for cache in make_prompt_cache(model)):
+        raise UsageError(f"the draft model in {draft_dir} keeps recurrent state, which a rejected draft cannot trim")
+    # The cast the draft computes in is part of its identity, as the target's is of its fingerprint.
+    fingerprint = compute_fingerprint(
+        draft_dir,
+        kv_scheme_key=f"draft:{target.compute.cast_to or 'model'}",
+        memo=memo if memo is not None else ShardDigestMemo(None),
+    )
+    return Drafter(model=model, model_dir=draft_dir, num_draft_tokens=num_draft_tokens, digest=fingerprint.digest)
