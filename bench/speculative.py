@@ -44,7 +44,7 @@ RESTORED_TOKENS = 8192
 
 
 def _loaded(model_dir: Path) -> LoadedModel:
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = load(str(model_dir))[:2]
     return LoadedModel(model=model, tokenizer=tokenizer, model_dir=model_dir, context_tokens_max=16384)
 
 
