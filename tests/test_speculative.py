@@ -158,3 +158,22 @@ def test_companion_bytes_are_billed_with_the_target(models):
     generate(loaded, with_draft, drafter_for(loaded))
     generate(loaded, without, None)
     assert with_draft.stats()["bytes"] == 2 * without.stats()["bytes"]
+
+
+def test_a_draft_with_recurrent_state_is_refused_at_load(models):
+    from kvcellar.engine.speculative import load_drafter
+    from kvcellar.errors import UsageError
+
+    with pytest.raises(UsageError, match="recurrent state"):
+        load_drafter(models["mamba2"].model_dir, 3, models["llama"])
+    drafter = load_drafter(models["deepseek_v3"].model_dir, 2, models["llama"])
+    assert drafter.num_draft_tokens == 2 and len(drafter.digest) == 32
+
+
+def test_serve_offers_the_draft_options():
+    from click.testing import CliRunner
+
+    from kvcellar.cli.serve import serve_command
+
+    text = CliRunner().invoke(serve_command, ["--help"]).output
+    assert "--draft-model" in text and "--num-draft-tokens" in text
