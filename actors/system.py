@@ -69,14 +69,10 @@ from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.compute_dtype import ComputeDtype
 from kvcellar.engine.engine import MODEL_DTYPE, EngineThread, LoadedModel, resolve_compute_dtype
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
-from kvcellar.engine.memory import (
-    MemoryGuard,
-    MemoryMeter,
-    MlxMemoryMeter,
-)
+from kvcellar.engine.memory import MemoryGuard, MemoryMeter, MlxMemoryMeter
 from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
 from kvcellar.engine.restore_policy import PolicyColdTier
-from kvcellar.engine.speculative import Drafter, load_drafter, request_refusal
+from kvcellar.engine.speculative import Drafter, open_drafter
 from kvcellar.errors import EngineStopped, JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalEvent
@@ -113,8 +109,7 @@ class System:
         self.gateway: Gateway
         self.scheduler: Scheduler | None = None
         self.serial_reason = ""
-        # The draft model of speculative decoding (engine/speculative.py); None without `--draft-model`.
-        self.drafter: Drafter | None = None
+        self.drafter: Drafter | None = None  # `--draft-model` (engine/speculative.py)
         self.queue: SpillQueue | None = None
         # The RAM tier's events port and the pipeline behind it (admission, coordinator, queue).
         self.write_behind = write_behind
@@ -215,7 +210,7 @@ class System:
             request = attrs.evolve(request, logits_processors=request.logits_processors + added)
         if self.shared is not None:
             await self.shared.before_request(request.prompt_ids, self.prompt_cache.readable(request.namespace))
-        if self.scheduler is not None and not self._speculates_on_serial_lane(request):
+        if self.scheduler is not None and not (self.drafter is not None and self.drafter.serial_lane_wanted(request)):
             # aclosing: a consumer that stops early cancels its row now, not when collected.
             async with aclosing(self.scheduler.generate(request)) as items:
                 async for item in items:
@@ -239,14 +234,6 @@ class System:
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
             yield item
-
-    def _speculates_on_serial_lane(self, request: GenerationRequest) -> bool:
-        """With a draft, a request speculation can serve runs on the serial lane:
-        the batch lane has no per-row acceptance yet (counted, `/stats` `speculative.serial_fallbacks`)."""
-        if self.drafter is None or request_refusal(request) is not None:
-            return False
-        self.drafter.stats.count_serial_fallback()
-        return True
 
     async def flush(self, timeout_s: float | None = None) -> FlushResult:
         """Persist everything dirty and say whether all of it is on disk. It
@@ -608,12 +595,11 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
                 engine, lambda: open_store(config, seams, scheme, monitor, compute)
             )
         paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
-        drafter = await open_drafter(engine, config)
         async with trio.open_nursery() as nursery:
             system = await _start_actors(
                 nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
             )
-            system.drafter = drafter
+            system.drafter = await open_drafter(engine, config)
             try:
                 # Before anything is served: the wipes a crash left unfinished (their SSD part ran at open).
                 await system.wipes.resume()
@@ -809,16 +795,3 @@ async def open_paged_kv(engine: Any, block_size: int | None, scheme: KvScheme) -
         raise UsageError(f"--paged-kv refused for this model: {refusal}")
     log.info("paged KV on: blocks of %d tokens", block_size)
     return paged_kv
-
-
-async def open_drafter(engine: EngineThread, config: SystemConfig) -> Drafter | None:
-    """`--draft-model`'s drafter, loaded on the engine thread beside the target (None without one)."""
-    draft_dir = config.draft_model_dir
-    if draft_dir is None:
-        return None
-    drafter = await engine.call(
-        lambda loaded: load_drafter(draft_dir, config.num_draft_tokens, loaded, config.shard_digest_memo),
-        label="load-draft",
-    )
-    log.info("draft model %s: %d tokens per round, drafter %s", draft_dir, drafter.num_draft_tokens, drafter.digest)
-    return drafter

@@ -24,6 +24,7 @@ cannot reproduce exactly are served by the plain loop, the reason counted
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ REFUSED_PAGED_KV = "paged_kv"
 REFUSED_UNTRIMMABLE = "untrimmable_cache"
 # The batch lane has no per-row acceptance yet: a speculative request runs on the serial lane (counted).
 ON_SERIAL_LANE = "batch_lane_has_no_per_row_acceptance"
+log = logging.getLogger("kvcellar.speculative")
 # A round's k where nothing bounds it (plain and quantized KV).
 _UNBOUNDED = 1 << 30
 
@@ -134,6 +136,14 @@ class Drafter:
     num_draft_tokens: int
     digest: str
     stats: SpeculationStats = attrs.field(factory=SpeculationStats)
+
+    def serial_lane_wanted(self, request: Any) -> bool:
+        """Whether a request the draft can serve leaves the batch lane for the
+        serial lane (it has no per-row acceptance yet): counted when it does."""
+        if request_refusal(request) is not None:
+            return False
+        self.stats.count_serial_fallback()
+        return True
 
 
 def request_refusal(request: Any) -> str | None:
@@ -347,3 +357,17 @@ def load_drafter(draft_dir: Path, num_draft_tokens: int, target: Any, memo: Any 
         memo=memo if memo is not None else ShardDigestMemo(None),
     )
     return Drafter(model=model, model_dir=draft_dir, num_draft_tokens=num_draft_tokens, digest=fingerprint.digest)
+
+
+async def open_drafter(engine: Any, config: Any) -> Drafter | None:
+    """`--draft-model`'s drafter (`config`: a `SystemConfig`), loaded on the
+    engine thread (an `EngineThread`) beside the target; None without one."""
+    draft_dir = config.draft_model_dir
+    if draft_dir is None:
+        return None
+    drafter = await engine.call(
+        lambda loaded: load_drafter(draft_dir, config.num_draft_tokens, loaded, config.shard_digest_memo),
+        label="load-draft",
+    )
+    log.info("draft model %s: %d tokens per round, drafter %s", draft_dir, drafter.num_draft_tokens, drafter.digest)
+    return drafter
