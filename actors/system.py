@@ -69,13 +69,10 @@ from kvcellar.engine.checkpointing import Checkpointing
 from kvcellar.engine.compute_dtype import ComputeDtype
 from kvcellar.engine.engine import MODEL_DTYPE, EngineThread, LoadedModel, resolve_compute_dtype
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
-from kvcellar.engine.memory import (
-    MemoryGuard,
-    MemoryMeter,
-    MlxMemoryMeter,
-)
+from kvcellar.engine.memory import MemoryGuard, MemoryMeter, MlxMemoryMeter
 from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
 from kvcellar.engine.restore_policy import PolicyColdTier
+from kvcellar.engine.speculative import Drafter, open_drafter
 from kvcellar.errors import EngineStopped, JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalEvent
@@ -112,6 +109,7 @@ class System:
         self.gateway: Gateway
         self.scheduler: Scheduler | None = None
         self.serial_reason = ""
+        self.drafter: Drafter | None = None  # `--draft-model` (engine/speculative.py)
         self.queue: SpillQueue | None = None
         # The RAM tier's events port and the pipeline behind it (admission, coordinator, queue).
         self.write_behind = write_behind
@@ -212,7 +210,7 @@ class System:
             request = attrs.evolve(request, logits_processors=request.logits_processors + added)
         if self.shared is not None:
             await self.shared.before_request(request.prompt_ids, self.prompt_cache.readable(request.namespace))
-        if self.scheduler is not None:
+        if self.scheduler is not None and not (self.drafter is not None and self.drafter.serial_lane_wanted(request)):
             # aclosing: a consumer that stops early cancels its row now, not when collected.
             async with aclosing(self.scheduler.generate(request)) as items:
                 async for item in items:
@@ -231,6 +229,7 @@ class System:
                 memory_guard=self.memory_guard,
                 checkpointing=self.checkpointing,
                 paged_kv=self.paged_kv,
+                drafter=self.drafter,
             )
 
         async for item in self.gateway.generate(job, prompt_tokens=len(request.prompt_ids), cancelled=cancelled):
@@ -467,6 +466,7 @@ class System:
             "prefill": self.prefill_progress.stats(),
             "flush": self._flush_stats(),
             "wipes": self.wipes.stats(),
+            "speculative": self.drafter.stats.snapshot() if self.drafter is not None else {},
             "checkpoints": self._checkpoint_stats(),
             "paged_kv": self.paged_kv.stats() if self.paged_kv is not None else {},
             "restore_policy": self.restore_policy.stats() if self.restore_policy is not None else {},
@@ -599,6 +599,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
             system = await _start_actors(
                 nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
             )
+            system.drafter = await open_drafter(engine, config)
             try:
                 # Before anything is served: the wipes a crash left unfinished (their SSD part ran at open).
                 await system.wipes.resume()

@@ -61,6 +61,9 @@ class SystemConfig:
     shard_digest_memo: ShardDigestMemo | None = attrs.field(default=None, eq=False)
     # Rows of the batch lane; 1 keeps every request on the serial lane.
     batch_rows_max: int = 1
+    # `serve --draft-model`/`--num-draft-tokens` (issue 42): speculative decoding on the serial lane.
+    draft_model_dir: Path | None = None
+    num_draft_tokens: int = 3
     kv_budget_bytes: int = KV_BUDGET_BYTES_DEFAULT
     # What MLX may hold live, weights included (engine/memory.py): None is the
     # default (75 % of physical memory, at most Metal's working set), 0 is off.

@@ -105,6 +105,20 @@ def shutdown_timeout_s(environ=os.environ) -> float:
     help="In a model pool, the model a request naming no served model or alias goes to "
     "(else it is a 404 naming the served models).",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding: a draft model (local directory or hub ORG/NAME, the target's tokenizer) proposes "
+    "tokens the model verifies; greedy and seeded output is unchanged. Its KV rides with the target's in every "
+    "cache tier. Off unless set.",
+)
+@click.option(
+    "--num-draft-tokens",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens the draft model proposes per step (with --draft-model).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback by default.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
 @click.option(
@@ -419,6 +433,11 @@ def serve_command(**options: Any) -> None:
     from kvcellar.cli.serve_pool import make_pool, pool_names
 
     names = pool_names(flags.model, flags.models_file, flags.default_model)
+    if names is not None and flags.draft_model is not None:
+        raise UsageError(
+            "--draft-model serves one model; a model pool has no per-model draft yet: "
+            "serve the model that needs a draft on its own (docs/models.md)"
+        )
     if names is not None:
         from kvcellar.http.server import serve_pool_forever
 
@@ -473,6 +492,8 @@ def _system_config(flags: ServeFlags, tenants: Tenants | None = None, model_dir:
     keyring = _keyring(flags.encryption_key_files)  # first: a bad key file stops the start before any model work
     return SystemConfig(
         model_dir=model_dir if model_dir is not None else resolve_model_dir(flags.model[0] if flags.model else None),
+        draft_model_dir=resolve_model_dir(flags.draft_model) if flags.draft_model is not None else None,
+        num_draft_tokens=flags.num_draft_tokens,
         ssd_dir=ssd_dir,
         ssd_bytes_max=int(flags.ssd_max_gb * GB) if ssd_dir is not None and flags.ssd_max_gb else None,
         prompt_cache_bytes=int(flags.prompt_cache_gb * GB),
@@ -580,6 +601,8 @@ class ServeFlags:
     models_file: Path | None
     models_memory_gb: float | None
     default_model: str | None
+    draft_model: str | None
+    num_draft_tokens: int
     host: str
     port: int
     prompt_cache_gb: float

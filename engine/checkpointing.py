@@ -140,6 +140,13 @@ class RequestCheckpoints:
         interval = self.port.interval_tokens
         return not self.disabled and emitted_tokens > self.resumed_tokens and emitted_tokens % interval == 0
 
+    def due_between(self, emitted_before: int, emitted_after: int) -> bool:
+        """Whether a boundary in `(emitted_before, emitted_after]` takes one: a
+        speculative round emits several tokens, and its end is the boundary."""
+        interval = self.port.interval_tokens
+        after = max(emitted_before, self.resumed_tokens)
+        return not self.disabled and emitted_after > after and emitted_after // interval > after // interval
+
     def offer(
         self,
         tokens: Sequence[int],

@@ -55,12 +55,14 @@ from kvcellar.engine.engine import (
     SamplingParams,
     prefill,
 )
-from kvcellar.engine.memory import GuardedRequest, MemoryGuard
+from kvcellar.engine.memory import DECODE_CHECK_TOKENS, GuardedRequest, MemoryGuard
 from kvcellar.engine.paged_kv import PagedKv
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
+from kvcellar.engine.speculative import Drafter, SpeculativeRounds, prepare_draft, refusal
 from kvcellar.errors import PrefillCancelled, UsageError
 from kvcellar.store.checkpoints import ResumePoint
+from kvcellar.store.companion import SplitEntry, split_companion, with_companion
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.prompt_cache import CacheDivergence, PromptCache
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
@@ -139,6 +141,8 @@ class Reuse:
     restore_plan: str = ""
     # Where the prompt left the longest prefix a tier shares with it (before this take); None without tiers.
     divergence: CacheDivergence | None = None
+    # The lent entry's draft state (store/companion.py), told apart from `caches` (the target's); None on a miss.
+    companion: SplitEntry | None = None
 
     def snapshot_due(self, request: GenerationRequest, snapshot_prefill_tokens_min: int) -> bool:
         """Whether the whole-prompt snapshot is owed: no stable boundary is
@@ -158,16 +162,20 @@ class Reuse:
         return boundary
 
 
-def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest) -> Reuse:
-    """Take the longest usable prefix of the request's prompt from the tiers, when it uses them."""
+def take_reuse(prompt_cache: PromptCache | None, request: GenerationRequest, drafter: str | None = None) -> Reuse:
+    """Take the longest usable prefix of the request's prompt from the tiers,
+    when it uses them; `caches` are the target's, any companion state the
+    entry held is in `companion` (usable only when `drafter` wrote it)."""
     if not request.use_prompt_cache or prompt_cache is None or not prompt_cache.enabled:
         return Reuse(use_cache=False, caches=None, cached_tokens=0, tier="none")
     prompt = list(request.prompt_ids)
     divergence = prompt_cache.divergence(prompt, request.namespace)
     taken = prompt_cache.take(prompt, request.namespace)
+    companion = split_companion(taken.caches, drafter) if taken.caches is not None else None
     return Reuse(
         use_cache=True,
-        caches=taken.caches,
+        caches=companion.target if companion is not None else None,
+        companion=companion,
         cached_tokens=taken.reused_tokens,
         tier=taken.tier,
         entry_id=taken.entry_id,
@@ -295,6 +303,41 @@ class _Start:
     logits: Any = None
     emitted: tuple[int, ...] = ()
     pending: int | None = None
+    # The draft's rounds when a draft serves this request (engine/speculative.py).
+    speculation: SpeculativeRounds | None = None
+
+    def entry_caches(self, paged_kv: PagedKv | None) -> list:
+        """The caches the tiers and checkpoints take: the target's, with the
+        draft's as companion state when they cover the same tokens."""
+        caches = tier_form(self.cache, paged_kv)
+        rounds = self.speculation
+        if rounds is None:
+            return caches
+        return with_companion(caches, rounds.synced_draft(), rounds.drafter.digest)
+
+
+def _speculation(
+    loaded: LoadedModel,
+    drafter: Drafter | None,
+    request: GenerationRequest,
+    start: _Start,
+    covered: list[int],
+    *,
+    paged: bool,
+    prefill_step_tokens: int,
+) -> SpeculativeRounds | None:
+    """The draft's rounds for a request about to decode from `covered`
+    (prompt and emitted tokens), or None: no draft, or refused (counted)."""
+    if drafter is None:
+        return None
+    reason = refusal(request, start.cache, paged=paged)
+    if reason is not None:
+        drafter.stats.count_refused(reason)
+        return None
+    drafter.stats.count_request()
+    companion = start.reuse.companion or SplitEntry(target=[], draft=None)
+    draft = prepare_draft(drafter, companion, covered, start.reuse.cached_tokens, prefill_step_tokens)
+    return SpeculativeRounds(loaded.model, drafter, start.cache, draft, start.sampling, covered)
 
 
 def _cold_start(
@@ -308,12 +351,13 @@ def _cold_start(
     snapshot_prefill_tokens_min: int,
     memory_guard: MemoryGuard | None,
     paged_kv: PagedKv | None = None,
+    drafter: Drafter | None = None,
 ) -> _Start:
     """Take what the tiers hold, admit the request against the memory budget,
     prefill the rest (with the prompt-boundary snapshot). A client that
     leaves mid-prefill raises `PrefillCancelled` once its prefix is kept."""
     prompt = list(request.prompt_ids)
-    reuse = take_reuse(prompt_cache, request)
+    reuse = take_reuse(prompt_cache, request, drafter.digest if drafter is not None else None)
     memory = GuardedRequest(memory_guard, (reuse.entry_id,))
     memory.admit(len(prompt), request.params.max_tokens)
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
@@ -351,7 +395,11 @@ def _cold_start(
         mx.eval(logits)
         memory.keep(tiers.put_entry(prompt, lend_caches(tier_form(cache, paged_kv)), request.namespace))
     sampling = SerialSampling(request.params, loaded.tokenizer, prompt, request.make_logits_processors())
-    return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, logits=logits)
+    start = _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, logits=logits)
+    start.speculation = _speculation(
+        loaded, drafter, request, start, prompt, paged=paged_kv is not None, prefill_step_tokens=prefill_step_tokens
+    )
+    return start
 
 
 def _resumed_start(
@@ -364,6 +412,7 @@ def _resumed_start(
     safeguards: Safeguards,
     memory_guard: MemoryGuard | None,
     paged_kv: PagedKv | None = None,
+    drafter: Drafter | None = None,
 ) -> _Start:
     """Go on from a checkpoint (spec §5.7): its caches cover the prompt and
     the emitted tokens; the pending token and the sampler's key and history
@@ -372,8 +421,15 @@ def _resumed_start(
     memory = GuardedRequest(memory_guard)
     memory.admit(len(prompt), request.params.max_tokens)
     use_cache = prompt_cache is not None and prompt_cache.enabled
-    reuse = Reuse(use_cache=use_cache, caches=None, cached_tokens=len(prompt), tier="checkpoint")
-    cache = scheme.convert(point.caches) if scheme is not None else point.caches
+    companion = split_companion(point.caches, drafter.digest if drafter is not None else None)
+    reuse = Reuse(
+        use_cache=use_cache,
+        caches=None,
+        cached_tokens=len(prompt) + len(point.emitted),
+        tier="checkpoint",
+        companion=companion,
+    )
+    cache = scheme.convert(companion.target) if scheme is not None else companion.target
     if paged_kv is not None:
         cache = paged_kv.page(cache, len(prompt) + request.params.max_tokens)
     emitted, pending = point.emitted, point.checkpoint.pending_token
@@ -388,7 +444,19 @@ def _resumed_start(
         # The simulator's mutation: the bug of a resume that did not save the pending token.
         logits = loaded.model(mx.array([[point.tokens[-1]]]), cache=cache)[:, -1, :]
         return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, logits=logits, emitted=emitted)
-    return _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, emitted=emitted, pending=pending)
+    start = _Start(cache=cache, reuse=reuse, sampling=sampling, memory=memory, emitted=emitted, pending=pending)
+    start.speculation = _speculation(
+        loaded,
+        drafter,
+        request,
+        start,
+        list(point.tokens),
+        paged=paged_kv is not None,
+        prefill_step_tokens=PREFILL_STEP_TOKENS,
+    )
+    # What the reply reports as cached: the prompt (the emitted tokens are replayed, counted apart).
+    start.reuse = attrs.evolve(reuse, cached_tokens=len(prompt))
+    return start
 
 
 def _start(
@@ -404,6 +472,7 @@ def _start(
     memory_guard: MemoryGuard | None,
     safeguards: Safeguards,
     paged_kv: PagedKv | None = None,
+    drafter: Drafter | None = None,
 ) -> _Start:
     """A resume when the request has a checkpoint, else a cold start."""
     point = checkpoints.resume() if checkpoints is not None else None
@@ -417,6 +486,7 @@ def _start(
             safeguards=safeguards,
             memory_guard=memory_guard,
             paged_kv=paged_kv,
+            drafter=drafter,
         )
     return _cold_start(
         loaded,
@@ -428,6 +498,7 @@ def _start(
         snapshot_prefill_tokens_min=snapshot_prefill_tokens_min,
         memory_guard=memory_guard,
         paged_kv=paged_kv,
+        drafter=drafter,
     )
 
 
@@ -443,6 +514,7 @@ def run_generation(
     memory_guard: MemoryGuard | None = None,
     checkpointing: Checkpointing | None = None,
     paged_kv: PagedKv | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[TokenDelta | GenerationDone]:
     """Yield a `TokenDelta` per sampled token, then one `GenerationDone`.
     With `memory_guard`, the request is admitted against its budget after the
@@ -453,7 +525,10 @@ def run_generation(
     are offered every interval. With `paged_kv`, plain full-attention layers
     are paged (engine/paged_kv.py) and converted back at the tier boundary.
     `cancelled` (the client left) ends it between two decode steps or before
-    a prefill chunk; a cancelled prefill yields nothing."""
+    a prefill chunk; a cancelled prefill yields nothing. With `drafter`, the
+    decode runs speculative rounds (engine/speculative.py) unless the request
+    is refused them (counted), and the tiers take the draft's caches with the
+    target's as companion state."""
     params = request.params
     prompt = list(request.prompt_ids)
     checkpoints = checkpointing.begin(request) if checkpointing is not None else None
@@ -465,6 +540,7 @@ def run_generation(
         memory_guard=memory_guard,
         safeguards=checkpointing.safeguards if checkpointing is not None else SAFEGUARDS,
         paged_kv=paged_kv,
+        drafter=drafter,
     )
     try:
         start = prefill(loaded, prompt_cache, request, checkpoints, cancelled)
@@ -480,18 +556,19 @@ def run_generation(
             produced += 1
             yield TokenDelta(token_id=token_id, text=assembler.add(token_id))
             fed.append(token_id)
-        produced = yield from _decode(
-            loaded, start, request, assembler, fed, produced, cancelled, checkpoints, paged_kv
-        )
+        decode = _decode if start.speculation is None else _decode_speculative
+        produced = yield from decode(loaded, start, request, assembler, fed, produced, cancelled, checkpoints, paged_kv)
         if checkpoints is not None and not cancelled.is_set():
             checkpoints.completed()
         tail = assembler.closing_text()
         if tail:
             yield TokenDelta(token_id=-1, text=tail)
     finally:
+        if start.speculation is not None:
+            start.speculation.settle()
         if tiers is not None:
             # The caches hold the prompt and every token fed back; the last sampled one was never fed.
-            tiers.put(prompt + fed, tier_form(start.cache, paged_kv), request.namespace)
+            tiers.put(prompt + fed, start.entry_caches(paged_kv), request.namespace)
         # MLX's buffer cache is the engine thread's to release (EngineThread._run), once idle.
     yield _done(start.reuse, assembler.finish_reason, len(prompt), produced, checkpoints)
 
@@ -547,3 +624,50 @@ def _decode(
         logits = loaded.model(fed_input, cache=cache)[:, -1, :]
         fed.append(token_id)
     return produced
+
+
+def _decode_speculative(
+    loaded: LoadedModel,
+    start: _Start,
+    request: GenerationRequest,
+    assembler: TextAssembler,
+    fed: list[int],
+    produced: int,
+    cancelled: threading.Event,
+    checkpoints: RequestCheckpoints | None,
+    paged_kv: PagedKv | None,
+) -> Generator[TokenDelta, None, int]:
+    """`_decode` with a draft: each round emits one or more tokens
+    (engine/speculative.py). `fed` follows the rounds' `covered`; a stop
+    inside a round cuts the caches back to the last emitted token. A
+    checkpoint is offered at a round's end whose emitted tokens reach an
+    interval: its pending token is the round's last, already emitted."""
+    params, prompt = request.params, request.prompt_ids
+    rounds, memory = start.speculation, start.memory
+    assert rounds is not None
+    checked = produced // DECODE_CHECK_TOKENS * DECODE_CHECK_TOKENS
+    if start.pending is not None:
+        batch = [start.pending]
+    else:
+        token, _ = start.sampling.sample(start.logits)
+        batch = [item_int(token)]
+    fed_offered = len(fed)
+    while True:
+        for index, token_id in enumerate(batch):
+            produced += 1
+            yield TokenDelta(token_id=token_id, text=assembler.add(token_id))
+            if assembler.finished_by_stop or produced >= params.max_tokens or cancelled.is_set():
+                rounds.cut(len(batch) - 1 - index)
+                fed[:] = rounds.covered[len(prompt) :]
+                return produced
+        if checkpoints is not None and checkpoints.due_between(fed_offered, len(fed)):
+            checkpoints.offer(rounds.covered, start.entry_caches(paged_kv), batch[-1], produced, start.sampling.rng_key)
+        fed_offered = len(fed)
+        # A round may step over a multiple of the guard's interval: check at the multiple, draft KV counted.
+        crossed = produced // DECODE_CHECK_TOKENS * DECODE_CHECK_TOKENS
+        if crossed > checked:
+            memory.decode_check(crossed, len(prompt) + produced, [*start.cache, *rounds.draft])
+            checked = crossed
+        batch = rounds.round(batch[-1])
+        # The caches now cover the round's tokens but its last: so does `fed`, also while they are yielded.
+        fed[:] = rounds.covered[len(prompt) :]

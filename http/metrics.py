@@ -77,6 +77,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter(_RAM, "demotions", "RAM entries spilled and dropped after being idle."),
     _counter(_RAM, "oversize", "Generations larger than the RAM cap, spilled instead of held."),
     _counter(_RAM, "wiped", "RAM entries dropped by a cache wipe (POST /admin/cache/wipe)."),
+    _gauge(_RAM, "companion_bytes", "Of the RAM tier's bytes, the draft model's KV (method companion state)."),
     _gauge(_GATEWAY, "busy", "1 while the engine runs a request or background step, else 0."),
     _gauge(_GATEWAY, "waiting", "Requests queued at the gateway for the engine."),
     _gauge(_GATEWAY, "background_waiting", "Background steps (snapshots, demotions) waiting for an idle engine."),
@@ -308,6 +309,36 @@ SPECS += (_counter("inbound", "max_tokens_clamped", "Requests whose reply bound 
 _STRUCTURED.update({("inbound", "hosted_tools_left_out"), ("inbound", "prompt_rewrites")})
 
 
+# Speculative decoding (`serve --draft-model`, engine/speculative.py).
+_SPEC = "speculative"
+SPECS += (
+    _counter(_SPEC, "requests", "Requests decoded with the draft model."),
+    _counter(_SPEC, "serial_fallbacks", "Speculative requests sent to the serial lane (no per-row acceptance)."),
+    _counter(_SPEC, "rounds", "Draft-and-verify rounds run."),
+    _counter(_SPEC, "proposed_tokens", "Tokens the draft model proposed."),
+    _counter(_SPEC, "accepted_tokens", "Proposed tokens the target model accepted."),
+    _gauge(_SPEC, "acceptance_rate", "Accepted over proposed draft tokens, since start."),
+    _gauge(_SPEC, "accepted_tokens_per_step", "Draft tokens accepted per round, since start."),
+    _gauge(_SPEC, "tokens_per_step", "Tokens emitted per round (accepted plus the target's own), since start."),
+    _gauge(_SPEC, "draft_time_share", "Share of the rounds' time spent in the draft model."),
+    _counter(_SPEC, "companion_restored", "Takes whose draft KV came from the tiers with the target's."),
+    _counter(_SPEC, "draft_reprefill_tokens", "Tokens the draft re-prefilled because its tier state was unusable."),
+)
+_STRUCTURED.update({(_SPEC, "refused"), (_SPEC, "draft_reprefills")})
+
+
+def speculative_families(speculative: Mapping[str, Any]) -> Iterator[CounterMetricFamily]:
+    """Requests decoded without the draft, and takes that re-prefilled it, by reason."""
+    for field, help in (
+        ("refused", "Requests the draft model could not serve exactly, decoded plainly, by reason."),
+        ("draft_reprefills", "Takes whose draft KV was missing or stale (re-prefilled), by reason."),
+    ):
+        family = CounterMetricFamily(f"kvcellar_speculative_{field}", help, labels=["reason"])
+        for reason, count in sorted((speculative.get(field) or {}).items()):
+            family.add_metric([str(reason)], float(count))
+        yield family
+
+
 class StatsCollector(Collector):
     """Typed families over `stats()`, read afresh on every scrape."""
 
@@ -327,6 +358,7 @@ class StatsCollector(Collector):
         yield checkpoints_skipped_family(_section(stats, _CHECKPOINTS).get("skipped"))
         yield from inbound_families(_section(stats, "inbound"))
         yield from restore_policy_families(_section(stats, "restore_policy"))
+        yield from speculative_families(_section(stats, _SPEC))
         yield from undescribed_families(stats)
 
 

@@ -22,6 +22,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.errors import CorruptEntry, RefusedCacheKind, UsageError
 from kvcellar.store import signature as sig
+from kvcellar.store.companion import CompanionState
 from kvcellar.store.records import CacheRecord, TensorRecord
 
 STEP_ROWS = 256
@@ -145,7 +146,7 @@ def _plan_one(cache: Any, name: str, token_count: int, plan: _Plan) -> CacheReco
     children: list[CacheRecord] = []
     offset = token_count
     kind = type(cache)
-    if kind is mlx_cache.CacheList:
+    if kind in (mlx_cache.CacheList, CompanionState):
         children = [_plan_one(child, f"{name}.{i}", token_count, plan) for i, child in enumerate(cache.caches)]
     elif kind is mlx_cache.ArraysCache:
         fields["slots"] = len(cache.cache)
@@ -237,6 +238,9 @@ def _rebuild_one(record: CacheRecord, read: TensorReader) -> Any:
     if signature.startswith(sig.LIST_PREFIX):
         # Each member keeps its own recorded bound; the list's is their maximum.
         return mlx_cache.CacheList(*(_rebuild_one(child, read) for child in record.children))
+    if signature.startswith(sig.COMPANION_PREFIX):
+        drafter = sig.companion_drafter_of(signature)
+        return CompanionState(*(_rebuild_one(child, read) for child in record.children), drafter=drafter)
     return _keep_recorded_bound(record, _rebuild_member(record, read))
 
 

@@ -54,6 +54,7 @@ import xxhash
 from kvcellar.errors import CorruptEntry, DecodeError, DiskError, KeyUnavailable, UnsupportedFormat, UsageError
 from kvcellar.serialization import converter, from_cbor, to_cbor
 from kvcellar.store import codecs, sealing, staged_load, tensor_io
+from kvcellar.store.companion import companion_drafter
 from kvcellar.store.disk import Disk, RealDisk
 from kvcellar.store.image_disk import ImageDisk
 from kvcellar.store.keyring import EncryptionKey, KeyRing
@@ -66,22 +67,38 @@ from kvcellar.store.records import (
     TensorRecord,
 )
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
-from kvcellar.store.signature import caches_trimmable, entry_minimum_reusable_offset
+from kvcellar.store.signature import COMPANION_PREFIX, caches_trimmable, entry_minimum_reusable_offset
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 FORMAT_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 2
 SEALED_FORMAT_VERSION = 3
 SEALED_CHECKPOINT_FORMAT_VERSION = 4
-READABLE_FORMAT_VERSIONS = frozenset(
+# Versions 5-8: versions 1-4 with a method companion section (store/companion.py, issue 42).
+COMPANION_FORMAT_VERSION = 5
+COMPANION_CHECKPOINT_FORMAT_VERSION = 6
+SEALED_COMPANION_FORMAT_VERSION = 7
+SEALED_COMPANION_CHECKPOINT_FORMAT_VERSION = 8
+# The versions before companion state: what a build without it reads (its refusal of 5-8 is tested).
+PRE_COMPANION_FORMAT_VERSIONS = frozenset(
     {FORMAT_VERSION, CHECKPOINT_FORMAT_VERSION, SEALED_FORMAT_VERSION, SEALED_CHECKPOINT_FORMAT_VERSION}
 )
-# The format version of each (is a checkpoint, is sealed) pair, and back.
+READABLE_FORMAT_VERSIONS = PRE_COMPANION_FORMAT_VERSIONS | {
+    COMPANION_FORMAT_VERSION,
+    COMPANION_CHECKPOINT_FORMAT_VERSION,
+    SEALED_COMPANION_FORMAT_VERSION,
+    SEALED_COMPANION_CHECKPOINT_FORMAT_VERSION,
+}
+# The format version of each (is a checkpoint, is sealed, has companion state) triple, and back.
 _FORMAT_VERSIONS = {
-    (False, False): FORMAT_VERSION,
-    (True, False): CHECKPOINT_FORMAT_VERSION,
-    (False, True): SEALED_FORMAT_VERSION,
-    (True, True): SEALED_CHECKPOINT_FORMAT_VERSION,
+    (False, False, False): FORMAT_VERSION,
+    (True, False, False): CHECKPOINT_FORMAT_VERSION,
+    (False, True, False): SEALED_FORMAT_VERSION,
+    (True, True, False): SEALED_CHECKPOINT_FORMAT_VERSION,
+    (False, False, True): COMPANION_FORMAT_VERSION,
+    (True, False, True): COMPANION_CHECKPOINT_FORMAT_VERSION,
+    (False, True, True): SEALED_COMPANION_FORMAT_VERSION,
+    (True, True, True): SEALED_COMPANION_CHECKPOINT_FORMAT_VERSION,
 }
 _FORMAT_PARTS = {version: parts for parts, version in _FORMAT_VERSIONS.items()}
 ALIGNMENT_BYTES = 16 * 1024
@@ -167,8 +184,9 @@ class KvFileWriter:
         info = _coerce_meta(meta)
         self._sealing_key = keyring.sealing if keyring is not None else None
         seal = sealing.new_seal(self._sealing_key) if self._sealing_key is not None else None
+        drafter = companion_drafter(caches)
         planned = Header(
-            format_version=_FORMAT_VERSIONS[(generation_checkpoint is not None, seal is not None)],
+            format_version=_FORMAT_VERSIONS[(generation_checkpoint is not None, seal is not None, drafter is not None)],
             fingerprint=dict(info.fingerprint),
             namespace=info.namespace,
             tokenizer_hash=info.tokenizer_hash,
@@ -181,6 +199,7 @@ class KvFileWriter:
             file_bytes=0,
             generation_checkpoint=generation_checkpoint,
             seal=seal,
+            companion=drafter,
         )
         self._header, self._on_disk = _plan_header(planned, self._sealing_key)
         self._binding = _binding(self._on_disk) if seal is not None else b""
@@ -463,11 +482,15 @@ def _read_checked_header(
         raise CorruptEntry(f"{path}: header checksum matches but it does not decode: {e}", part="header") from e
     if header.format_version != version or header.payload_offset != payload_offset:
         raise CorruptEntry(f"{path}: header disagrees with the preamble", part="header")
-    is_checkpoint, is_sealed = _FORMAT_PARTS[version]
+    is_checkpoint, is_sealed, has_companion = _FORMAT_PARTS[version]
     if (header.generation_checkpoint is not None) != is_checkpoint:
         raise CorruptEntry(f"{path}: a version {version} header with the wrong checkpoint part", part="header")
     if (header.seal is not None) != is_sealed:
         raise CorruptEntry(f"{path}: a version {version} header with the wrong seal part", part="header")
+    if (header.companion is not None) != has_companion:
+        raise CorruptEntry(f"{path}: a version {version} header with the wrong companion part", part="header")
+    if isinstance(header, Header) and header.companion is not None:
+        _check_companion_section(header, path)
     actual_bytes = size_bytes if size_bytes is not None else disk.size(handle)
     if actual_bytes < header.file_bytes:
         raise CorruptEntry(f"{path}: truncated ({actual_bytes} of {header.file_bytes} bytes)", part="size")
@@ -476,6 +499,13 @@ def _read_checked_header(
             header, token_ids=_open_token_ids(header_bytes, header.seal, header.token_ids, keyring, path)
         )
     return header
+
+
+def _check_companion_section(header: Header, path: Path) -> None:
+    """The companion section is the last cache record, and names the header's drafter."""
+    last = header.caches[-1].signature if header.caches else ""
+    if not last.startswith(f"{COMPANION_PREFIX}{header.companion}:"):
+        raise CorruptEntry(f"{path}: the companion part names no companion section of its drafter", part="header")
 
 
 def _open_token_ids(

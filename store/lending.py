@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.errors import UsageError
+from kvcellar.store.companion import CompanionState
 from kvcellar.store.signature import (
     cache_signature,
     declared_minimum_reusable_offset,
@@ -101,6 +102,8 @@ def lend_cache(cache: Any, drop_tokens: int = 0) -> Any:
     refuse_paged(signature, "lend")
     if type(cache) is mlx_cache.CacheList:
         return mlx_cache.CacheList(*(lend_cache(child, drop_tokens) for child in cache.caches))
+    if type(cache) is CompanionState:
+        return CompanionState(*(lend_cache(child, drop_tokens) for child in cache.caches), drafter=cache.drafter)
     if type(cache) is mlx_cache.ArraysCache:
         if drop_tokens:
             raise UsageError("recurrent state cannot be trimmed")
@@ -122,7 +125,7 @@ def cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
     """Every array an entry's caches hold (for evaluation or freeing)."""
     arrays: list[mx.array] = []
     for cache in caches:
-        if type(cache) is mlx_cache.CacheList:
+        if type(cache) in (mlx_cache.CacheList, CompanionState):
             arrays.extend(cache_arrays(cache.caches))
         elif type(cache) is mlx_cache.ArraysCache:
             # list[Any]: mlx-lm's unannotated `[None] * size` types the slots as None.

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from kvcellar.store.companion import has_companion
 from kvcellar.store.lending import lend_caches, snapshot_caches
 from kvcellar.store.namespaces import owner_of
 from kvcellar.store.prefix_index import PrefixIndex
@@ -176,6 +177,8 @@ class _RamEntry:
     minimum_reusable_offset: int
     last_used_tick: int
     last_used_s: float
+    # Of `bytes`, what its method companion state holds (the draft's KV, store/companion.py).
+    companion_bytes: int = 0
 
 
 @attrs.define(kw_only=True)
@@ -246,6 +249,8 @@ class PromptCache:
         self._ids = itertools.count(1)
         self._ticks = itertools.count(1)
         self.bytes_total = 0
+        # Of `bytes_total`, the bytes of method companion state (draft KV) the entries hold.
+        self.companion_bytes_total = 0
         self.counters = PromptCacheCounters()
         # Bumped by each wipe; snapshots carry it (`SpillSnapshot.wipe_epoch`).
         self.wipe_epoch = 0
@@ -402,6 +407,7 @@ class PromptCache:
             minimum_reusable_offset=entry_minimum_reusable_offset(caches, token_array.size),
             last_used_tick=next(self._ticks),
             last_used_s=self._clock_s(),
+            companion_bytes=held_bytes(caches[-1:]) if has_companion(caches) else 0,
         )
         if entry.bytes > min(self.bytes_max, self.owner_bytes_max.get(owner_of(namespace), self.bytes_max)):
             self.counters.oversize += 1
@@ -446,6 +452,7 @@ class PromptCache:
             minimum_reusable_offset=entry.minimum_reusable_offset,
         )
         self.bytes_total += entry.bytes
+        self.companion_bytes_total += entry.companion_bytes
         usage = self._usage_of(owner_of(entry.namespace))
         usage.entries += 1
         usage.bytes += entry.bytes
@@ -455,6 +462,7 @@ class PromptCache:
         entry = self._entries.pop(entry_id)
         self._indexes[entry.namespace].remove(entry_id)
         self.bytes_total -= entry.bytes
+        self.companion_bytes_total -= entry.companion_bytes
         usage = self._usage_of(owner_of(entry.namespace))
         usage.entries -= 1
         usage.bytes -= entry.bytes
@@ -595,6 +603,7 @@ class PromptCache:
                 "entries": len(self._entries),
                 "bytes": self.bytes_total,
                 "max_bytes": self.bytes_max,
+                "companion_bytes": self.companion_bytes_total,
                 **attrs.asdict(self.counters),
                 # Tenant names only (never keys); the default namespace is the totals above.
                 "by_tenant": {

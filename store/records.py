@@ -104,6 +104,11 @@ class Header:
     # are then their ciphertext and tag; a header read with the key (or
     # returned by a writer) holds the plaintext ids.
     seal: SealRecord | None = None
+    # Only an entry with method companion state has it (format versions 5-8,
+    # store/companion.py): the drafter's fingerprint digest. The companion
+    # section is the last cache record (`companion:<drafter>:list(...)`), its
+    # tensors in the same payload under the same checksums and seal.
+    companion: str | None = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -141,6 +146,7 @@ class HeaderSummary:
     file_bytes: int
     generation_checkpoint: dict[str, Any] | None = None
     seal: SealRecord | None = None
+    companion: str | None = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -161,5 +167,6 @@ converter.register_unstructure_hook(
         converter,
         generation_checkpoint=override(omit_if_default=True),
         seal=override(omit_if_default=True),
+        companion=override(omit_if_default=True),
     ),
 )

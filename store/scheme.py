@@ -269,7 +269,7 @@ class KvScheme:
         signature = _serving_signature(cache, index)
         if signature == sig.SIGNATURE_SSM:
             return _held_bytes(cache, index)
-        if signature.startswith(sig.LIST_PREFIX):
+        if signature.startswith((sig.LIST_PREFIX, sig.COMPANION_PREFIX)):
             return sum(self._projected_layer_bytes(member, index, bits, tokens) for member in cache.caches)
         if cache.keys is None:
             raise UsageError(
@@ -329,7 +329,8 @@ def held_bytes(caches: Sequence[Any]) -> int:
 
 def _held_bytes(cache: Any, index: int) -> int:
     signature = _serving_signature(cache, index)
-    if signature.startswith(sig.LIST_PREFIX):
+    if signature.startswith((sig.LIST_PREFIX, sig.COMPANION_PREFIX)):
+        # A companion's draft KV is billed with the target's (spec, "Method companion state").
         return sum(_held_bytes(member, index) for member in cache.caches)
     if signature.startswith(sig.PAGED_PREFIX):
         # A paged layer holds its whole pool (sized once from prompt plus max_tokens).

@@ -25,6 +25,7 @@ from typing import Any
 from mlx_lm.models import cache as mlx_cache
 
 from kvcellar.errors import RefusedCacheKind, UnknownCacheKind
+from kvcellar.store.companion import CompanionState
 
 SIGNATURE_PLAIN = "kv:plain"
 SIGNATURE_ROTATING = "kv:rotating-plain"
@@ -37,6 +38,8 @@ QUANT_PREFIX = "kv:quant:"
 PAGED_PREFIX = "kv:paged:"
 BATCH_PAGED_PREFIX = "kv:batch-paged:"
 LIST_PREFIX = "list("
+# Method companion state (store/companion.py): `companion:<drafter digest>:list(<sig>,...)`.
+COMPANION_PREFIX = "companion:"
 
 # Batched caches hold several rows; they reach the scheduler but never
 # persistence, which needs one row extracted per entry (spec §4, extract-and-put).
@@ -76,6 +79,9 @@ def cache_signature(cache: Any) -> str:
         return f"{paged_prefix}{cache.block_size}"
     if cls is mlx_cache.CacheList:
         return LIST_PREFIX + ",".join(cache_signature(child) for child in cache.caches) + ")"
+    if cls is CompanionState:
+        members = LIST_PREFIX + ",".join(cache_signature(child) for child in cache.caches) + ")"
+        return f"{COMPANION_PREFIX}{cache.drafter}:{members}"
     if cls is mlx_cache.ConcatenateKVCache:
         raise RefusedCacheKind(
             "ConcatenateKVCache is refused: its trim() only moves offset while fetch returns "
@@ -98,7 +104,7 @@ def is_trimmable(cache: Any) -> bool:
     signature = cache_signature(cache)
     if signature == SIGNATURE_SSM:
         return False
-    if signature.startswith(LIST_PREFIX):
+    if signature.startswith((LIST_PREFIX, COMPANION_PREFIX)):
         return all(is_trimmable(child) for child in cache.caches)
     return bool(cache.is_trimmable())
 
@@ -131,7 +137,7 @@ def declared_minimum_reusable_offset(cache: Any) -> int | None:
 def minimum_reusable_offset(cache: Any, token_count: int) -> int:
     """The shortest prefix length this cache can serve, for an entry of
     `token_count` tokens (recurrent state has no offset of its own)."""
-    if type(cache) is mlx_cache.CacheList:
+    if type(cache) in (mlx_cache.CacheList, CompanionState):
         bounds = [minimum_reusable_offset(child, token_count) for child in cache.caches]
         return max(bounds, default=0)
     floor = max(0 if is_trimmable(cache) else token_count, moving_front_bound(cache))
@@ -166,6 +172,11 @@ def usable_prefix_length(
     if usable < minimum_reusable:
         return 0
     return usable
+
+
+def companion_drafter_of(signature: str) -> str:
+    """The drafter digest a companion signature names."""
+    return signature[len(COMPANION_PREFIX) :].split(":", 1)[0]
 
 
 def is_paged(signature: str) -> bool:

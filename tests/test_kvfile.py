@@ -151,11 +151,11 @@ def test_future_format_version_and_foreign_files_are_refused(llama_entry, tmp_pa
     path, _, _, _ = llama_entry
     data = bytearray(path.read_bytes())
     # Version 2 is a generation checkpoint (test_checkpoints.py), 3 a sealed entry and 4 a sealed checkpoint
-    # (test_kvfile_sealed.py); 5 is from the future.
-    struct.pack_into("<I", data, 8, 5)
+    # (test_kvfile_sealed.py), 5-8 the same with companion state (test_speculative_tiers.py); 9 is from the future.
+    struct.pack_into("<I", data, 8, 9)
     future = tmp_path / "future.kvc"
     future.write_bytes(bytes(data))
-    with pytest.raises(UnsupportedFormat, match="version 5"):
+    with pytest.raises(UnsupportedFormat, match="version 9"):
         kvfile.read_header(future)
     foreign = tmp_path / "foreign.kvc"
     foreign.write_text(json.dumps({"not": "a kv file"}))
