@@ -225,3 +225,11 @@ def test_a_model_slot_follows_its_lifecycle_and_a_refused_message_changes_nothin
         assert core.state is expected
     # Every unload followed a load, and a drain's refusal never counts as one.
     assert core.unloads <= core.loads
+
+
+def test_a_draft_model_with_a_pool_is_a_usage_error_naming_the_way_out(tmp_path, capsys):
+    from kvcellar.cli import main
+
+    status = main(["serve", "--model", f"a={tmp_path}", "--model", f"b={tmp_path}", "--draft-model", str(tmp_path)])
+    assert status == 2
+    assert "--draft-model serves one model" in capsys.readouterr().err
