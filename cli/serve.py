@@ -553,7 +553,14 @@ def _http_settings(flags: ServeFlags, tenants: Tenants | None = None) -> HttpSet
 
 
 def run_trio_and_exit(main: Any, *args: Any) -> NoReturn:
-    """`trio.run(main, *args)`, then end the process as `_run` explains."""
+    """`trio.run(main, *args)`, then end the process without Python's teardown.
+
+    A start-up refusal made once a model is loaded (`--paged-kv`'s model gate) is a
+    `UsageError`: MLX ran, so it is reported as `kvcellar` does and the process ends with 2.
+    By the end everything is flushed and the engine thread joined. MLX's C++ runtime can
+    abort in its static destructors at interpreter exit ("terminate called without an active
+    exception", SIGABRT, seen in about one clean shutdown in three), so the process ends
+    without running them."""
     import trio
 
     try:
@@ -570,27 +577,9 @@ def run_trio_and_exit(main: Any, *args: Any) -> NoReturn:
 
 
 def _run(config: SystemConfig, host: str, port: int, settings: HttpSettings) -> NoReturn:
-    import trio
-
     from kvcellar.http.server import serve_forever
 
-    try:
-        trio.run(serve_forever, config, host, port, settings)
-    except UsageError as e:
-        # A start-up refusal made once the model is loaded (`--paged-kv`'s model gate): MLX ran,
-        # so its static destructors could abort the exit below too; report it as `kvcellar` does.
-        click.echo(f"error: {e}", err=True)
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(2)
-    # Everything is flushed and the engine thread joined by now. MLX's C++
-    # runtime can abort in its static destructors at interpreter exit
-    # ("terminate called without an active exception", SIGABRT, seen in about
-    # one clean shutdown in three), so end the process without running them.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_trio_and_exit(serve_forever, config, host, port, settings)
 
 
 @attrs.frozen(kw_only=True)
