@@ -10,13 +10,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import pytest
+from test_serve import wait_until_healthy
 
 from kvcellar.engine.demo_models import packaged_demo_coder_dir
 
@@ -48,17 +48,7 @@ class PoolServer:
             text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"server exited: {self.process.stdout.read()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.kill()
-        pytest.fail("server did not become healthy")
+        wait_until_healthy(self.process, self.base)
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -24,6 +24,23 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_until_healthy(process: subprocess.Popen, base: str, timeout_s: float = 120) -> None:
+    """Poll `base`/health until it answers 200; fail with the server's output if it exits, and kill it
+    if it is not healthy within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited: {process.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    process.wait()
+    pytest.fail("server did not become healthy")
+
+
 class Server:
     def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
@@ -36,17 +53,7 @@ class Server:
             text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"server exited: {self.process.stdout.read()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.process.kill()
-        pytest.fail("server did not become healthy")
+        wait_until_healthy(self.process, self.base)
 
     def stop(self) -> tuple[int, str]:
         """SIGTERM, wait, return (exit status, output)."""

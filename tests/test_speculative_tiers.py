@@ -7,7 +7,6 @@ uninterrupted output."""
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,11 @@ import numpy as np
 import pytest
 import trio
 from mlx_lm.models.cache import make_prompt_cache
+from test_checkpoints import _generate
 
 from kvcellar.actors.system import SystemConfig, open_system
 from kvcellar.engine.engine import SamplingParams, prefill
-from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta
+from kvcellar.engine.generation import GenerationRequest
 from kvcellar.errors import UnsupportedFormat
 from kvcellar.store import kvfile
 from kvcellar.store.companion import CompanionState, split_companion
@@ -81,19 +81,6 @@ def test_a_file_the_previous_version_wrote_still_loads(loaded_model_factory):
         keys, rows = restored.keys[..., : restored.offset, :], original.keys[..., : original.offset, :]
         assert np.allclose(np.array(keys), np.array(rows), atol=1e-5)
     assert split_companion(entry.caches, "d" * 32).reason == "companion_missing"
-
-
-async def _generate(system, request: GenerationRequest, stop_after: int | None = None) -> tuple[list[int], Any]:
-    produced, done = [], None
-    async with aclosing(system.generate(request)) as items:
-        async for item in items:
-            if isinstance(item, TokenDelta) and item.token_id >= 0:
-                produced.append(item.token_id)
-                if stop_after is not None and len(produced) >= stop_after:
-                    break
-            elif isinstance(item, GenerationDone):
-                done = item
-    return produced, done
 
 
 def _config(model_dir: Path, ssd_dir: Path, draft_dir: Path | None, **overrides: Any) -> SystemConfig:
