@@ -317,9 +317,11 @@ def test_a_damaged_database_is_a_clear_error(cache_dir, capsys):
 
 def test_unknown_event_or_entry_is_a_clear_error(cache_dir, capsys):
     root, _, _ = cache_dir
-    # Digits that name no event are tried as an entry-id prefix (hex ids often begin with digits).
-    assert main(["journal", "show", str(root), "999"]) == 2
-    assert "no event or entry '999'" in capsys.readouterr().err
+    # Digits that name no event are tried as an entry-id prefix (hex ids often begin with digits). Eighteen
+    # nines: no event has that number and no random hex id begins with them (a short one, like 999, did once).
+    unknown = "9" * 18
+    assert main(["journal", "show", str(root), unknown]) == 2
+    assert f"no event or entry '{unknown}'" in capsys.readouterr().err
     assert main(["journal", "timeline", str(root), "zzz"]) == 2
     assert "no event or entry 'zzz'" in capsys.readouterr().err
 
