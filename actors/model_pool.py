@@ -55,9 +55,11 @@ ROOM_WAIT_S = 120.0
 RAM_REBALANCE_S = 30.0
 
 
-def weights_bytes_on_disk(model_dir: Path) -> int:
-    """What a model's weights cost the budget: its safetensors' bytes (blocking: a worker thread's call)."""
-    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+def weights_bytes_on_disk(model_dir: Path, draft_model_dir: Path | None = None) -> int:
+    """What a model's weights cost the budget: its safetensors' bytes, and its draft's, loaded beside it
+    (blocking: a worker thread's call)."""
+    dirs = [model_dir] if draft_model_dir is None else [model_dir, draft_model_dir]
+    return sum(path.stat().st_size for directory in dirs for path in directory.glob("*.safetensors"))
 
 
 @attrs.define(kw_only=True)
@@ -149,7 +151,9 @@ class ModelPool:
 
     async def _make_room(self, slot: ModelSlot) -> None:
         if not slot.weights_bytes:
-            slot.weights_bytes = await trio.to_thread.run_sync(weights_bytes_on_disk, slot.config.model_dir)
+            slot.weights_bytes = await trio.to_thread.run_sync(
+                weights_bytes_on_disk, slot.config.model_dir, slot.config.draft_model_dir
+            )
         with trio.move_on_after(ROOM_WAIT_S):
             while True:
                 resident = {

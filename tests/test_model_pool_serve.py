@@ -248,5 +248,7 @@ def test_ram_gb_fixes_a_share_and_a_draft_model_keeps_greedy_output(small_dir, t
         assert models["drafted"]["draft_model"] == str(small_dir) and models["plain"]["draft_model"] is None
         assert models["drafted"]["speculative"]["requests"] == speculative["requests"]
         assert models["plain"]["speculative"] == {}
+        # The draft's weights count against the models memory budget with the model's own.
+        assert models["drafted"]["weights_bytes"] == 2 * models["plain"]["weights_bytes"] > 0
     finally:
         server.kill()
