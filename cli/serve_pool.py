@@ -64,8 +64,8 @@ def pool_configs(
     if not fixed_shares_fit(fixed, len(names.models), base.prompt_cache_bytes):
         raise UsageError(
             f"the models' ram_gb ({', '.join(f'{n}: {b / GB:g}' for n, b in fixed.items())}) add up to "
-            f"{sum(fixed.values()) / GB:g} GB, which leaves no room in --prompt-cache "
-            f"({base.prompt_cache_bytes / GB:g} GB) for the models that share it by use: "
+            f"{sum(fixed.values()) / GB:g} GB, more than --prompt-cache ({base.prompt_cache_bytes / GB:g} GB) "
+            "can give (it must also leave some RAM to any model without ram_gb): "
             "raise --prompt-cache or lower ram_gb"
         )
     shared_count = len(names.models) - len(fixed)
