@@ -10,6 +10,9 @@ Pure: no trio, no MLX, no I/O but `load_models_file`'s one read. A pool is given
     aliases = ["claude-*", "gpt-*"]   # optional: exact names or fnmatch globs
     pin = true                        # optional: never unloaded under memory pressure
     kv_quant = "8"                    # optional: this model's KV scheme (else serve's --kv-quant)
+    ram_gb = 2.0                      # optional: this model's fixed RAM prompt-cache share (GB)
+    draft_model = "/models/draft"     # optional: speculative decoding's draft (same forms as path)
+    num_draft_tokens = 4              # optional, with draft_model (else serve's --num-draft-tokens)
 
     [models.small]
     path = "/models/llama-tiny"
@@ -25,6 +28,7 @@ models). A request without a model field means the default, else the first model
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -35,7 +39,7 @@ import attrs
 
 from kvcellar.errors import ModelsFileError, UnknownModel
 
-MODEL_FIELDS = frozenset({"path", "aliases", "pin", "kv_quant"})
+MODEL_FIELDS = frozenset({"path", "aliases", "pin", "kv_quant", "ram_gb", "draft_model", "num_draft_tokens"})
 FILE_FIELDS = frozenset({"default", "models"})
 # A model's name: what `GET /v1/models` lists and the `model` a reply names.
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
@@ -44,13 +48,18 @@ MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 @attrs.frozen(kw_only=True)
 class ModelSpec:
     """One served model: its name, where its weights are (a directory or a hub repo id, resolved
-    by the CLI), its aliases (exact names or globs), whether it is pinned, its KV scheme (None: serve's)."""
+    by the CLI), its aliases (exact names or globs), whether it is pinned, its KV scheme (None: serve's),
+    its fixed RAM prompt-cache share (None: a share by use), and its speculative draft (a directory or a
+    hub repo id like `source`; None: no draft) with its tokens per round (None: serve's)."""
 
     name: str
     source: str
     aliases: tuple[str, ...] = ()
     pin: bool = False
     kv_quant: str | None = None
+    ram_gb: float | None = None
+    draft_source: str | None = None
+    num_draft_tokens: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -178,13 +187,43 @@ def _model_from_table(name: str, table: Any, where: str) -> ModelSpec:
     kv_quant = table.get("kv_quant")
     if kv_quant is not None and not isinstance(kv_quant, str | int):
         raise ModelsFileError(f'{place}: \'kv_quant\' must be like serve\'s --kv-quant ("bf16", "4", "8")')
+    draft_source, num_draft_tokens = _draft_fields(table, place)
     return ModelSpec(
         name=name,
         source=source,
         aliases=tuple(aliases),
         pin=pin,
         kv_quant=None if kv_quant is None else str(kv_quant),
+        ram_gb=_ram_gb(table, place),
+        draft_source=draft_source,
+        num_draft_tokens=num_draft_tokens,
     )
+
+
+def _ram_gb(table: Mapping[str, Any], place: str) -> float | None:
+    ram_gb = table.get("ram_gb")
+    if ram_gb is None:
+        return None
+    if isinstance(ram_gb, bool) or not isinstance(ram_gb, int | float) or not math.isfinite(ram_gb) or ram_gb <= 0:
+        raise ModelsFileError(
+            f"{place}: 'ram_gb' must be a number of GB above 0 (like 2 or 0.5), not {ram_gb!r}; "
+            "leave it out for a share of --prompt-cache by use"
+        )
+    return float(ram_gb)
+
+
+def _draft_fields(table: Mapping[str, Any], place: str) -> tuple[str | None, int | None]:
+    draft_source = table.get("draft_model")
+    if draft_source is not None and (not isinstance(draft_source, str) or not draft_source):
+        raise ModelsFileError(f"{place}: 'draft_model' must be a model directory or a hub repo id ORG/NAME")
+    num_draft_tokens = table.get("num_draft_tokens")
+    if num_draft_tokens is None:
+        return draft_source, None
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ModelsFileError(f"{place}: 'num_draft_tokens' must be a whole number of tokens, 1 or more")
+    if draft_source is None:
+        raise ModelsFileError(f"{place}: 'num_draft_tokens' needs 'draft_model' (the draft that proposes them)")
+    return draft_source, num_draft_tokens
 
 
 def _check_name(name: str, place: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -55,9 +55,11 @@ ROOM_WAIT_S = 120.0
 RAM_REBALANCE_S = 30.0
 
 
-def weights_bytes_on_disk(model_dir: Path) -> int:
-    """What a model's weights cost the budget: its safetensors' bytes (blocking: a worker thread's call)."""
-    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+def weights_bytes_on_disk(model_dir: Path, draft_model_dir: Path | None = None) -> int:
+    """What a model's weights cost the budget: its safetensors' bytes, and its draft's, loaded beside it
+    (blocking: a worker thread's call)."""
+    dirs = [model_dir] if draft_model_dir is None else [model_dir, draft_model_dir]
+    return sum(path.stat().st_size for directory in dirs for path in directory.glob("*.safetensors"))
 
 
 @attrs.define(kw_only=True)
@@ -95,12 +97,15 @@ class ModelPool:
         *,
         budget_bytes: int,
         ram_total_bytes: int,
+        ram_fixed_bytes: Mapping[str, int] | None = None,
         seams: SystemSeams | None = None,
         clock_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.names = names
         self.budget_bytes = budget_bytes
         self.ram_total_bytes = ram_total_bytes
+        # The models file's `ram_gb`, in bytes: those models' RAM shares, never re-divided.
+        self.ram_fixed_bytes = dict(ram_fixed_bytes or {})
         self.seams = seams or SystemSeams()
         self.clock_s = clock_s
         self.engine = SharedEngineThread()
@@ -146,7 +151,9 @@ class ModelPool:
 
     async def _make_room(self, slot: ModelSlot) -> None:
         if not slot.weights_bytes:
-            slot.weights_bytes = await trio.to_thread.run_sync(weights_bytes_on_disk, slot.config.model_dir)
+            slot.weights_bytes = await trio.to_thread.run_sync(
+                weights_bytes_on_disk, slot.config.model_dir, slot.config.draft_model_dir
+            )
         with trio.move_on_after(ROOM_WAIT_S):
             while True:
                 resident = {
@@ -258,10 +265,13 @@ class ModelPool:
         return verdict
 
     async def rebalance_ram(self) -> None:
-        """Each loaded model's RAM tier gets its share of the total, proportional to its requests
-        (set on the engine thread, between jobs: `PromptCache` is the engine thread's)."""
+        """Each loaded model's RAM tier gets its share of the total (`ram_shares`: a fixed `ram_gb`, else
+        by requests), set by the tier's owner: `PromptCache.resize` runs on the engine thread between jobs
+        and evicts down to a smaller share through its spill path."""
         loaded = {s.name: s for s in self.slots.values() if s.state == "loaded" and s.system is not None}
-        shares = ram_shares({name: s.requests for name, s in loaded.items()}, self.ram_total_bytes)
+        shares = ram_shares(
+            {name: s.requests for name, s in loaded.items()}, self.ram_total_bytes, fixed_bytes=self.ram_fixed_bytes
+        )
         for name, share in shares.items():
             system = loaded[name].system
             if system is None or system.prompt_cache.bytes_max == share:
@@ -269,7 +279,7 @@ class ModelPool:
             cache = system.prompt_cache
 
             def resize(_: Any, cache: Any = cache, share: int = share) -> None:
-                cache.bytes_max = share
+                cache.resize(share)
 
             try:
                 await system.gateway.run_when_idle(resize)
@@ -333,12 +343,15 @@ class ModelPool:
                 "error": slot.core.error,
                 "ram_bytes": tiers["prompt_cache"]["bytes"] if tiers else 0,
                 "ram_max_bytes": tiers["prompt_cache"]["max_bytes"] if tiers else 0,
+                "ram_fixed": slot.name in self.ram_fixed_bytes,
                 "ram_hits": tiers["prompt_cache"].get("hits", 0) if tiers else 0,
                 "ssd_bytes": tiers["ssd_cache"].get("bytes", 0) if tiers else 0,
                 "ssd_entries": tiers["ssd_cache"].get("entries", 0) if tiers else 0,
                 "ssd_restores": tiers["ssd_cache"].get("restores", 0) if tiers else 0,
                 "last_drain": slot.last_drain,
                 "engine_jobs": self.engine.jobs_run.get(slot.name, 0),
+                "draft_model": None if slot.config.draft_model_dir is None else str(slot.config.draft_model_dir),
+                "speculative": tiers["speculative"] if tiers else {},
             }
         return {
             "budget_bytes": self.budget_bytes,

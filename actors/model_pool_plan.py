@@ -56,18 +56,37 @@ def plan_unloads(resident: Mapping[str, Resident], wanted: str, wanted_bytes: in
     return UnloadPlan(unload=tuple(chosen), fits=True, bytes_after=total)
 
 
-def ram_shares(uses: Mapping[str, int], total_bytes: int, floor_share: float = 0.1) -> dict[str, int]:
-    """Each loaded model's share of the RAM prompt cache, proportional to its requests (`uses`), each
-    at least `floor_share` of an equal split so that a quiet model keeps a warm entry or two. The
-    shares never sum past `total_bytes`."""
-    if not uses:
-        return {}
-    count = len(uses)
-    floor_bytes = int(total_bytes / count * floor_share)
-    spread = total_bytes - floor_bytes * count
-    used = sum(max(0, use) for use in uses.values())
-    shares = {}
-    for name, use in uses.items():
+def ram_shares(
+    uses: Mapping[str, int],
+    total_bytes: int,
+    floor_share: float = 0.1,
+    *,
+    fixed_bytes: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """Each loaded model's share of the RAM prompt cache. A model with a fixed share (`fixed_bytes`, the
+    models file's `ram_gb`) gets exactly that; every fixed share is held back whether its model is loaded
+    or not, so loading one never shrinks another's. The rest of `total_bytes` goes to the other loaded
+    models, proportional to their requests (`uses`), each at least `floor_share` of an equal split so that
+    a quiet model keeps a warm entry or two. The shares never sum past `total_bytes` when the fixed ones
+    fit in it (`fixed_shares_fit`)."""
+    fixed = dict(fixed_bytes or {})
+    shares = {name: fixed[name] for name in uses if name in fixed}
+    shared_uses = {name: use for name, use in uses.items() if name not in fixed}
+    if not shared_uses:
+        return shares
+    count = len(shared_uses)
+    rest_bytes = max(0, total_bytes - sum(fixed.values()))
+    floor_bytes = int(rest_bytes / count * floor_share)
+    spread = rest_bytes - floor_bytes * count
+    used = sum(max(0, use) for use in shared_uses.values())
+    for name, use in shared_uses.items():
         part = max(0, use) / used if used else 1 / count
         shares[name] = floor_bytes + int(spread * part)
     return shares
+
+
+def fixed_shares_fit(fixed_bytes: Mapping[str, int], model_count: int, total_bytes: int) -> bool:
+    """Whether the fixed shares fit in the RAM prompt cache: within it when every model has one, else
+    strictly within it, so that the models sharing the rest by use get some RAM."""
+    held = sum(fixed_bytes.values())
+    return held <= total_bytes if len(fixed_bytes) >= model_count else held < total_bytes

@@ -435,8 +435,8 @@ def serve_command(**options: Any) -> None:
     names = pool_names(flags.model, flags.models_file, flags.default_model)
     if names is not None and flags.draft_model is not None:
         raise UsageError(
-            "--draft-model serves one model; a model pool has no per-model draft yet: "
-            "serve the model that needs a draft on its own (docs/models.md)"
+            "--draft-model serves one model; in a model pool give each model its own draft: "
+            "draft_model (and num_draft_tokens) in its [models.NAME] table of --models FILE (docs/models.md)"
         )
     if names is not None:
         from kvcellar.http.server import serve_pool_forever

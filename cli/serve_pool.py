@@ -2,9 +2,10 @@
 
 One `--model` without `NAME=` (or none) is the single-model server, unchanged; this module takes over
 only when a pool is asked for. Each model's `SystemConfig` is serve's own with the model's directory and
-KV scheme; the RAM prompt cache (`--prompt-cache`) is shared out among the loaded models by use
-(actors/model_pool_plan.py `ram_shares`). A pool's models run the serial lane: the batch lane's one
-engine job holds the engine for as long as its rows keep coming, which would starve the other models.
+KV scheme and draft; the RAM prompt cache (`--prompt-cache`) is shared out among the loaded models:
+a model's `ram_gb` is its own, the rest goes by use (actors/model_pool_plan.py `ram_shares`). A pool's
+models run the serial lane: the batch lane's one engine job holds the engine for as long as its rows
+keep coming, which would starve the other models.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvcellar.actors.model_names import ModelNames, ModelSpec, load_models_file, parse_model_flag
+from kvcellar.actors.model_pool_plan import fixed_shares_fit
 from kvcellar.errors import UsageError
 
 if TYPE_CHECKING:
@@ -45,25 +47,58 @@ def pool_names(models: tuple[str, ...], models_file: Path | None, default: str |
     return ModelNames(models=tuple(parse_model_flag(value) for value in models), default=default)
 
 
+def ram_fixed_bytes(names: ModelNames) -> dict[str, int]:
+    """The models file's `ram_gb` shares, in bytes, by model."""
+    return {spec.name: int(spec.ram_gb * GB) for spec in names.models if spec.ram_gb is not None}
+
+
 def pool_configs(
     names: ModelNames, base: SystemConfig, resolve_model_dir: Callable[[str], Path]
 ) -> dict[str, SystemConfig]:
-    """Each model's configuration: serve's, with its directory (`resolve_model_dir`: a hub id is resolved
-    now), KV scheme and the serial lane; its RAM share starts at an equal split of `--prompt-cache`."""
+    """Each model's configuration: serve's, with its directory and draft (`resolve_model_dir`: a hub id is
+    resolved now), KV scheme and the serial lane; its RAM share is its `ram_gb`, else it starts at an equal
+    split of what the fixed shares leave of `--prompt-cache`. Fixed shares that do not fit are refused."""
     if base.batch_rows_max > 1:
         log.info("model pool: every model runs the serial lane (round robin between models; docs/models.md)")
-    share = base.prompt_cache_bytes // len(names.models)
-    return {spec.name: _model_config(spec, base, resolve_model_dir(spec.source), share) for spec in names.models}
+    fixed = ram_fixed_bytes(names)
+    if not fixed_shares_fit(fixed, len(names.models), base.prompt_cache_bytes):
+        raise UsageError(
+            f"the models' ram_gb ({', '.join(f'{n}: {b / GB:g}' for n, b in fixed.items())}) add up to "
+            f"{sum(fixed.values()) / GB:g} GB, more than --prompt-cache ({base.prompt_cache_bytes / GB:g} GB) "
+            "can give (it must also leave some RAM to any model without ram_gb): "
+            "raise --prompt-cache or lower ram_gb"
+        )
+    shared_count = len(names.models) - len(fixed)
+    share = (base.prompt_cache_bytes - sum(fixed.values())) // max(1, shared_count)
+    return {
+        spec.name: _model_config(spec, base, resolve_model_dir, fixed.get(spec.name, share)) for spec in names.models
+    }
 
 
-def _model_config(spec: ModelSpec, base: SystemConfig, model_dir: Path, share_bytes: int) -> SystemConfig:
+def _model_config(
+    spec: ModelSpec, base: SystemConfig, resolve_model_dir: Callable[[str], Path], share_bytes: int
+) -> SystemConfig:
+    draft_source = spec.draft_source
+    draft_dir = None if draft_source is None else _resolved(spec, "draft_model", draft_source, resolve_model_dir)
     return attrs.evolve(
         base,
-        model_dir=model_dir,
+        model_dir=_resolved(spec, "path", spec.source, resolve_model_dir),
         kv_quant=spec.kv_quant if spec.kv_quant is not None else base.kv_quant,
         batch_rows_max=1,
         prompt_cache_bytes=share_bytes,
+        draft_model_dir=draft_dir,
+        num_draft_tokens=spec.num_draft_tokens if spec.num_draft_tokens is not None else base.num_draft_tokens,
     )
+
+
+def _resolved(spec: ModelSpec, field: str, source: str, resolve_model_dir: Callable[[str], Path]) -> Path:
+    try:
+        return resolve_model_dir(source)
+    except UsageError as e:
+        raise UsageError(
+            f"model {spec.name!r}: its {field} {source!r} is not a model directory nor a hub repo id ORG/NAME "
+            f"({e}); fix it in the models file or the --model flag"
+        ) from e
 
 
 def make_pool(
@@ -81,4 +116,5 @@ def make_pool(
         pool_configs(names, base, resolve_model_dir),
         budget_bytes=budget,
         ram_total_bytes=base.prompt_cache_bytes,
+        ram_fixed_bytes=ram_fixed_bytes(names),
     )

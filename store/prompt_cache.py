@@ -261,6 +261,18 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.bytes_max > 0
 
+    def resize(self, bytes_max: int) -> int:
+        """A new cap (the model pool's RAM share): on a shrink the least-recently-used entries are
+        evicted down to it through the eviction path (spilled to the cold tier first, as at a put),
+        so the bytes held never stay over the cap. Returns how many entries were evicted."""
+        evictions_before = self.counters.evictions
+        self.bytes_max = bytes_max
+        try:
+            self._evict_until_under_cap(keep="")
+        finally:
+            self._publish()
+        return self.counters.evictions - evictions_before
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcellar.actors.model_names import ModelNames, ModelSpec, parse_model_flag, parse_models_file
-from kvcellar.actors.model_pool_plan import Resident, plan_unloads, ram_shares
+from kvcellar.actors.model_pool_plan import Resident, fixed_shares_fit, plan_unloads, ram_shares
 from kvcellar.actors.model_slot_core import (
     DrainBegun,
     DrainRefused,
@@ -36,6 +36,9 @@ path = "ORG/tiny"
 aliases = ["claude-haiku-*", "gpt-4o-mini"]
 pin = true
 kv_quant = 8
+ram_gb = 1.5
+draft_model = "ORG/tiny-draft"
+num_draft_tokens = 5
 """
 
 NAMES = st.text(alphabet="abcxyz-*?.", min_size=1, max_size=8)
@@ -46,8 +49,16 @@ def test_the_file_parses_with_its_defaults():
     assert pool.names == ("coder", "small")
     assert pool.default == "coder"
     assert pool.spec("small") == ModelSpec(
-        name="small", source="ORG/tiny", aliases=("claude-haiku-*", "gpt-4o-mini"), pin=True, kv_quant="8"
+        name="small",
+        source="ORG/tiny",
+        aliases=("claude-haiku-*", "gpt-4o-mini"),
+        pin=True,
+        kv_quant="8",
+        ram_gb=1.5,
+        draft_source="ORG/tiny-draft",
+        num_draft_tokens=5,
     )
+    assert pool.spec("coder").ram_gb is None and pool.spec("coder").draft_source is None
 
 
 def test_exact_name_then_aliases_in_file_order_then_default():
@@ -80,6 +91,13 @@ def test_an_unknown_name_without_default_names_the_served_models():
         ("[models.a]\npath = '/a'\naliases = 'x'\n", "'aliases' must be a list"),
         ("[models.a\n", "not valid TOML"),
         ("[models.'bad name']\npath = '/a'\n", "not a usable model name"),
+        ("[models.a]\npath = '/a'\nram_gb = 0\n", "[models.a]: 'ram_gb' must be a number of GB above 0"),
+        ("[models.a]\npath = '/a'\nram_gb = '2'\n", "'ram_gb' must be a number of GB above 0"),
+        ("[models.a]\npath = '/a'\nram_gb = nan\n", "'ram_gb' must be a number of GB above 0"),
+        ("[models.a]\npath = '/a'\nram_gb = true\n", "'ram_gb' must be a number of GB above 0"),
+        ("[models.a]\npath = '/a'\ndraft_model = ''\n", "[models.a]: 'draft_model' must be a model directory"),
+        ("[models.a]\npath = '/a'\nnum_draft_tokens = 3\n", "'num_draft_tokens' needs 'draft_model'"),
+        ("[models.a]\npath = '/a'\ndraft_model = '/d'\nnum_draft_tokens = 0\n", "1 or more"),
     ],
 )
 def test_a_bad_file_is_refused_naming_the_problem(text, says):
@@ -170,18 +188,34 @@ def test_the_plan_unloads_lru_unpinned_idle_models_only_as_needed(resident, want
 
 @given(
     uses=st.dictionaries(st.sampled_from("abcdef"), st.integers(min_value=0, max_value=1000), max_size=6),
+    fixed=st.dictionaries(st.sampled_from("abcdefgh"), st.integers(min_value=1, max_value=10**11), max_size=4),
     total=st.integers(min_value=0, max_value=10**12),
 )
-def test_ram_shares_follow_use_and_never_exceed_the_total(uses, total):
-    shares = ram_shares(uses, total)
+def test_ram_shares_fix_the_ram_gb_models_and_share_the_rest_by_use(uses, fixed, total):
+    shares = ram_shares(uses, total, fixed_bytes=fixed)
     assert set(shares) == set(uses)
-    assert sum(shares.values()) <= total
-    floor = int(total / len(uses) * 0.1) if uses else 0
-    assert all(share >= floor for share in shares.values())
-    for a in uses:
-        for b in uses:
-            if uses[a] > uses[b]:
+    # A model with ram_gb has exactly that share, loaded with whichever others.
+    assert all(shares[name] == fixed[name] for name in uses if name in fixed)
+    by_use = {name: use for name, use in uses.items() if name not in fixed}
+    rest = max(0, total - sum(fixed.values()))
+    assert sum(shares[name] for name in by_use) <= rest
+    if fixed_shares_fit(fixed, len(set(uses) | set(fixed)), total):
+        assert sum(shares.values()) <= total
+        if by_use:
+            assert rest > 0
+    floor = int(rest / len(by_use) * 0.1) if by_use else 0
+    assert all(shares[name] >= floor for name in by_use)
+    for a in by_use:
+        for b in by_use:
+            if by_use[a] > by_use[b]:
                 assert shares[a] >= shares[b]
+
+
+def test_fixed_shares_must_leave_room_for_the_models_sharing_by_use():
+    assert fixed_shares_fit({"a": 10, "b": 5}, 2, 15)
+    assert not fixed_shares_fit({"a": 10, "b": 6}, 2, 15)
+    assert fixed_shares_fit({"a": 10}, 2, 11)
+    assert not fixed_shares_fit({"a": 10}, 2, 10)
 
 
 SLOT_MESSAGES = st.sampled_from(
@@ -232,4 +266,22 @@ def test_a_draft_model_with_a_pool_is_a_usage_error_naming_the_way_out(tmp_path,
 
     status = main(["serve", "--model", f"a={tmp_path}", "--model", f"b={tmp_path}", "--draft-model", str(tmp_path)])
     assert status == 2
-    assert "--draft-model serves one model" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "--draft-model serves one model" in said and "draft_model" in said and "[models.NAME]" in said
+
+
+def test_ram_gb_beyond_the_prompt_cache_and_an_unknown_draft_are_refused_at_start(tmp_path, capsys):
+    from kvcellar.cli import main
+    from kvcellar.engine.demo_models import packaged_demo_coder_dir
+
+    models = tmp_path / "models.toml"
+    coder = packaged_demo_coder_dir()
+    models.write_text(f'[models.a]\npath = "{coder}"\nram_gb = 1.5\n[models.b]\npath = "{coder}"\nram_gb = 1\n')
+    assert main(["serve", "--models", str(models), "--prompt-cache", "2"]) == 2
+    said = capsys.readouterr().err
+    assert "a: 1.5, b: 1" in said and "--prompt-cache (2 GB)" in said and "raise --prompt-cache or lower ram_gb" in said
+    missing = tmp_path / "no-such-draft"
+    models.write_text(f'[models.a]\npath = "{coder}"\ndraft_model = "{missing}"\n')
+    assert main(["serve", "--models", str(models)]) == 2
+    said = capsys.readouterr().err
+    assert f"model 'a': its draft_model '{missing}'" in said and "no such directory" in said

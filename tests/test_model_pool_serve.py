@@ -4,7 +4,9 @@ tiny llama), the official openai and anthropic SDKs, load on demand, drain befor
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -214,3 +216,39 @@ def test_sigkill_during_a_drain_loses_nothing_the_drain_reported_durable(small_d
             assert reply.choices[0].message.content == first
     finally:
         restarted.kill()
+
+
+def _copy_under_another_fingerprint(model_dir: Path, to: Path) -> Path:
+    """The same weights under another serving fingerprint (one more config key, which mlx-lm ignores), so
+    that two pool models of one model keep separate SSD directories."""
+    shutil.copytree(model_dir, to)
+    config = json.loads((to / "config.json").read_text())
+    (to / "config.json").write_text(json.dumps({**config, "kvcellar_test_copy": True}))
+    return to
+
+
+def test_ram_gb_fixes_a_share_and_a_draft_model_keeps_greedy_output(small_dir, tmp_path):
+    # `drafted` is the tiny llama drafting for itself (tests/test_speculative.py's self-draft), `plain` the
+    # same weights without a draft and with a fixed RAM share; `drafted` shares the rest of --prompt-cache.
+    drafted_dir = _copy_under_another_fingerprint(small_dir, tmp_path / "drafted")
+    models_toml = (
+        f'[models.plain]\npath = "{small_dir}"\nram_gb = 0.25\n'
+        f'[models.drafted]\npath = "{drafted_dir}"\ndraft_model = "{small_dir}"\nnum_draft_tokens = 2\n'
+    )
+    server = PoolServer(models_toml, tmp_path, "--prompt-cache", "1")
+    try:
+        plain, _ = _chat(server, "plain")
+        drafted, _ = _chat(server, "drafted")
+        assert drafted.choices[0].message.content == plain.choices[0].message.content
+        speculative = httpx.get(f"{server.base}/models/drafted/stats", timeout=10).json()["speculative"]
+        assert speculative["requests"] > 0 and speculative["rounds"] > 0
+        models = server.models()
+        assert models["plain"]["ram_max_bytes"] == 250_000_000 and models["plain"]["ram_fixed"]
+        assert models["drafted"]["ram_max_bytes"] == 750_000_000 and not models["drafted"]["ram_fixed"]
+        assert models["drafted"]["draft_model"] == str(small_dir) and models["plain"]["draft_model"] is None
+        assert models["drafted"]["speculative"]["requests"] == speculative["requests"]
+        assert models["plain"]["speculative"] == {}
+        # The draft's weights count against the models memory budget with the model's own.
+        assert models["drafted"]["weights_bytes"] == 2 * models["plain"]["weights_bytes"] > 0
+    finally:
+        server.kill()

@@ -112,6 +112,17 @@ class PromptCacheMachine(RuleBasedStateMachine):
             victim = min((k for k in self.model if k != new_id), key=lambda k: self.model[k]["tick"])
             del self.model[victim]
 
+    @rule(cap_rows=st.integers(0, 30))
+    def resize(self, cap_rows):
+        """The model pool's re-division: a smaller cap evicts least recently used entries down to it."""
+        self.cap = cap_rows * KV_ROW_BYTES
+        evicted = self.cache.resize(self.cap)
+        before = len(self.model)
+        while sum(e["bytes"] for e in self.model.values()) > self.cap:
+            del self.model[min(self.model, key=lambda k: self.model[k]["tick"])]
+        assert evicted == before - len(self.model)
+        assert self.cache.stats()["max_bytes"] == self.cap
+
     @rule(prompt=tokens, namespace=namespaces)
     def divergence(self, prompt, namespace):
         """The diagnostic's point: the longest prefix any entry of the namespace shares, usable or not."""
@@ -248,6 +259,19 @@ def test_oversize_entry_is_spilled_not_stored_and_a_raising_port_does_not_unwind
     failing.put([1] + PROMPT[:19], _prefill(llama, [1] + PROMPT[:19])[0])
     assert len(failing) == 1 and failing.bytes_total <= failing.bytes_max
     assert failing.stats()["spill_failures"] == 1 and failing.stats()["evictions"] == 1
+
+
+def test_a_shrink_spills_what_it_evicts_least_recently_used_first():
+    spilled = []
+    events = RecordingEvents(spilled.append)
+    cache = PromptCache(bytes_max=100 * KV_ROW_BYTES, events=events)
+    for first in (1, 2, 3):
+        cache.put([first] * 10, _token_caches([first] * 10, trimmable=True))
+    cache.take([1] * 10 + [4])  # the first entry is now the most recently used
+    assert cache.resize(15 * KV_ROW_BYTES) == 2
+    assert [s.tokens[0] for s in spilled] == [2, 3] and {s.reason for s in spilled} == {"evict"}
+    assert cache.bytes_total <= cache.bytes_max and len(events.residents) == len(cache) == 1
+    assert cache.resize(100 * KV_ROW_BYTES) == 0 and len(cache) == 1
 
 
 def test_the_port_hears_every_successful_put_and_every_served_take(llama):
