@@ -339,6 +339,9 @@ class ModelPool:
                 "ssd_restores": tiers["ssd_cache"].get("restores", 0) if tiers else 0,
                 "last_drain": slot.last_drain,
                 "engine_jobs": self.engine.jobs_run.get(slot.name, 0),
+                "engine_yields": self.engine.engine_yields.get(slot.name, 0),
+                "lane": tiers["scheduler"]["lane"] if tiers else None,
+                "batch_size_history": tiers["scheduler"].get("batch_size_history", {}) if tiers else {},
             }
         return {
             "budget_bytes": self.budget_bytes,

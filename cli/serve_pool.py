@@ -3,13 +3,13 @@
 One `--model` without `NAME=` (or none) is the single-model server, unchanged; this module takes over
 only when a pool is asked for. Each model's `SystemConfig` is serve's own with the model's directory and
 KV scheme; the RAM prompt cache (`--prompt-cache`) is shared out among the loaded models by use
-(actors/model_pool_plan.py `ram_shares`). A pool's models run the serial lane: the batch lane's one
-engine job holds the engine for as long as its rows keep coming, which would starve the other models.
+(actors/model_pool_plan.py `ram_shares`). Each model has its own lanes, `--batch` rows included: its
+batch job gives the one engine thread back between two steps while another model waits
+(engine/shared_engine.py), so a batch whose rows keep coming starves no other model.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from kvcellar.actors.model_pool import ModelPool
     from kvcellar.actors.system import SystemConfig
 
-log = logging.getLogger("kvcellar.serve")
 GB = 10**9
 
 
@@ -49,9 +48,7 @@ def pool_configs(
     names: ModelNames, base: SystemConfig, resolve_model_dir: Callable[[str], Path]
 ) -> dict[str, SystemConfig]:
     """Each model's configuration: serve's, with its directory (`resolve_model_dir`: a hub id is resolved
-    now), KV scheme and the serial lane; its RAM share starts at an equal split of `--prompt-cache`."""
-    if base.batch_rows_max > 1:
-        log.info("model pool: every model runs the serial lane (round robin between models; docs/models.md)")
+    now) and KV scheme; its RAM share starts at an equal split of `--prompt-cache`."""
     share = base.prompt_cache_bytes // len(names.models)
     return {spec.name: _model_config(spec, base, resolve_model_dir(spec.source), share) for spec in names.models}
 
@@ -61,7 +58,6 @@ def _model_config(spec: ModelSpec, base: SystemConfig, model_dir: Path, share_by
         base,
         model_dir=model_dir,
         kv_quant=spec.kv_quant if spec.kv_quant is not None else base.kv_quant,
-        batch_rows_max=1,
         prompt_cache_bytes=share_bytes,
     )
 
