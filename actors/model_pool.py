@@ -352,6 +352,9 @@ class ModelPool:
                 "engine_jobs": self.engine.jobs_run.get(slot.name, 0),
                 "draft_model": None if slot.config.draft_model_dir is None else str(slot.config.draft_model_dir),
                 "speculative": tiers["speculative"] if tiers else {},
+                "engine_yields": self.engine.engine_yields.get(slot.name, 0),
+                "lane": tiers["scheduler"]["lane"] if tiers else None,
+                "batch_size_history": tiers["scheduler"].get("batch_size_history", {}) if tiers else {},
             }
         return {
             "budget_bytes": self.budget_bytes,

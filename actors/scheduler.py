@@ -43,7 +43,7 @@ import math
 import queue
 import threading
 from collections import Counter
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import attrs
@@ -134,6 +134,7 @@ class Scheduler:
         snapshot_prefill_tokens_min: int = SNAPSHOT_PREFILL_TOKENS_MIN,
         journal: Journal | None = None,
         wait_for_rows: bool = True,
+        turn_wanted: Callable[[], bool] | None = None,
         memory_guard: MemoryGuard | None = None,
         checkpointing: Checkpointing | None = None,
         paged_kv: PagedKv | None = None,
@@ -152,6 +153,8 @@ class Scheduler:
         self._snapshot_prefill_tokens_min = snapshot_prefill_tokens_min
         # BatchLoop's seam: False for an engine that runs jobs on the Trio thread.
         self._wait_for_rows = wait_for_rows
+        # BatchLoop's seam: a pool's engine says when another model waits for the thread.
+        self._turn_wanted = turn_wanted
         self._checkpointing = checkpointing
         self._rows: dict[int, _RowChannel] = {}
         self._drains: dict[int, Reply[None]] = {}
@@ -271,6 +274,7 @@ class Scheduler:
             checkpointing=self._checkpointing,
             scheme=self.scheme,
             paged_kv=self.paged_kv,
+            turn_wanted=self._turn_wanted,
         )
         error = "the batch job was cancelled"
         try:
@@ -352,6 +356,7 @@ async def open_batch_lane(
         prefill_step_tokens=prefill_step_tokens,
         journal=journal,
         wait_for_rows=getattr(engine, "blocking_waits", True),
+        turn_wanted=getattr(engine, "turn_wanted", None),
         memory_guard=memory_guard,
         checkpointing=checkpointing,
         paged_kv=paged_kv,

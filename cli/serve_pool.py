@@ -3,14 +3,14 @@
 One `--model` without `NAME=` (or none) is the single-model server, unchanged; this module takes over
 only when a pool is asked for. Each model's `SystemConfig` is serve's own with the model's directory and
 KV scheme and draft; the RAM prompt cache (`--prompt-cache`) is shared out among the loaded models:
-a model's `ram_gb` is its own, the rest goes by use (actors/model_pool_plan.py `ram_shares`). A pool's
-models run the serial lane: the batch lane's one engine job holds the engine for as long as its rows
-keep coming, which would starve the other models.
+a model's `ram_gb` is its own, the rest goes by use (actors/model_pool_plan.py `ram_shares`). Each model
+has its own lanes, `--batch` rows included: its batch job gives the one engine thread back between two
+steps while another model waits (engine/shared_engine.py), so a batch whose rows keep coming starves no
+other model.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from kvcellar.actors.model_pool import ModelPool
     from kvcellar.actors.system import SystemConfig
 
-log = logging.getLogger("kvcellar.serve")
 GB = 10**9
 
 
@@ -56,10 +55,8 @@ def pool_configs(
     names: ModelNames, base: SystemConfig, resolve_model_dir: Callable[[str], Path]
 ) -> dict[str, SystemConfig]:
     """Each model's configuration: serve's, with its directory and draft (`resolve_model_dir`: a hub id is
-    resolved now), KV scheme and the serial lane; its RAM share is its `ram_gb`, else it starts at an equal
+    resolved now) and KV scheme; its RAM share is its `ram_gb`, else it starts at an equal
     split of what the fixed shares leave of `--prompt-cache`. Fixed shares that do not fit are refused."""
-    if base.batch_rows_max > 1:
-        log.info("model pool: every model runs the serial lane (round robin between models; docs/models.md)")
     fixed = ram_fixed_bytes(names)
     if not fixed_shares_fit(fixed, len(names.models), base.prompt_cache_bytes):
         raise UsageError(
@@ -84,7 +81,6 @@ def _model_config(
         base,
         model_dir=_resolved(spec, "path", spec.source, resolve_model_dir),
         kv_quant=spec.kv_quant if spec.kv_quant is not None else base.kv_quant,
-        batch_rows_max=1,
         prompt_cache_bytes=share_bytes,
         draft_model_dir=draft_dir,
         num_draft_tokens=spec.num_draft_tokens if spec.num_draft_tokens is not None else base.num_draft_tokens,

@@ -40,7 +40,10 @@ no row is active or waiting (or when its consumer has gone). While no row is
 active it waits on the inbox; with `wait_for_rows=False` (an engine that runs
 jobs on the Trio thread, the simulator's `InlineEngine`, where that wait would
 stall the Scheduler that fills the inbox) it yields an empty `BatchStep`
-instead and the engine lets the Trio tasks run before the next turn.
+instead and the engine lets the Trio tasks run before the next turn. In a model
+pool (engine/shared_engine.py) it neither waits nor holds the thread while
+`turn_wanted()` says another model's job is queued: it yields an empty step,
+at which the stream parks and that job runs.
 
 Gates (spec §2.3): a model batches only when every fresh cache is one mlx-lm
 can merge into rows (`KVCache`, `RotatingKVCache`, `ArraysCache`, or a
@@ -58,7 +61,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import attrs
@@ -224,8 +227,11 @@ class BatchLoop:
         checkpointing: Checkpointing | None = None,
         scheme: KvScheme | None = None,
         paged_kv: PagedKv | None = None,
+        turn_wanted: Callable[[], bool] | None = None,
     ) -> None:
         self.prompt_cache = prompt_cache
+        # A pool's engine: whether another model waits for the thread (None: one model, never).
+        self._turn_wanted = turn_wanted
         # A quantized scheme's conversion points (engine/quant_batch.py); None keeps KV as the model makes it.
         self._quantized = QuantizedRows(scheme) if scheme is not None and scheme.quantized else None
         # With paged KV, rows hold their plain layers in block pools (engine/paged_kv.py).
@@ -280,7 +286,7 @@ class BatchLoop:
                 # Report rows that ended at admission before waiting again: the
                 # Scheduler needs their end to admit more or to end the batch.
                 return True
-            waits = self.wait_for_rows and not self._rows
+            waits = self.wait_for_rows and not self._rows and not self._gives_way()
             try:
                 item = self.inbox.get(timeout=IDLE_POLL_S) if waits else self.inbox.get_nowait()
             except queue.Empty:
@@ -288,12 +294,15 @@ class BatchLoop:
                     return True
                 if self.cancelled.is_set():
                     return False
-                if not self.wait_for_rows:
+                if not waits:
                     return True
                 continue
             if item is END_OF_BATCH:
                 return False
             self._admit(item, events)
+
+    def _gives_way(self) -> bool:
+        return self._turn_wanted is not None and self._turn_wanted()
 
     def _admit(self, row: BatchRow, events: list[RowToken | RowDone]) -> None:
         if row.cancelled.is_set():

@@ -233,6 +233,55 @@ class MlxBufferCache:
         mx.clear_cache()
 
 
+# An engine job: it runs on the engine thread and returns None when done, or, when it parked to give the
+# thread to other work, its continuation (a stream's next turn; engine/shared_engine.py runs it later).
+Job = Callable[[], "Job | None"]
+
+
+class StreamTurns:
+    """One `EngineThread.stream` job on the engine thread: the generator `start()` makes, and `deliver`, which
+    hands each item, the end or the error to Trio. `run` drives the generator until it ends, or parks it
+    when `give_way()` says, between two items, that another model's job waits: it then returns itself as
+    the continuation, the generator suspended inside it. Only the engine thread runs a turn, so the
+    generator's state (a batch's rows and caches) is the engine thread's whether it runs or waits."""
+
+    def __init__(
+        self,
+        start: Callable[[], Iterator[Any]],
+        cancelled: threading.Event,
+        deliver: Callable[[str, Any], None],
+        give_way: Callable[[], bool] | None,
+    ) -> None:
+        self._start = start
+        self._cancelled = cancelled
+        self._deliver = deliver
+        self._give_way = give_way
+        self._items: Iterator[Any] | None = None
+
+    def run(self) -> Job | None:
+        parked = False
+        try:
+            if self._items is None:
+                self._items = self._start()
+            for item in self._items:
+                self._deliver("item", item)
+                if self._cancelled.is_set():
+                    break
+                if self._give_way is not None and self._give_way():
+                    parked = True
+                    return self.run
+            self._deliver("end", None)
+        except BaseException as e:
+            self._deliver("error", e)
+        finally:
+            # Close here, on the engine thread: a generator's cleanup does MLX
+            # work and must not run wherever garbage collection happens.
+            close = getattr(self._items, "close", None)
+            if not parked and close is not None:
+                close()
+        return None
+
+
 class EngineThread:
     """Owns the engine thread. `start()` loads the model on it; `call(job)`
     runs `job(loaded_model)` there; `stream(job, cancelled)` runs a generator
@@ -257,7 +306,7 @@ class EngineThread:
         self.buffer_cache = buffer_cache if buffer_cache is not None else MlxBufferCache()
         self.release_idle_s = release_idle_s
         self.release_at_once_bytes = release_at_once_bytes
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvcellar-engine", daemon=True)
         self._loaded: LoadedModel | None = None
 
@@ -296,19 +345,27 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def _logged(self, label: str, run: Callable[[], None]) -> Callable[[], None]:
+    def _logged(self, label: str, run: Job) -> Job:
+        """`run`, appending its (label, start, end) to `turn_log` when one is kept; a turn that parks
+        returns its continuation, logged the same way."""
         turn_log = self.turn_log
         if turn_log is None:
             return run
 
-        def logged() -> None:
+        def logged() -> Job | None:
             started = time.perf_counter()
             try:
-                run()
+                rest = run()
             finally:
                 turn_log.append((label, started, time.perf_counter()))
+            return self._logged(label, rest) if rest is not None else None
 
         return logged
+
+    def _give_way(self) -> Callable[[], bool] | None:
+        """What a stream asks between two items whether to hand the thread to other work (engine/shared_engine.py);
+        None here: one model's jobs run in order and a stream keeps the thread until it ends."""
+        return None
 
     async def call(
         self, job: Callable[[LoadedModel | None], Any], *, needs_model: bool = True, label: str = "call"
@@ -334,26 +391,15 @@ class EngineThread:
         token = trio.lowlevel.current_trio_token()
         send, receive = trio.open_memory_channel[tuple[str, Any]](float("inf"))
 
-        def run() -> None:
-            items = None
-            try:
-                if self._loaded is None:
-                    raise EngineStopped("the model is not loaded")
-                items = job(self._loaded)
-                for item in items:
-                    token.run_sync_soon(send.send_nowait, ("item", item))
-                    if cancelled.is_set():
-                        break
-                token.run_sync_soon(send.send_nowait, ("end", None))
-            except BaseException as e:
-                token.run_sync_soon(send.send_nowait, ("error", e))
-            finally:
-                # Close here, on the engine thread: a generator's cleanup does MLX
-                # work and must not run wherever garbage collection happens.
-                close = getattr(items, "close", None)
-                if close is not None:
-                    close()
+        def deliver(kind: str, value: Any) -> None:
+            token.run_sync_soon(send.send_nowait, (kind, value))
 
+        def start() -> Iterator[Any]:
+            if self._loaded is None:
+                raise EngineStopped("the model is not loaded")
+            return job(self._loaded)
+
+        run = StreamTurns(start, cancelled, deliver, self._give_way()).run
         self._jobs.put(self._logged(label, run))
         try:
             async for kind, value in receive:

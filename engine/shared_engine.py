@@ -5,8 +5,14 @@ MLX runs on one thread only (engine/engine.py), so a pool of models shares it: e
 whose jobs go to the one `SharedEngineThread`. That thread keeps one FIFO per model and picks the
 next job round robin among the models with work waiting: a model's own jobs still run in
 submission order (its serial lane's FIFO), and no model waits behind more than one job of each
-other model (fair interleaving, never starvation). A job is one whole engine turn (a serial
-generation, a spill plan), so the engine runs one model's work at a time.
+other model (fair interleaving, never starvation). A job is one engine turn (a call, a spill plan),
+except a stream (a serial generation, a batch job), which gives the thread back between two of its
+items while another model has a job waiting: it parks (`StreamTurns`, engine/engine.py), its
+continuation goes to the front of its model's queue, and the round robin serves the other models
+first. So the engine runs one model's work at a time, a batch whose rows keep coming holds it for
+one step while others wait, and each model's own jobs keep their order (nothing of the model runs
+between a stream's turns). A parked stream's state (the batch's rows, its MLX caches) lives in its
+continuation, which only this thread runs: it stays the engine thread's.
 
 `ModelEngine.start()` loads the model on the shared thread; `stop()` drops it there and returns
 MLX's buffer cache, leaving the thread running for the other models.
@@ -27,13 +33,13 @@ from kvcellar.engine.engine import (
     RELEASE_IDLE_S,
     BufferCache,
     EngineThread,
+    Job,
     LoadedModel,
     MlxBufferCache,
     _load,
     configure_host_allocator,
 )
 
-Job = Callable[[], None]
 UNLOAD_WAIT_S = 30.0
 
 
@@ -56,8 +62,10 @@ class SharedEngineThread:
         self._order: list[str] = []
         self._last_served = -1
         self._stopping = False
-        # Jobs run per model, for /stats and the fairness test.
+        # Jobs run to their end, and the times a stream parked to let another model's job go first, per model
+        # (/stats). Written by the engine thread only; readers copy a count.
         self.jobs_run: collections.Counter[str] = collections.Counter()
+        self.engine_yields: collections.Counter[str] = collections.Counter()
         self.thread = threading.Thread(target=self._run, name="kvcellar-engine", daemon=True)
 
     def start(self) -> None:
@@ -71,6 +79,18 @@ class SharedEngineThread:
                 self._order.append(model)
             self._queues[model].append(job)
             self._lock.notify()
+
+    def others_waiting(self, model: str) -> bool:
+        """Whether a model other than `model` has a job queued (a stream of `model` then gives way)."""
+        with self._lock:
+            return any(queue for name, queue in self._queues.items() if name != model)
+
+    def _park(self, model: str, rest: Job) -> None:
+        """Put a parked stream's continuation first in its model's queue: the round robin, which just served
+        `model`, serves the others first, and none of `model`'s later jobs overtakes it."""
+        with self._lock:
+            self._queues[model].appendleft(rest)
+        self.engine_yields[model] += 1
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Run what is queued, then end the thread (MLX aborts at exit if it still runs)."""
@@ -111,8 +131,11 @@ class SharedEngineThread:
                 release_due = False
                 continue
             model, job = picked
-            job()
-            self.jobs_run[model] += 1
+            rest = job()
+            if rest is None:
+                self.jobs_run[model] += 1
+            else:
+                self._park(model, rest)
             cached_bytes = self.buffer_cache.cache_bytes()
             release_due = 0 < cached_bytes <= self.release_at_once_bytes
             if cached_bytes > self.release_at_once_bytes:
@@ -153,6 +176,14 @@ class ModelEngine(EngineThread):
         self.shared = shared
         self._jobs = _ModelQueue(shared, name)  # type: ignore[assignment]
         self._thread = shared.thread
+
+    def turn_wanted(self) -> bool:
+        """Whether another model's job waits for the engine thread: this model's streams then park between
+        two items, and its batch loop stops waiting for rows (engine/batch.py)."""
+        return self.shared.others_waiting(self.name)
+
+    def _give_way(self) -> Callable[[], bool]:
+        return self.turn_wanted
 
     async def start(self) -> LoadedModel:
         self.shared.start()
