@@ -132,6 +132,8 @@ class Exchange:
     # For a non-2xx answer: the shape of what the client sent (its turns' types, roles and call ids,
     # no text), so a failure names the offending item; else "".
     request_outline: str = ""
+    # The `model` a generation request named ("" for others): which pool model an alias sent it to.
+    model: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -220,6 +222,7 @@ class RecordingProxy:
                     error_excerpt=excerpt,
                     conversation=conversation_of(body),
                     request_outline="" if answer.status < 300 else outline_of(body),
+                    model=model_of(body),
                 )
                 proxy._record(exchange)
 
@@ -229,6 +232,15 @@ class RecordingProxy:
                 """Quiet: the exchanges are the record."""
 
         return Handler
+
+
+def model_of(body: bytes | None) -> str:
+    """A JSON request body's `model`, else ""."""
+    try:
+        model = json.loads(body or b"{}").get("model")
+    except (ValueError, AttributeError):
+        return ""
+    return model if isinstance(model, str) else ""
 
 
 def conversation_of(body: bytes | None) -> str:
@@ -331,15 +343,34 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -
     return ClientRun(exit_code=done.returncode, output=done.stdout + done.stderr, duration_s=time.monotonic() - started)
 
 
-def claude_session(base_url: str, home: Path, project: Path, prompt: str, *, resume: bool = False) -> ClientRun:
-    """`claude -p PROMPT --max-turns 3`; `resume` continues the project's last conversation (`-c`)."""
+# Claude Code names its small model in its background calls (a session's title) only when
+# ANTHROPIC_DEFAULT_HAIKU_MODEL is set (or ANTHROPIC_SMALL_FAST_MODEL, or the key is shaped like
+# Anthropic's own); otherwise they name the main model. Its "nonessential traffic" switch turns them off
+# altogether, so `background_calls` leaves that switch unset and turns telemetry, error reports, the
+# updater and the bug command off one by one instead.
+CLAUDE_BACKGROUND_MODEL = "claude-haiku-4-5"
+
+
+def claude_session(
+    base_url: str, home: Path, project: Path, prompt: str, *, resume: bool = False, background_calls: bool = False
+) -> ClientRun:
+    """`claude -p PROMPT --max-turns 3`; `resume` continues the project's last conversation (`-c`);
+    `background_calls` lets it send its background calls under `CLAUDE_BACKGROUND_MODEL`."""
+    quiet = {"DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    if background_calls:
+        quiet = {
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_BUG_COMMAND": "1",
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": CLAUDE_BACKGROUND_MODEL,
+        }
     env = {
         **_base_env(home),
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": DUMMY_KEY,
-        "DISABLE_TELEMETRY": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        **quiet,
     }
     command = [str(CLAUDE_BIN), *(["-c"] if resume else []), "-p", prompt, "--max-turns", str(CLAUDE_MAX_TURNS)]
     return _run(command, project, env, SESSION_TIMEOUT_S)

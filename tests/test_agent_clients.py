@@ -17,9 +17,12 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from polling import wait_until_sync
+from test_model_pool_serve import PoolServer
 
 from kvcellar.bench import agent_clients
 from kvcellar.bench.agent_clients import RecordingProxy, Session, describe, recorded_session
+from kvcellar.engine.demo_models import packaged_demo_coder_dir
 
 CROSS_SESSION_SHARE_MIN = 0.9
 
@@ -66,6 +69,35 @@ def test_claude_code_runs_two_sessions_and_the_second_reads_its_prompt_from_the_
         assert_session_passed(session)
         sessions.append(session)
     assert_second_session_reused(sessions[1])
+
+
+def test_claude_codes_background_calls_reach_the_small_model_through_a_haiku_alias(model_dir_factory, tmp_path):
+    """Issue 41: a pool with Claude Code's two model names. Its main request (`claude-opus-*`) goes to
+    the demo-coder through `claude-*`, its background call (the session's title, under
+    ANTHROPIC_DEFAULT_HAIKU_MODEL's name) to the tiny llama through `claude-haiku-*`, listed first."""
+    require_client("claude")
+    small_dir = model_dir_factory("llama")
+    models_toml = (
+        f'[models.small]\npath = "{small_dir}"\naliases = ["claude-haiku-*"]\n'
+        f'[models.coder]\npath = "{packaged_demo_coder_dir()}"\naliases = ["claude-*"]\npin = true\n'
+    )
+    server = PoolServer(models_toml, tmp_path)
+    try:
+        with RecordingProxy(server.base) as proxy:
+            home, project = agent_clients.make_workspace(tmp_path / "agent")
+            run = lambda: agent_clients.claude_session(  # noqa: E731
+                proxy.base_url, home, project, "Say hello in one word.", background_calls=True
+            )
+            session, _ = recorded_session(proxy, f"{server.base}/models/coder", run)
+            assert_session_passed(session)
+            sent = {e.model for e in session.exchanges if e.method == "POST"}
+            assert any(name.startswith("claude-") and "haiku" not in name for name in sent), sent
+            assert server.models()["coder"]["requests"] >= 1
+            # The title call runs beside the main request and may still be generating when the client
+            # exits (the proxy records an exchange once its answer ends): the pool counts it on arrival.
+            wait_until_sync(lambda: server.models()["small"]["requests"] >= 1, what="a request reached small")
+    finally:
+        server.stop()
 
 
 MODEL_CUT_MARK = "Incomplete response returned, reason: max_output_tokens"
