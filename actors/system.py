@@ -599,7 +599,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
             system = await _start_actors(
                 nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
             )
-            system.drafter = await open_drafter(engine, config)
+            system.drafter = seams.drafter or await open_drafter(engine, config)
             try:
                 # Before anything is served: the wipes a crash left unfinished (their SSD part ran at open).
                 await system.wipes.resume()
