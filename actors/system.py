@@ -434,6 +434,7 @@ class System:
             ssd = {
                 "entries": store_stats["entries"],
                 "bytes": store_stats["bytes"],
+                "companion_bytes": store_stats["companion_bytes"],
                 "max_bytes": store_stats["bytes_max"],
                 "restores": store_stats["restores"],
                 "spills": store_stats["entries_stored"],

@@ -84,6 +84,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _gauge(_GATEWAY, "admitting", "1 while new requests are admitted, 0 once shutdown began."),
     _gauge(_SSD, "entries", "Entries the SSD tier indexes."),
     _gauge(_SSD, "bytes", "Bytes of the SSD tier's entry files."),
+    _gauge(_SSD, "companion_bytes", "Of the SSD tier's bytes, the draft model's KV (method companion state)."),
     _gauge(_SSD, "max_bytes", "Byte cap of the SSD tier (absent when unbounded)."),
     _counter(_SSD, "restores", "Entries read back from the SSD tier."),
     _counter(_SSD, "spills", "Entries written to the SSD tier."),
