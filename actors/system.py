@@ -480,7 +480,9 @@ class System:
         guard = self.memory_guard
         if guard is None:
             return
-        refusal = guard.fits_budget(guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens))
+        draft_bytes = self.drafter.admission_kv_bytes_per_token(request) if self.drafter is not None else 0
+        footprint = guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens, draft_bytes)
+        refusal = guard.fits_budget(footprint)
         if refusal is not None:
             self._memory_refused_at_gate += 1
             raise refusal
