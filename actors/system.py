@@ -533,6 +533,7 @@ class System:
             "quarantined": stored["quarantined"],
             "restore_failures": stored["restore_failures"],
             "files": stored["files"],
+            "companion_bytes": stored["companion_bytes"],
             "queue_max_bytes": queue["queue_bytes_max"],
         }
 

@@ -249,6 +249,7 @@ SPECS += (
     _counter(_CHECKPOINTS, "wiped", "Checkpoint files removed by a cache wipe."),
     _counter(_CHECKPOINTS, "restore_failures", "Checkpoint restores that failed (the request ran cold)."),
     _gauge(_CHECKPOINTS, "files", "Checkpoint files the SSD tier holds."),
+    _gauge(_CHECKPOINTS, "companion_bytes", "Of the checkpoint files' bytes, the draft model's KV (companion state)."),
     _gauge(_CHECKPOINTS, "queue_max_bytes", "Byte cap of the checkpoint queue (its share of the spill queue's)."),
 )
 _STRUCTURED.add((_CHECKPOINTS, "skipped"))

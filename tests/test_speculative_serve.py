@@ -76,7 +76,9 @@ def test_a_generation_killed_part_way_resumes_with_its_draft_state_and_the_ssd_t
     second = _start(model_dir, ssd_dir)
     try:
         # Indexed from the journal this time (no header read): the same companion bytes.
-        assert _stats(second)["ssd_cache"]["companion_bytes"] == ssd["companion_bytes"]
+        restarted = _stats(second)
+        assert restarted["ssd_cache"]["companion_bytes"] == ssd["companion_bytes"]
+        assert 0 < restarted["checkpoints"]["companion_bytes"] < checkpoint.stat().st_size
         resumed = _complete(second, GREEDY)
         assert _text(resumed) == _text(reference)
         assert 0 < _resumed(resumed) < MAX_TOKENS and resumed["usage"]["completion_tokens"] == MAX_TOKENS

@@ -135,7 +135,8 @@ def test_a_checkpoint_with_companion_state_resumes_with_the_uninterrupted_output
         async with open_system(config) as system:
             cut, _ = await _generate(system, request, stop_after=27)
             await system.flush()
-            assert system.stats()["checkpoints"]["files"] == 1
+            checkpoints = system.stats()["checkpoints"]
+            assert checkpoints["files"] == 1 and checkpoints["companion_bytes"] > 0
         headers = [kvfile.read_header(f) for f in (tmp_path / "ssd").glob("*/checkpoints/*.kvc")]
         assert [h.format_version for h in headers] == [kvfile.COMPANION_CHECKPOINT_FORMAT_VERSION]
         async with open_system(config) as system:
