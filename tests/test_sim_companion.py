@@ -7,11 +7,15 @@ apart (`split-companion`) is caught."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
+from kvcellar.simulations.fake_engine import FAKE_DRAFTER_DIGEST, FakeModel, fake_drafter
 from kvcellar.simulations.harness import RunOptions, simulate
+from kvcellar.simulations.observer import Observer
 from kvcellar.simulations.sweep import SweepPlan, run_sweep
 from kvcellar.simulations.workload import SMALL_SHAPES
+from kvcellar.store.companion import CompanionState
 
 
 def _describe(outcome) -> str:
@@ -35,6 +39,32 @@ def test_companion_entries_go_through_the_tiers_and_back():
     speculation = [run.observer.drafter.stats.snapshot() for run in runs]
     assert sum(stats["rounds"] for stats in speculation) > 0
     assert sum(stats["companion_restored"] for stats in speculation) > 0
+
+
+def _prefilled(model: FakeModel, tokens: tuple[int, ...]) -> list:
+    caches = model.make_cache()
+    model(mx.array([tokens]), cache=caches)
+    return caches
+
+
+@pytest.mark.parametrize(
+    ("drafter", "draft_tokens", "invariant"),
+    [
+        ("another-drafter", 12, "companion_is_the_serving_drafters"),
+        (FAKE_DRAFTER_DIGEST, 11, "companion_covers_the_target_tokens"),
+    ],
+)
+def test_the_checker_refuses_a_companion_of_another_drafter_or_of_other_tokens(drafter, draft_tokens, invariant):
+    draft = fake_drafter()
+    observer = Observer(None, FakeModel(), corruption_faults=False, drafter=draft)
+    tokens = tuple(range(1, 13))
+    target = _prefilled(observer.model, tokens)
+    assert observer.check_restored("", tokens, target, "restore")
+    paired = [*target, CompanionState(*_prefilled(draft.model, tokens), drafter=FAKE_DRAFTER_DIGEST)]
+    assert observer.check_restored("", tokens, paired, "restore") and not observer.violations
+    mispaired = [*target, CompanionState(*_prefilled(draft.model, tokens[:draft_tokens]), drafter=drafter)]
+    assert not observer.check_restored("", tokens, mispaired, "restore")
+    assert [violation.invariant for violation in observer.violations] == [invariant]
 
 
 def test_every_crash_image_of_the_companion_workload_keeps_target_and_draft_together():
