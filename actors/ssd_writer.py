@@ -32,6 +32,7 @@ from kvcellar.actors.ssd_writer_core import (
     WriteFailed,
 )
 from kvcellar.errors import DiskError
+from kvcellar.store.companion import has_companion
 from kvcellar.store.prompt_cache import SpillSnapshot
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.spill_plan import PlannedSpill, plan_spill, write_planned
@@ -114,6 +115,13 @@ class SsdWriter:
             case _:
                 assert_never(effect)
 
+    def _commit_target_alone(self) -> None:
+        """The `split-companion` mutation's bug (store/mutations.py): an entry's
+        target caches committed in a file of their own before the entry itself."""
+        planned = self._current
+        if planned is not None and has_companion(planned.caches):
+            self.store.store(planned.tokens, planned.caches[:-1], planned.namespace, tokenizer_hash=self.tokenizer_hash)
+
     async def _write_entry(
         self, write_id: int, pending: PendingStore, segments: tuple[list[memoryview], ...]
     ) -> SsdWriterMessage:
@@ -123,6 +131,8 @@ class SsdWriter:
 
         def write_and_index() -> Exception | None:
             try:
+                if not self.safeguards.companion_in_entry_file:
+                    self._commit_target_alone()
                 write_planned(pending, segments, publish=publish)
             except Exception as e:  # the temp file is gone already
                 return e

@@ -434,6 +434,7 @@ class System:
             ssd = {
                 "entries": store_stats["entries"],
                 "bytes": store_stats["bytes"],
+                "companion_bytes": store_stats["companion_bytes"],
                 "max_bytes": store_stats["bytes_max"],
                 "restores": store_stats["restores"],
                 "spills": store_stats["entries_stored"],
@@ -479,7 +480,9 @@ class System:
         guard = self.memory_guard
         if guard is None:
             return
-        refusal = guard.fits_budget(guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens))
+        draft_bytes = self.drafter.admission_kv_bytes_per_token(request) if self.drafter is not None else 0
+        footprint = guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens, draft_bytes)
+        refusal = guard.fits_budget(footprint)
         if refusal is not None:
             self._memory_refused_at_gate += 1
             raise refusal
@@ -530,6 +533,7 @@ class System:
             "quarantined": stored["quarantined"],
             "restore_failures": stored["restore_failures"],
             "files": stored["files"],
+            "companion_bytes": stored["companion_bytes"],
             "queue_max_bytes": queue["queue_bytes_max"],
         }
 
@@ -599,7 +603,7 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
             system = await _start_actors(
                 nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
             )
-            system.drafter = await open_drafter(engine, config)
+            system.drafter = seams.drafter or await open_drafter(engine, config)
             try:
                 # Before anything is served: the wipes a crash left unfinished (their SSD part ran at open).
                 await system.wipes.resume()

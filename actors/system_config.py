@@ -22,6 +22,7 @@ from kvcellar.engine.compute_dtype import COMPUTE_DTYPE_DEFAULT
 from kvcellar.engine.engine import PREFILL_STEP_TOKENS
 from kvcellar.engine.generation import GenerationRequest
 from kvcellar.engine.memory import MemoryMeter
+from kvcellar.engine.speculative import Drafter
 from kvcellar.store.disk import Disk
 from kvcellar.store.fingerprint import ShardDigestMemo
 from kvcellar.store.keyring import KeyRing
@@ -122,6 +123,8 @@ class SystemSeams:
     `prefill_chunk_hook(tokens_done, tokens_total)`: called on the engine
     thread with each prefill progress report, before the prefill goes on (a
     test holds a prefill between two chunks there); None: nothing.
+    `drafter`: the draft model serving beside the target instead of loading
+    `config.draft_model_dir` (the simulator's fake draft); None: that.
     """
 
     engine: Any = None
@@ -140,6 +143,7 @@ class SystemSeams:
     # Listeners of generation checkpoints (`Checkpointing.listeners`: the simulator's checks).
     checkpoint_listeners: tuple[CheckpointListener, ...] = ()
     prefill_chunk_hook: Callable[[int, int], None] | None = None
+    drafter: Drafter | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -50,7 +50,8 @@ from kvcellar.store.mutations import ALL_MUTATIONS
     "workload_name",
     default="default",
     show_default=True,
-    help="default, or a small one: chat, fork, hybrid, checkpoints (long generations cut off by crashes).",
+    help="default, or a small one: chat, fork, hybrid, checkpoints (long generations cut off by crashes), "
+    "wipes (cache wipes beside spills), companion (a draft model: entries carry its caches as companion state).",
 )
 @click.option("--real-model", is_flag=True, help="Run the demo MLX model inline instead of the fake engine.")
 @click.option(

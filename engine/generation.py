@@ -316,6 +316,10 @@ class _Start:
         return with_companion(caches, rounds.synced_draft(), rounds.drafter.digest)
 
 
+def _draft_kv_bytes_per_token(drafter: Drafter | None, request: GenerationRequest) -> int:
+    return drafter.admission_kv_bytes_per_token(request) if drafter is not None else 0
+
+
 def _speculation(
     loaded: LoadedModel,
     drafter: Drafter | None,
@@ -359,7 +363,7 @@ def _cold_start(
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request, drafter.digest if drafter is not None else None)
     memory = GuardedRequest(memory_guard, (reuse.entry_id,))
-    memory.admit(len(prompt), request.params.max_tokens)
+    memory.admit(len(prompt), request.params.max_tokens, _draft_kv_bytes_per_token(drafter, request))
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
     tiers = prompt_cache if reuse.use_cache else None
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
@@ -419,7 +423,7 @@ def _resumed_start(
     are where the interrupted run stood, so the rest is what it would have been."""
     prompt = list(request.prompt_ids)
     memory = GuardedRequest(memory_guard)
-    memory.admit(len(prompt), request.params.max_tokens)
+    memory.admit(len(prompt), request.params.max_tokens, _draft_kv_bytes_per_token(drafter, request))
     use_cache = prompt_cache is not None and prompt_cache.enabled
     companion = split_companion(point.caches, drafter.digest if drafter is not None else None)
     reuse = Reuse(

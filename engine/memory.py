@@ -205,14 +205,17 @@ class Footprint:
     def _growth_bytes(self, live_kv_bytes: int) -> int:
         return live_kv_bytes // max(1, len(self.prototypes))
 
-    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+    def request_bytes(self, prompt_tokens: int, max_tokens: int, draft_kv_bytes_per_token: int = 0) -> int:
         """The admission footprint: prompt + `max_tokens` KV (rounded up to the
-        cache's growth step, which is what its buffers hold) and one prefill
-        chunk's workspace."""
+        cache's growth step, which is what its buffers hold), the draft model's
+        over as many tokens when a draft serves the request (its bytes per
+        token, `Drafter.kv_bytes_per_token`; 0 without), and one prefill chunk's
+        workspace."""
         total_tokens = prompt_tokens + max_tokens
         allocated_tokens = -(-total_tokens // KV_GROWTH_TOKENS) * KV_GROWTH_TOKENS
         chunk_tokens = max(1, min(self.prefill_step_tokens, prompt_tokens))
-        return self.kv_bytes(allocated_tokens) + self.workspace.step_bytes(chunk_tokens, total_tokens)
+        draft_bytes = draft_kv_bytes_per_token * allocated_tokens
+        return self.kv_bytes(allocated_tokens) + draft_bytes + self.workspace.step_bytes(chunk_tokens, total_tokens)
 
     def prefill_reserve_bytes(self, chunk_tokens: int, context_tokens: int, live_kv_bytes: int, rows: int = 1) -> int:
         """Before a prefill chunk of `chunk_tokens` per row (its KV rounded up
@@ -464,10 +467,12 @@ class GuardedRequest:
         if entry_id:
             self.own_entry_ids.add(entry_id)
 
-    def admit(self, prompt_tokens: int, max_tokens: int) -> None:
+    def admit(self, prompt_tokens: int, max_tokens: int, draft_kv_bytes_per_token: int = 0) -> None:
+        """Before the prefill; `draft_kv_bytes_per_token`: the draft's, when one may serve the request."""
         guard = self._guard
         if guard is not None:
-            guard.admit(guard.footprint.request_bytes(prompt_tokens, max_tokens), self.own_entry_ids)
+            footprint = guard.footprint.request_bytes(prompt_tokens, max_tokens, draft_kv_bytes_per_token)
+            guard.admit(footprint, self.own_entry_ids)
 
     def prefill_check(self, base_tokens: int) -> BeforeChunk | None:
         """The `prefill` hook for tokens that start after `base_tokens` cached ones."""

@@ -41,6 +41,7 @@ from kvcellar.engine.sampling import SerialSampling
 from kvcellar.engine.scalars import item_int
 from kvcellar.errors import ModelError, UsageError
 from kvcellar.store.companion import SplitEntry
+from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 
 # Why a request (or a generation from some point on) decodes without the draft.
 REFUSED_LOGPROBS = "logprobs"
@@ -129,13 +130,21 @@ class SpeculationStats:
 class Drafter:
     """The draft model serving beside the target: its weights, how many tokens
     it proposes per round, its fingerprint digest (the companion's identity),
-    and the counters."""
+    its caches' bytes per token (plain KV in the compute dtype: what the
+    memory guard's admission adds for a request the draft may serve), and the
+    counters."""
 
     model: Any
     model_dir: Path
     num_draft_tokens: int
     digest: str
+    kv_bytes_per_token: int = 0
     stats: SpeculationStats = attrs.field(factory=SpeculationStats)
+
+    def admission_kv_bytes_per_token(self, request: Any) -> int:
+        """The draft's KV bytes per token a request's admission counts: 0 when
+        the request itself is refused the draft (it then never makes draft KV)."""
+        return 0 if request_refusal(request) is not None else self.kv_bytes_per_token
 
     def serial_lane_wanted(self, request: Any) -> bool:
         """Whether a request the draft can serve leaves the batch lane for the
@@ -356,7 +365,13 @@ def load_drafter(draft_dir: Path, num_draft_tokens: int, target: Any, memo: Any 
         kv_scheme_key=f"draft:{target.compute.cast_to or 'model'}",
         memo=memo if memo is not None else ShardDigestMemo(None),
     )
-    return Drafter(model=model, model_dir=draft_dir, num_draft_tokens=num_draft_tokens, digest=fingerprint.digest)
+    return Drafter(
+        model=model,
+        model_dir=draft_dir,
+        num_draft_tokens=num_draft_tokens,
+        digest=fingerprint.digest,
+        kv_bytes_per_token=KvScheme.bf16().projected_bytes(warm_up_prototype_caches(model), 1),
+    )
 
 
 async def open_drafter(engine: Any, config: Any) -> Drafter | None:

@@ -84,6 +84,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _gauge(_GATEWAY, "admitting", "1 while new requests are admitted, 0 once shutdown began."),
     _gauge(_SSD, "entries", "Entries the SSD tier indexes."),
     _gauge(_SSD, "bytes", "Bytes of the SSD tier's entry files."),
+    _gauge(_SSD, "companion_bytes", "Of the SSD tier's bytes, the draft model's KV (method companion state)."),
     _gauge(_SSD, "max_bytes", "Byte cap of the SSD tier (absent when unbounded)."),
     _counter(_SSD, "restores", "Entries read back from the SSD tier."),
     _counter(_SSD, "spills", "Entries written to the SSD tier."),
@@ -248,6 +249,7 @@ SPECS += (
     _counter(_CHECKPOINTS, "wiped", "Checkpoint files removed by a cache wipe."),
     _counter(_CHECKPOINTS, "restore_failures", "Checkpoint restores that failed (the request ran cold)."),
     _gauge(_CHECKPOINTS, "files", "Checkpoint files the SSD tier holds."),
+    _gauge(_CHECKPOINTS, "companion_bytes", "Of the checkpoint files' bytes, the draft model's KV (companion state)."),
     _gauge(_CHECKPOINTS, "queue_max_bytes", "Byte cap of the checkpoint queue (its share of the spill queue's)."),
 )
 _STRUCTURED.add((_CHECKPOINTS, "skipped"))

@@ -140,8 +140,9 @@ def _check_image(run: _Run, point: int, operation: str, key: tuple[Any, ...]) ->
 def _observer_copy(observer: Observer, disk: SimDisk) -> Observer:
     """What the run's observer knows at the crash point, on the image's disk:
     its claims are copied (recovery may release them), its oracle shared (read only)."""
-    copied = Observer(disk, observer.model, corruption_faults=observer.corruption_faults)
+    copied = Observer(disk, observer.model, corruption_faults=observer.corruption_faults, drafter=observer.drafter)
     copied.oracle = observer.oracle
+    copied.put_forms = observer.put_forms
     copied.puts = observer.puts
     copied.claims = [Claim(**attrs.asdict(claim)) for claim in observer.claims]
     copied.evicted_since_put = observer.evicted_since_put

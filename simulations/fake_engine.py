@@ -37,6 +37,7 @@ import trio
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from kvcellar.engine.engine import LoadedModel
+from kvcellar.engine.speculative import Drafter
 
 VOCAB_SIZE = 64
 KEY_MODULUS = 1021
@@ -149,6 +150,23 @@ def cache_arrays(caches: Sequence[Any], token_count: int) -> list[np.ndarray]:
         arrays.append(np.array(cache.keys)[..., :token_count, :])
         arrays.append(np.array(cache.values)[..., :token_count, :])
     return arrays
+
+
+# The simulated draft model's identity (a real one's is its fingerprint digest).
+FAKE_DRAFTER_DIGEST = "sim-drafter"
+
+
+def fake_drafter(*, num_draft_tokens: int = 3) -> Drafter:
+    """A draft model beside the fake target: one layer, one head, so its
+    caches (the entries' companion state) are told apart from the target's.
+    It proposes the target's own greedy tokens (`next_token`), so every
+    proposal is accepted and a round emits k + 1 tokens."""
+    return Drafter(
+        model=FakeModel(layers=1, heads=1),
+        model_dir=Path("/sim/draft"),
+        num_draft_tokens=num_draft_tokens,
+        digest=FAKE_DRAFTER_DIGEST,
+    )
 
 
 def fake_loaded_model(*, recurrent: bool = False) -> LoadedModel:

@@ -38,7 +38,7 @@ from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenD
 from kvcellar.errors import KvCellarError
 from kvcellar.simulations import determinism
 from kvcellar.simulations.boundary import BoundaryChecks, BoundarySchedule, SeededBlocking
-from kvcellar.simulations.fake_engine import FakeModel, InlineEngine, fake_loaded_model, next_token
+from kvcellar.simulations.fake_engine import FakeModel, InlineEngine, fake_drafter, fake_loaded_model, next_token
 from kvcellar.simulations.observer import Observer
 from kvcellar.simulations.sim_disk import FaultConfig, SimDisk, SimulatedCrash
 from kvcellar.simulations.workload import (
@@ -289,6 +289,7 @@ def _seams(run: _Run) -> SystemSeams:
         store_opener=lambda config, scheme: _open_store(run, observed=True),
         safeguards=run.safeguards,
         checkpoint_listeners=(run.observer.checkpoints.listener,),
+        drafter=run.observer.drafter,
     )
 
 
@@ -570,7 +571,12 @@ def _new_run(options: RunOptions, clock: trio.testing.MockClock) -> _Run:
         clock_ns=lambda: EPOCH_NS + int(clock.current_time() * 1e9),
     )
     loaded = _loaded_model(options)
-    observer = Observer(disk, loaded.model, corruption_faults=bool({"bitflip", "misdirect"} & options.faults))
+    observer = Observer(
+        disk,
+        loaded.model,
+        corruption_faults=bool({"bitflip", "misdirect"} & options.faults),
+        drafter=fake_drafter() if options.shape.companion else None,
+    )
     boundary = BoundaryChecks(observer.violate)
     disk.on_operation = boundary.disk_operation
     return _Run(
@@ -592,7 +598,8 @@ def _new_run(options: RunOptions, clock: trio.testing.MockClock) -> _Run:
 
 def _loaded_model(options: RunOptions) -> Any:
     if options.real_model_dir is None:
-        return fake_loaded_model(recurrent=options.seed % 3 == 2)
+        # A recurrent target is refused speculation (it cannot trim): the companion workload's never is.
+        return fake_loaded_model(recurrent=options.seed % 3 == 2 and not options.shape.companion)
     from kvcellar.engine.engine import _load
 
     return _load(options.real_model_dir)
@@ -616,7 +623,9 @@ def _index_of(store: SsdStore) -> list[tuple[str, str, tuple[int, ...]]]:
 def _verify_recovery(run: _Run) -> int:
     """After the workload, with faults off: the startup index equals a fresh
     scan and the reconciled journal; recovering again changes nothing; every
-    live durable claim restores byte-identical. Returns the claims checked."""
+    live durable claim restores byte-identical; with a draft model, every entry
+    restores in a form it was put in (its companion state with it). Returns the
+    claims checked."""
     run.disk.faults_off()
     run.disk.crash_at_op = None
     observer = run.observer
@@ -637,7 +646,10 @@ def _verify_recovery(run: _Run) -> int:
     store = _open_store(run)
     try:
         observer.check_wiped_stay_wiped(_keys_of(store), "the SSD tier after recovery")
-        return observer.check_claims(store)
+        claims_checked = observer.check_claims(store)
+        if observer.drafter is not None:
+            observer.check_entries_as_put(store, _indexed_entries(store))
+        return claims_checked
     finally:
         store.close()
 

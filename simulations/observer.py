@@ -21,10 +21,13 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvcellar.engine.speculative import Drafter
 from kvcellar.simulations.checkpoint_checks import CheckpointObserver
 from kvcellar.simulations.fake_engine import FakeModel, cache_arrays
 from kvcellar.simulations.sim_disk import SimDisk
 from kvcellar.store import events as ev
+from kvcellar.store.companion import companion_drafter, has_companion, split_companion
+from kvcellar.store.ssd_index import SsdMatch
 from kvcellar.store.wipe import WipeSelector
 
 PROBE_TOKEN = 0xFFFFFFFF
@@ -58,9 +61,13 @@ def arrays_equal(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> bool:
 
 
 class Observer:
-    def __init__(self, disk: SimDisk, model: Any, *, corruption_faults: bool) -> None:
+    def __init__(self, disk: SimDisk, model: Any, *, corruption_faults: bool, drafter: Drafter | None = None) -> None:
         self.disk = disk
         self.model = model
+        # The draft model serving beside the target (the `companion` workload), or None.
+        self.drafter = drafter
+        # Per put key, the companion drafter of each of its puts (None: put without companion state).
+        self.put_forms: dict[tuple[str, tuple[int, ...]], set[str | None]] = {}
         # Silent corruption (read bit flips, misdirected writes) is detected by the
         # checksums and the entry quarantined: a durable claim may then be lost,
         # but corrupt bytes must never be restored.
@@ -95,8 +102,12 @@ class Observer:
             tokens: Sequence[int], caches: Sequence[Any], namespace: str = "", *args: Any, **kw: Any
         ) -> Any:
             key = (namespace, tuple(int(t) for t in tokens))
-            arrays = cache_arrays(caches, len(key[1]))
+            split = split_companion(caches, None)
+            arrays = cache_arrays(split.target, len(key[1]))
             self._check_fresh(key, arrays)
+            if has_companion(caches):
+                self._check_companion(key[1], caches[-1], f"a put in namespace {namespace!r}")
+            self.put_forms.setdefault(key, set()).add(companion_drafter(caches))
             self.oracle[key] = arrays
             self.puts.append(key)
             self._put_epochs.append(self.evicted_since_put)
@@ -122,7 +133,8 @@ class Observer:
         self.restores += 1
         self._check_final_file(entry)
         tokens = tuple(int(t) for t in entry.tokens[: match.usable_tokens])
-        self.check_restored(match.namespace, tokens, caches, "restore")
+        if self.check_restored(match.namespace, tokens, caches, "restore"):
+            self.check_form(match.namespace, tuple(int(t) for t in entry.tokens), caches, "restore")
 
     def _check_final_file(self, entry: Any) -> None:
         name = Path(entry.path).name
@@ -168,16 +180,63 @@ class Observer:
             )
 
     def check_restored(self, namespace: str, tokens: tuple[int, ...], caches: Sequence[Any], where: str) -> bool:
+        """The restored target caches hold the model's bytes for `tokens`, and any
+        companion state the serving drafter's over exactly the same tokens."""
+        if has_companion(caches) and not self._check_companion(tokens, caches[-1], f"{where} in {namespace!r}"):
+            return False
         want = self.expected(namespace, tokens)
         if want is None:
             return True
-        if not arrays_equal(cache_arrays(caches, len(tokens)), want):
+        if not arrays_equal(cache_arrays(split_companion(caches, None).target, len(tokens)), want):
             self.violate(
                 "no_corrupt_restore",
                 f"{where}: {len(tokens)} tokens in namespace {namespace!r} came back with different bytes",
             )
             return False
         return True
+
+    def _check_companion(self, tokens: tuple[int, ...], companion: Any, where: str) -> bool:
+        """Companion state is the serving drafter's and holds its bytes for
+        exactly the target's tokens: never another drafter's, never other tokens."""
+        if self.drafter is None or companion.drafter != self.drafter.digest:
+            self.violate(
+                "companion_is_the_serving_drafters",
+                f"{where}: {len(tokens)} tokens paired with drafter {companion.drafter!r}'s companion state",
+            )
+            return False
+        want = self.drafter.model.expected_layer_arrays(tokens)
+        if not arrays_equal(cache_arrays(companion.caches, len(tokens)), want):
+            self.violate(
+                "companion_covers_the_target_tokens",
+                f"{where}: the companion state of {len(tokens)} tokens holds other tokens' draft KV",
+            )
+            return False
+        return True
+
+    def check_form(self, namespace: str, entry_tokens: tuple[int, ...], caches: Sequence[Any], where: str) -> None:
+        """An entry restores in a form it was put in: with the companion state
+        of a drafter that a put of its tokens carried, or without one only if a
+        put was without (a split write would leave a target alone)."""
+        forms = self.put_forms.get((namespace, entry_tokens))
+        form = companion_drafter(caches)
+        if forms is not None and form not in forms:
+            had = "without" if form is None else f"with drafter {form!r}'s"
+            self.violate(
+                "entry_restores_as_put",
+                f"{where}: the entry of {len(entry_tokens)} tokens in {namespace!r} came back {had} companion "
+                "state, which no put of those tokens had",
+            )
+
+    def check_entries_as_put(self, store: Any, entries: Sequence[Any]) -> None:
+        """After recovery: every indexed entry restores whole in a form it was put in."""
+        for entry in entries:
+            tokens = tuple(int(t) for t in entry.tokens)
+            match = SsdMatch(
+                entry_id=entry.entry_id, namespace=entry.namespace, usable_tokens=len(tokens), entry_tokens=len(tokens)
+            )
+            caches = store.restore(match)
+            if caches is not None and self.check_restored(entry.namespace, tokens, caches, "recovered entry"):
+                self.check_form(entry.namespace, tokens, caches, "recovered entry")
 
     # -- durable claims ---------------------------------------------------------------
 

@@ -99,6 +99,9 @@ class WorkloadShape:
     # Cache wipes of one namespace now and then (issue 39; off by default, so the
     # default workloads, and their recorded digests, are unchanged).
     wipes: bool = False
+    # A draft model serves beside the target (issue 42): every decoding request keeps the draft's
+    # caches as companion state in the entries it leaves (off by default, like `wipes`).
+    companion: bool = False
 
 
 SMALL_SHAPES = {
@@ -129,6 +132,16 @@ SMALL_SHAPES = {
         long_prompt_rate=0.0,
         namespaces=("", "team-b"),
         wipes=True,
+    ),
+    # Speculative decoding: the entries carry the draft's caches through every tier and crash.
+    "companion": WorkloadShape(
+        steps=8,
+        conversations=2,
+        user_tokens=(8, 40),
+        long_prompt_rate=0.0,
+        max_tokens=(2, 12),
+        namespaces=("", "team-b"),
+        companion=True,
     ),
 }
 

@@ -70,6 +70,8 @@ class CheckpointFile:
     # What a wipe selects it by (store/wipe.py): the entry's namespace and its tokens (prompt + emitted).
     namespace: str = ""
     tokens: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.uint32))
+    # Of `bytes`, the companion section's (the draft model's KV, store/companion.py).
+    companion_bytes: int = 0
 
 
 @attrs.define(kw_only=True)
@@ -176,6 +178,7 @@ class CheckpointStore:
             attempt=EARLIER_PROCESS_ATTEMPT,
             namespace=header.namespace,
             tokens=header.token_array,
+            companion_bytes=kvfile.companion_bytes(header, path),
         )
 
     def _mismatch(self, header: kvfile.Header, path: Path) -> str:
@@ -325,6 +328,7 @@ class CheckpointStore:
                 attempt=attempt,
                 namespace=namespace,
                 tokens=tokens,
+                companion_bytes=kvfile.companion_bytes(writer.planned_header, writer.path),
             )
             self.counters.written += 1
             self.counters.written_bytes += file_bytes
@@ -385,6 +389,7 @@ class CheckpointStore:
             return {
                 "files": len(self._files),
                 "file_bytes": sum(f.bytes for f in self._files.values()),
+                "companion_bytes": sum(f.companion_bytes for f in self._files.values()),
                 **attrs.asdict(self.counters),
                 "skipped": dict(sorted(self.skipped.items())),
             }

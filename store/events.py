@@ -47,6 +47,9 @@ class EntryFields:
     mtime_ns: int
     trimmable: bool
     minimum_reusable_offset: int
+    # Of `bytes`, the companion section's (the draft model's KV); None in events journaled before
+    # it was recorded (journal schema 1), whose rows the next startup scan reads from the header.
+    companion_bytes: int | None = None
 
 
 @attrs.frozen(kw_only=True)

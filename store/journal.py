@@ -20,10 +20,13 @@ simulator and for reading). Callers on the Trio and engine threads only queue
 appends, so no two transactions overlap on the connection and nobody waits on
 a commit.
 
-Schema (version 1, `PRAGMA user_version`):
+Schema (version 2, `PRAGMA user_version`):
     events(seq INTEGER PRIMARY KEY AUTOINCREMENT, time_ns, actor, kind, entry_id, payload BLOB)
     entries(entry_id PRIMARY KEY, namespace, path, token_count, tokens_digest, token_ids, bytes,
-            mtime_ns, trimmable, minimum_reusable_offset, hits, restores)
+            mtime_ns, trimmable, minimum_reusable_offset, hits, restores, companion_bytes)
+Version 2 added `companion_bytes` (NULL in the rows a version 1 journal had). A
+build that reads version 1 only opens a version 2 journal degraded (the files
+are the truth: it serves from a full scan and journals nothing).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ log = logging.getLogger("kvcellar.journal")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 JOURNAL_FILE_NAME = "journal.sqlite"
 
 ENTRY_COLUMNS = (
@@ -67,6 +70,7 @@ ENTRY_COLUMNS = (
     "minimum_reusable_offset",
     "hits",
     "restores",
+    "companion_bytes",
 )
 
 
@@ -89,8 +93,19 @@ def _create_projections(db: sqlite_utils.Database) -> None:
     )
 
 
+def _migrate_to_2(db: sqlite_utils.Database) -> None:
+    """Each entry's companion bytes (issue 42); NULL in the rows before it: the next startup scan
+    reads those entries' headers and reconciles their rows."""
+    db.execute("ALTER TABLE entries ADD COLUMN companion_bytes INTEGER")
+
+
+def _create_current_projections(db: sqlite_utils.Database) -> None:
+    _create_projections(db)
+    _migrate_to_2(db)
+
+
 # Index i migrates a database at user_version i to i + 1.
-MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_migrate_to_1,)
+MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_migrate_to_1, _migrate_to_2)
 
 
 def _upsert_entry(db: sqlite_utils.Database, entry: ev.EntryFields, *, keep_counters: bool) -> None:
@@ -496,7 +511,7 @@ class Journal:
     def replay(self, *, until_seq: int | None = None) -> list[dict[str, Any]]:
         """The `entries` projection rebuilt from the events alone (up to `until_seq`)."""
         scratch = sqlite_utils.Database(memory=True)
-        _create_projections(scratch)
+        _create_current_projections(scratch)
         for record in self.events(until_seq=until_seq):
             apply_event(scratch, record.event)
         return _entry_rows(scratch)

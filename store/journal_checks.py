@@ -113,6 +113,7 @@ def scan_files(
                 "mtime_ns": file.mtime_ns,
                 "trimmable": int(header.trimmable),
                 "minimum_reusable_offset": header.minimum_reusable_offset,
+                "companion_bytes": kvfile.companion_bytes(header, path),
             }
     return rows, problems
 

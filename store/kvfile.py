@@ -65,6 +65,7 @@ from kvcellar.store.records import (
     HeaderSummary,
     SealRecord,
     TensorRecord,
+    record_bytes,
 )
 from kvcellar.store.safeguards import SAFEGUARDS, Safeguards
 from kvcellar.store.signature import COMPANION_PREFIX, caches_trimmable, entry_minimum_reusable_offset
@@ -506,6 +507,20 @@ def _check_companion_section(header: Header, path: Path) -> None:
     last = header.caches[-1].signature if header.caches else ""
     if not last.startswith(f"{COMPANION_PREFIX}{header.companion}:"):
         raise CorruptEntry(f"{path}: the companion part names no companion section of its drafter", part="header")
+
+
+def companion_bytes(header: Header | HeaderSummary, path: Path) -> int:
+    """The payload bytes of an entry's companion section (the draft model's KV), 0
+    without one; a summary's raw last record is decoded for it alone. Raises
+    `CorruptEntry` for a companion part without a decodable last record."""
+    if header.companion is None:
+        return 0
+    last = header.caches[-1] if header.caches else None
+    try:
+        record = last if isinstance(last, CacheRecord) else converter.structure(last, CacheRecord)
+    except Exception as e:  # cattrs raises its own validation errors, TypeError and KeyError alike
+        raise CorruptEntry(f"{path}: the companion section's record does not decode: {e}", part="header") from e
+    return record_bytes(record)
 
 
 def _open_token_ids(

@@ -57,14 +57,21 @@ CHECKPOINT_MUTATIONS = {
     "checkpoint-key-without-sampling": "a checkpoint's request key leaves out the sampling fields, so a request "
     "with other sampling resumes it",
 }
+# Bugs of method companion state (issue 42): the default workload has no draft model, so these are
+# caught by the `companion` workload instead.
+COMPANION_MUTATIONS = {
+    "split-companion": "the writer commits an entry's target caches in a file of their own before the entry "
+    "with its companion state (two commits), so a crash between them leaves the target without its draft state",
+}
 SAFEGUARD_OFF.update(
     {
         "checkpoint-drops-pending-token": "checkpoint_resumes_pending_token",
         "checkpoint-key-without-sampling": "checkpoint_key_has_sampling",
         "wipe-skips-tombstone": "wipe_tombstone_at_commit",
+        "split-companion": "companion_in_entry_file",
     }
 )
-ALL_MUTATIONS = {**MUTATIONS, **CHECKPOINT_MUTATIONS, **WIPE_MUTATIONS}
+ALL_MUTATIONS = {**MUTATIONS, **CHECKPOINT_MUTATIONS, **WIPE_MUTATIONS, **COMPANION_MUTATIONS}
 
 
 def safeguards_without(names: Iterable[str]) -> Safeguards:

@@ -147,11 +147,18 @@ class HeaderSummary:
     generation_checkpoint: dict[str, Any] | None = None
     seal: SealRecord | None = None
     companion: str | None = None
+    # The cache records as decoded CBOR (undecoded into `CacheRecord`s: see above).
+    caches: Any = ()
 
     @property
     def token_array(self) -> np.ndarray:
         """The token ids as a read-only uint32 array (no copy)."""
         return np.frombuffer(self.token_ids, dtype="<u4")
+
+
+def record_bytes(record: CacheRecord) -> int:
+    """The payload bytes of one cache record's tensors, its children's included."""
+    return sum(tensor.length for tensor in _walk_tensors((record,)))
 
 
 def _walk_tensors(records: Sequence[CacheRecord]) -> Iterator[TensorRecord]:

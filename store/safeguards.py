@@ -38,6 +38,9 @@ class Safeguards:
     # `SsdIndex.commit`, `CheckpointStore.commit`: refuse a commit a wipe's tombstone selects
     # (no wiped entry comes back).
     wipe_tombstone_at_commit: bool = True
+    # `SsdWriter`: an entry's companion state (the draft's caches) is written in the same file as the
+    # target's, under one commit (store/companion.py).
+    companion_in_entry_file: bool = True
 
 
 SAFEGUARDS = Safeguards()

@@ -158,6 +158,7 @@ class EntryCommitter:
             mtime_ns=mtime_ns,
             trimmable=header.trimmable,
             minimum_reusable_offset=header.minimum_reusable_offset,
+            companion_bytes=kvfile.companion_bytes(header, path),
         )
         self.files.unlink_removed(self.index.commit(entry, captured_epoch, fetched_since))
         if self.index.entry(entry_id) is None:

@@ -66,6 +66,8 @@ class IndexedEntry:
     mtime_ns: int
     trimmable: bool
     minimum_reusable_offset: int
+    # Of `bytes`, the companion section's payload (the draft model's KV, store/companion.py).
+    companion_bytes: int = 0
 
     @property
     def path(self) -> Path:
@@ -130,6 +132,7 @@ class SsdIndex:
         self._entries: dict[str, IndexedEntry] = {}
         self._indexes: dict[str, PrefixIndex] = {}
         self._bytes_total = 0
+        self._companion_bytes_total = 0  # of `_bytes_total`, the entries' companion sections
         self._mtime_max_ns = 0
         self._counters = SsdCounters()
         self._event_listeners = tuple(event_listeners)
@@ -188,6 +191,7 @@ class SsdIndex:
             mtime_ns=entry.mtime_ns,
             trimmable=entry.trimmable,
             minimum_reusable_offset=entry.minimum_reusable_offset,
+            companion_bytes=entry.companion_bytes,
         )
 
     # -- reads -----------------------------------------------------------------
@@ -256,6 +260,7 @@ class SsdIndex:
             return {
                 "entries": len(self._entries),
                 "bytes": self._bytes_total,
+                "companion_bytes": self._companion_bytes_total,
                 "bytes_max": self.bytes_max,
                 **attrs.asdict(self._counters),
                 # Tenant names only, never keys; the default namespace is the totals above.
@@ -374,6 +379,7 @@ class SsdIndex:
 
     def _bill(self, entry: IndexedEntry, sign: int) -> None:
         self._bytes_total += sign * entry.bytes
+        self._companion_bytes_total += sign * entry.companion_bytes
         usage = self._usage.setdefault(owner_of(entry.namespace), OwnerUsage())
         usage.entries += sign
         usage.bytes += sign * entry.bytes

@@ -102,6 +102,8 @@ class StartupScanner:
         ring seals, afresh)."""
         if row["bytes"] != item.size_bytes or row["mtime_ns"] != item.mtime_ns:
             return None
+        if row["companion_bytes"] is None:
+            return None  # journaled before its companion bytes were (schema 1): read once from its header
         if self.keyring is not None and sealed_key_id(row["token_ids"], row["token_count"]) is None:
             return None
         try:
@@ -119,6 +121,7 @@ class StartupScanner:
             mtime_ns=row["mtime_ns"],
             trimmable=bool(row["trimmable"]),
             minimum_reusable_offset=row["minimum_reusable_offset"],
+            companion_bytes=row["companion_bytes"],
         )
 
     def _reap(self, path: Path) -> None:
@@ -135,6 +138,7 @@ class StartupScanner:
             header = kvfile.read_header_summary(
                 path, disk=self.disk, size_bytes=item.size_bytes, safeguards=self.safeguards, keyring=self.keyring
             )
+            companion_bytes = kvfile.companion_bytes(header, path)
         except KeyUnavailable as e:
             self.quarantine_sealed(path, "", e.key_id)
             return
@@ -161,6 +165,7 @@ class StartupScanner:
                 mtime_ns=item.mtime_ns,
                 trimmable=header.trimmable,
                 minimum_reusable_offset=header.minimum_reusable_offset,
+                companion_bytes=companion_bytes,
             )
         )
 

@@ -14,6 +14,7 @@ served; the batch lane under a burst stays under the budget.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import httpx
 import mlx.core as mx
@@ -28,11 +29,13 @@ from kvcellar.engine.engine import SamplingParams
 from kvcellar.engine.generation import GenerationDone, GenerationRequest
 from kvcellar.engine.memory import (
     Footprint,
+    GuardedRequest,
     MemoryGuard,
     WorkspaceModel,
     cuda_memory_bytes,
     default_memory_budget_bytes,
 )
+from kvcellar.engine.speculative import Drafter
 from kvcellar.errors import InsufficientMemory
 from kvcellar.http.anthropic import failure_event_body
 from kvcellar.http.app import failure_body
@@ -85,13 +88,17 @@ def _caches(rows: int) -> list:
     return [cache]
 
 
-def _guard(cache: PromptCache, meter: BilledMeter, budget: int, **kw) -> MemoryGuard:
-    footprint = Footprint(
+def _footprint(prototypes: list) -> Footprint:
+    return Footprint(
         scheme=KvScheme.bf16(),
-        prototypes=[],
+        prototypes=prototypes,
         workspace=WorkspaceModel(heads=1, hidden=8, intermediate=8, vocab=8),
         prefill_step_tokens=PREFILL_STEP_TOKENS,
     )
+
+
+def _guard(cache: PromptCache, meter: BilledMeter, budget: int, prototypes: list | None = None, **kw) -> MemoryGuard:
+    footprint = _footprint(prototypes or [])
     return MemoryGuard(budget, meter, footprint=footprint, weights_bytes=meter.base, prompt_cache=cache, **kw)
 
 
@@ -155,6 +162,25 @@ def test_admission_refuses_only_what_cannot_fit_after_every_reclaimable_entry_is
     assert refused.value.available_bytes == 2 * entry_bytes and len(cache) == 3
     assert guard.stats()["requests_refused"] == 1
     assert guard.fits_budget(3 * entry_bytes) is None and guard.fits_budget(3 * entry_bytes + 1) is not None
+
+
+def test_admission_counts_the_drafts_kv_over_the_same_tokens_when_a_draft_may_serve():
+    footprint = _footprint(_caches(1))
+    plain = footprint.request_bytes(PROMPT_TOKENS, MAX_TOKENS)
+    # The KV of 1000 + 24 tokens is allocated in 256-token steps: 1024 tokens for the draft too.
+    assert footprint.request_bytes(PROMPT_TOKENS, MAX_TOKENS, draft_kv_bytes_per_token=48) == plain + 48 * 1024
+    cache = PromptCache(10**9)
+    meter = BilledMeter(cache, base=1000)
+    guard = _guard(cache, meter, budget=1000 + plain + 100, prototypes=_caches(1))
+    GuardedRequest(guard).admit(PROMPT_TOKENS, MAX_TOKENS)
+    with pytest.raises(InsufficientMemory):
+        GuardedRequest(guard).admit(PROMPT_TOKENS, MAX_TOKENS, draft_kv_bytes_per_token=48)
+    assert guard.stats()["requests_refused"] == 1
+    # A request the draft never serves (log-probabilities) counts no draft KV.
+    drafter = Drafter(model=None, model_dir=Path("/draft"), num_draft_tokens=3, digest="d" * 32, kv_bytes_per_token=48)
+    logprobs = GenerationRequest(prompt_ids=(1, 2), params=SamplingParams(logprobs=True))
+    assert drafter.admission_kv_bytes_per_token(logprobs) == 0
+    assert drafter.admission_kv_bytes_per_token(GenerationRequest(prompt_ids=(1, 2), params=SamplingParams())) == 48
 
 
 def test_default_budget_is_three_quarters_of_physical_memory_capped_by_the_working_set():

@@ -22,6 +22,7 @@ from kvcellar.engine.speculative import (
 from kvcellar.store.companion import COMPANION_STALE, companion_drafter
 from kvcellar.store.fingerprint import compute_fingerprint
 from kvcellar.store.prompt_cache import PromptCache
+from kvcellar.store.scheme import KvScheme, warm_up_prototype_caches
 
 # Architectures whose every cache trims (mlx-lm's speculative step needs it); the others have recurrent state.
 SPECULATING = ("llama", "gemma3_text", "deepseek_v3", "llama4")
@@ -168,6 +169,9 @@ def test_a_draft_with_recurrent_state_is_refused_at_load(models):
         load_drafter(models["mamba2"].model_dir, 3, models["llama"])
     drafter = load_drafter(models["deepseek_v3"].model_dir, 2, models["llama"])
     assert drafter.num_draft_tokens == 2 and len(drafter.digest) == 32
+    # What the memory guard's admission counts per token of a request the draft serves.
+    prototypes = warm_up_prototype_caches(models["deepseek_v3"].model)
+    assert drafter.kv_bytes_per_token == KvScheme.bf16().projected_bytes(prototypes, 1) > 0
 
 
 def test_serve_offers_the_draft_options():

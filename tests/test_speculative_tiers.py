@@ -7,6 +7,7 @@ uninterrupted output."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,14 @@ from kvcellar.engine.generation import GenerationRequest
 from kvcellar.errors import UnsupportedFormat
 from kvcellar.store import kvfile
 from kvcellar.store.companion import CompanionState, split_companion
+from kvcellar.store.records import record_bytes
+from kvcellar.store.ssd import SsdStore
 
 FIXTURE_V1 = Path(__file__).parent / "fixtures" / "kvc-v1-llama-tiny.kvc"
 FIXTURE_TOKENS = list(range(5, 25))
 PROMPT = tuple(range(5, 45))
 GREEDY = SamplingParams(max_tokens=40)
+FINGERPRINT = "f" * 32
 META = {"namespace": "", "tokenizer_hash": "t", "fingerprint": {"model": "m"}}
 
 
@@ -131,7 +135,8 @@ def test_a_checkpoint_with_companion_state_resumes_with_the_uninterrupted_output
         async with open_system(config) as system:
             cut, _ = await _generate(system, request, stop_after=27)
             await system.flush()
-            assert system.stats()["checkpoints"]["files"] == 1
+            checkpoints = system.stats()["checkpoints"]
+            assert checkpoints["files"] == 1 and checkpoints["companion_bytes"] > 0
         headers = [kvfile.read_header(f) for f in (tmp_path / "ssd").glob("*/checkpoints/*.kvc")]
         assert [h.format_version for h in headers] == [kvfile.COMPANION_CHECKPOINT_FORMAT_VERSION]
         async with open_system(config) as system:
@@ -142,3 +147,30 @@ def test_a_checkpoint_with_companion_state_resumes_with_the_uninterrupted_output
         assert stats["companion_restored"] == 1
 
     trio.run(main)
+
+
+def test_the_ssd_tier_counts_companion_bytes_from_the_file_the_journal_and_a_schema_1_journal(
+    loaded_model_factory, tmp_path
+):
+    model, _ = loaded_model_factory("llama")
+    tokens = list(range(5, 30))
+    caches = [*_prefilled(model, tokens), CompanionState(*_prefilled(model, tokens), drafter="d" * 32)]
+    store = SsdStore.open(tmp_path, FINGERPRINT)
+    entry_id = store.store(tokens, caches)
+    store.store(tokens[:20], _prefilled(model, tokens[:20]), "other")
+    companion = record_bytes(kvfile.read_header(store.entry(entry_id).path).caches[-1])
+    assert 0 < companion < store.stats()["bytes"] and store.stats()["companion_bytes"] == companion
+    journal_path = store.journal.path
+    store.close()
+    reopened = SsdStore.open(tmp_path, FINGERPRINT)  # indexed from the journal's rows
+    assert reopened.stats()["companion_bytes"] == companion
+    reopened.close()
+    # A journal of schema 1 had no companion bytes: migrated, its rows are NULL and read from the headers once.
+    with sqlite3.connect(journal_path) as connection:
+        connection.execute("ALTER TABLE entries DROP COLUMN companion_bytes")
+        connection.execute("PRAGMA user_version = 1")
+    migrated = SsdStore.open(tmp_path, FINGERPRINT)
+    assert migrated.stats()["companion_bytes"] == companion
+    assert sorted(row["companion_bytes"] for row in migrated.journal.entries()) == [0, companion]
+    assert [record.kind for record in migrated.journal.events()][-2:] == ["reconcile.updated"] * 2
+    migrated.close()
