@@ -599,11 +599,13 @@ async def open_system(config: SystemConfig, seams: SystemSeams | None = None) ->
                 engine, lambda: open_store(config, seams, scheme, monitor, compute)
             )
         paged_kv = await open_paged_kv(engine, config.paged_kv_block_size, scheme)
+        # Before the actors: the memory guard measures what MLX holds, the draft's weights included.
+        drafter = seams.drafter or await open_drafter(engine, config)
         async with trio.open_nursery() as nursery:
             system = await _start_actors(
                 nursery, config, seams, engine, loaded, scheme, store, tokenizer_hash, wear, paged_kv
             )
-            system.drafter = seams.drafter or await open_drafter(engine, config)
+            system.drafter = drafter
             try:
                 # Before anything is served: the wipes a crash left unfinished (their SSD part ran at open).
                 await system.wipes.resume()

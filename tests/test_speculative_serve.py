@@ -58,6 +58,9 @@ def test_a_generation_killed_part_way_resumes_with_its_draft_state_and_the_ssd_t
     model_dir, ssd_dir = model_dir_factory("llama"), tmp_path / "ssd"
     first = _start(model_dir, ssd_dir)
     try:
+        # The memory guard measured the weights after the draft loaded: the target's and its copy's.
+        weights_on_disk_bytes = sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+        assert _stats(first)["memory"]["weights_bytes"] >= 1.9 * weights_on_disk_bytes
         reference = _complete(first, GREEDY)
         assert reference["usage"]["completion_tokens"] == MAX_TOKENS
         _flush(first)
