@@ -97,6 +97,8 @@ class SharedCacheConfig:
 class SharedCounters:
     uploads: int = 0
     upload_bytes: int = 0
+    # Of `upload_bytes` and `download_bytes`, the entries' companion sections (the draft model's KV, issue 42).
+    upload_companion_bytes: int = 0
     already_shared: int = 0  # the manifest existed when asked, or the conditional put answered 412
     conflicts_412: int = 0
     upload_failures: int = 0
@@ -105,6 +107,7 @@ class SharedCounters:
     below_admission: int = 0
     downloads: int = 0
     download_bytes: int = 0
+    download_companion_bytes: int = 0
     download_failures: int = 0
     download_timeouts: int = 0
     refused: int = 0  # manifests or objects that failed a check; refused objects are quarantined
@@ -336,6 +339,7 @@ class SharedTier:
         if outcome.manifest is not None:
             self.counters.uploads += 1
             self.counters.upload_bytes += outcome.sent_bytes
+            self.counters.upload_companion_bytes += entry.companion_bytes
             self.index.add(outcome.key, outcome.manifest)
             self._record(
                 sev.SharedUploaded(
@@ -410,6 +414,7 @@ class SharedTier:
             self._backoff.pop(key, None)
             self.counters.downloads += 1
             self.counters.download_bytes += manifest.object_bytes
+            self.counters.download_companion_bytes += self._companion_bytes(entry_id)
             token_count = len(manifest.token_ids) // 4
             self.origins.downloaded(entry_id, key)
             self._record(
@@ -418,6 +423,12 @@ class SharedTier:
         finally:
             self._downloads.pop(key, None)
             done.set()
+
+    def _companion_bytes(self, entry_id: str) -> int:
+        """The adopted entry's companion bytes, which the SSD index took from
+        its header; 0 when the tier evicted it at once (nothing to restore)."""
+        adopted = self.store.entry(entry_id)
+        return adopted.companion_bytes if adopted is not None else 0
 
     def _download_failed(self, key: str, reason: str) -> None:
         self.counters.download_failures += 1

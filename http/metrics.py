@@ -187,6 +187,11 @@ SPECS += (
             _SHARED, "restored_tokens_shared_tier", "Tokens restored from entries downloaded from the shared tier."
         ),
         _counter(_SHARED, "upload_bytes", "Bytes sent to the shared store by uploads."),
+        _counter(
+            _SHARED,
+            "upload_companion_bytes",
+            "Of the uploaded bytes, the draft model's KV (companion state, --draft-model).",
+        ),
         _counter(_SHARED, "already_shared", "Uploads skipped because the entry's manifest already existed."),
         _counter(_SHARED, "conflicts_412", "Uploads whose conditional manifest put answered 412 (a lost race)."),
         _counter(_SHARED, "upload_failures", "Uploads that failed (store unreachable, 5xx, throttled)."),
@@ -195,6 +200,11 @@ SPECS += (
         _counter(_SHARED, "below_admission", "Local entries not offered: too short and not hit often enough yet."),
         _counter(_SHARED, "downloads", "Shared entries downloaded, verified and adopted into the SSD tier."),
         _counter(_SHARED, "download_bytes", "Bytes received from the shared store by downloads."),
+        _counter(
+            _SHARED,
+            "download_companion_bytes",
+            "Of the downloaded bytes, the draft model's KV (companion state, --draft-model).",
+        ),
         _counter(_SHARED, "download_failures", "Downloads that failed (unreachable, 5xx, partial, object gone)."),
         _counter(_SHARED, "download_timeouts", "Requests that went on without a download after the timeout."),
         _counter(_SHARED, "refused", "Shared manifests or objects refused by a check (objects quarantined)."),

@@ -141,6 +141,42 @@ def test_a_second_server_restores_what_the_first_shared(model_dir_factory, tmp_p
     trio.run(main)
 
 
+def test_the_shared_tier_counts_the_draft_models_kv_it_moves(model_dir_factory, tmp_path, bucket, moto_url):
+    """Speculative decoding (issue 42): the entries carry the draft's KV (the
+    target is its own draft), the shared tier counts that share of what it
+    uploads and downloads, and the second server restores the draft's KV
+    with the target's instead of prefilling the draft again."""
+    model_dir = model_dir_factory("llama")
+
+    def config(ssd_name: str):
+        shared = _shared(bucket, moto_url)
+        return _config(model_dir, tmp_path, ssd_dir=tmp_path / ssd_name, shared_cache=shared, draft_model_dir=model_dir)
+
+    async def main() -> None:
+        async with serving(config("a")) as (_, client):
+            cold = await _complete(client)
+            await _share(client)
+            uploaded = await _shared_stats(client)
+            assert uploaded["uploads"] >= 1 and 0 < uploaded["upload_companion_bytes"] < uploaded["upload_bytes"]
+            metrics = (await client.get("/metrics")).text
+            assert (
+                f"kvcellar_shared_cache_upload_companion_bytes_total {float(uploaded['upload_companion_bytes'])}"
+                in metrics
+            )
+        async with serving(config("b")) as (_, client):
+            warm = await _complete(client)
+            assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+            stats = (await client.get("/stats")).json()
+            downloaded = stats["shared_cache"]
+            assert (
+                downloaded["downloads"] == 1
+                and 0 < downloaded["download_companion_bytes"] < downloaded["download_bytes"]
+            )
+            assert stats["speculative"]["companion_restored"] >= 1 and stats["speculative"]["draft_reprefills"] == {}
+
+    trio.run(main)
+
+
 # -- faults ---------------------------------------------------------------------
 
 FAULT_PROMPTS = tuple(
