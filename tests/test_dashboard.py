@@ -338,6 +338,35 @@ def _memory_section_is_shown_when_stats_has_one(page) -> None:
     page.unroute("**/stats")
 
 
+SPECULATIVE = {
+    "rounds": 4,
+    "acceptance_rate": 0.75,
+    "accepted_tokens_per_step": 2.5,
+    "draft_time_share": 0.2,
+    "companion_restored": 1,
+    "draft_reprefills": {},
+    "refused": {},
+}
+SHARED_COMPANION = {"uploads": 1, "upload_companion_bytes": 4_500_000, "download_companion_bytes": 2_250_000}
+
+
+def _shared_companion_bytes_are_shown_with_a_draft_model(page) -> None:
+    """The speculative panel's companion bytes per tier, the shared tier's uploaded and downloaded
+    share among them (issue 42): the real /stats with a draft's and a shared tier's fields added."""
+
+    def with_draft(route) -> None:
+        response = route.fetch()
+        route.fulfill(
+            response=response, json={**response.json(), "speculative": SPECULATIVE, "shared_cache": SHARED_COMPANION}
+        )
+
+    page.route("**/stats", with_draft)
+    shared_row = '#speculative-body dd[data-field="companion to / from shared"]'
+    page.wait_for_function(f"document.querySelector('{shared_row}') !== null", timeout=30_000)
+    assert page.inner_text(shared_row) == "4.50 MB / 2.25 MB"
+    page.unroute("**/stats")
+
+
 def test_the_dashboard_in_a_headless_browser(server, served, tmp_path):
     sync_playwright = _browser_or_skip()
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -383,6 +412,7 @@ def test_the_dashboard_in_a_headless_browser(server, served, tmp_path):
             screenshot = tmp_path / "dashboard.png"
             page.screenshot(path=str(screenshot), full_page=True)
             _memory_section_is_shown_when_stats_has_one(page)
+            _shared_companion_bytes_are_shown_with_a_draft_model(page)
         finally:
             browser.close()
     assert problems == []
