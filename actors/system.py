@@ -32,7 +32,6 @@ from typing import Any
 
 import attrs
 import trio
-from mlx_lm.models.cache import make_prompt_cache
 
 from kvcellar.actors.admission import AdmissionGate
 from kvcellar.actors.checkpoint_writer import SPILL_QUEUE_SHARE, CheckpointWriter
@@ -57,6 +56,7 @@ from kvcellar.actors.system_wiring import (
     give_guard_the_ssd_tier,
     load_model_beside_store,
     open_memory_guard,
+    open_paged_kv,
     open_restore_policy,
     open_store,
     start_shared_tier,
@@ -70,7 +70,7 @@ from kvcellar.engine.compute_dtype import ComputeDtype
 from kvcellar.engine.engine import MODEL_DTYPE, EngineThread, LoadedModel, resolve_compute_dtype
 from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenDelta, run_generation
 from kvcellar.engine.memory import MemoryGuard, MemoryMeter, MlxMemoryMeter
-from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
+from kvcellar.engine.paged_kv import PagedKv
 from kvcellar.engine.restore_policy import PolicyColdTier
 from kvcellar.engine.speculative import Drafter, open_drafter
 from kvcellar.errors import EngineStopped, JournalError, UsageError
@@ -783,21 +783,3 @@ async def _start_checkpoints(
         listeners=seams.checkpoint_listeners,
     )
     return queue_bytes - share_bytes
-
-
-async def open_paged_kv(engine: Any, block_size: int | None, scheme: KvScheme) -> PagedKv | None:
-    """Paged KV's start-up gates (spec §6.3), before anything else starts:
-    refuse a quantized KV scheme and a model whose caches paging cannot take,
-    with `UsageError`. None when paged KV is off."""
-    if block_size is None:
-        return None
-    if scheme.quantized:
-        raise UsageError(
-            f"--paged-kv cannot run with --kv-quant ({scheme.cache_key}): paged blocks hold unquantized KV only"
-        )
-    paged_kv = PagedKv.with_block_size(block_size)
-    refusal = await engine.call(lambda loaded: paged_model_refusal(make_prompt_cache(loaded.model)), label="probe")
-    if refusal is not None:
-        raise UsageError(f"--paged-kv refused for this model: {refusal}")
-    log.info("paged KV on: blocks of %d tokens", block_size)
-    return paged_kv

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvcellar.actors.admission import AdmissionCore
 from kvcellar.actors.gateway import Gateway
@@ -26,6 +27,7 @@ from kvcellar.engine.memory import (
     WorkspaceModel,
     default_memory_budget_bytes,
 )
+from kvcellar.engine.paged_kv import PagedKv, paged_model_refusal
 from kvcellar.engine.restore_policy import CostBook, PolicyColdTier, calibrate, with_disk_probed
 from kvcellar.errors import UsageError
 from kvcellar.store.cost_memo import CostKey, load_costs
@@ -304,3 +306,21 @@ async def open_restore_policy(engine: Any, config: SystemConfig, store: SsdStore
         )
 
     return await engine.call(build, label="restore-policy")
+
+
+async def open_paged_kv(engine: Any, block_size: int | None, scheme: KvScheme) -> PagedKv | None:
+    """Paged KV's start-up gates (spec §6.3), before anything else starts:
+    refuse a quantized KV scheme and a model whose caches paging cannot take,
+    with `UsageError`. None when paged KV is off."""
+    if block_size is None:
+        return None
+    if scheme.quantized:
+        raise UsageError(
+            f"--paged-kv cannot run with --kv-quant ({scheme.cache_key}): paged blocks hold unquantized KV only"
+        )
+    paged_kv = PagedKv.with_block_size(block_size)
+    refusal = await engine.call(lambda loaded: paged_model_refusal(make_prompt_cache(loaded.model)), label="probe")
+    if refusal is not None:
+        raise UsageError(f"--paged-kv refused for this model: {refusal}")
+    log.info("paged KV on: blocks of %d tokens", block_size)
+    return paged_kv

@@ -686,7 +686,7 @@ def check_generation_checkpoint(tokens: int, ssd_dir: Path | None) -> None:
 def check_paged_kv(paged_kv: bool, kv_quant: str, ssd_dir: Path | None) -> None:
     """`--paged-kv`'s start-up gates (spec §6.3): refused with `--kv-quant`;
     with the tiers on, a warning of what they see. The model's own gate runs
-    once it is loaded (`actors/system.py`, `open_paged_kv`)."""
+    once it is loaded (`actors/system_wiring.py`, `open_paged_kv`)."""
     if not paged_kv:
         return
     if kv_quant != "off":
