@@ -144,7 +144,8 @@ def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
 
 
 def test_a_budget_for_one_model_swaps_and_the_conversation_resumes_from_ssd(small_dir, tmp_path):
-    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB))
+    env = {"KVCELLAR_CACHE_DIR": str(tmp_path / "cache")}  # an empty restore cost memo
+    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB), env=env)
     try:
         first, cold_share = _chat(server, "coder")
         assert cold_share == 0
@@ -158,6 +159,9 @@ def test_a_budget_for_one_model_swaps_and_the_conversation_resumes_from_ssd(smal
         models = server.models()
         assert models["coder"]["loads"] == 2 and models["coder"]["ssd_restores"] >= 1
         assert models["small"]["state"] == "unloaded" and models["small"]["last_drain"]["durable"] is True
+        # The memo keeps both models' restore costs: coder's second load reads its own, calibrating nothing.
+        output = server.stop()
+        assert output.count("calibrating afresh") == 2 and output.count("holds no costs for this model") == 1
     finally:
         server.kill()
 
