@@ -10,8 +10,10 @@ calibrates afresh; a missing, malformed or foreign file is the same as none,
 and so is one of a newer version (logged; the next save replaces it). A
 version 1 file (one key, before issue 41's pools) reads as one entry. Saving
 reads the file, puts the key last and writes it whole, atomically (temp,
-fsync, rename, fsync of the directory): two processes saving at once may
-drop one's entry, which costs that model one recalibration. Like the digest
+fsync, rename, fsync of the directory), without a lock: two saves at once
+(two processes, or a pool's model persisting at its close on a worker thread
+while another persists on the engine thread) may lose one's update, which
+costs that model one recalibration. Like the digest
 memo it uses plain `os`/`pathlib`, not the store's `Disk`: it is not a KV
 entry and needs no simulated durability.
 """
