@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -349,44 +349,71 @@ async def _replay(app: Any, scope: Scope, raw: bytes, receive: Receive, send: Se
     await app(dict(scope, headers=headers), replayed, send)
 
 
+# The pool's per-model counters (`/stats` field, HELP); prometheus_client appends `_total`.
+_MODEL_COUNTERS = (
+    ("engine_jobs", "engine jobs of the model run to their end"),
+    ("engine_yields", "times one of the model's generations gave the engine thread to another model's job"),
+)
+# A drafted model's speculative counters (its own `/metrics` has them as `kvcellar_speculative_*`), since its load.
+_SPECULATIVE_COUNTERS = (
+    ("requests", "requests decoded with the model's draft, since its load"),
+    ("rounds", "draft-and-verify rounds run, since its load"),
+    ("proposed_tokens", "tokens the model's draft proposed, since its load"),
+    ("accepted_tokens", "proposed tokens the model accepted, since its load"),
+)
+
+
 class _PoolCollector:
-    """`/metrics` of the pool: per model, its load state and tier figures, read afresh per scrape."""
+    """`/metrics` of the pool: per model, its load state, tier figures, engine turns and (with a draft) its
+    speculative counters, read afresh per scrape."""
 
     def __init__(self, pool: ModelPool) -> None:
         self.pool = pool
 
     def collect(self) -> Any:
         stats = self.pool.stats()
-        families = {
-            "loaded": GaugeMetricFamily("kvcellar_pool_model_loaded", "1 when the model is loaded", labels=["model"]),
-            "ram_bytes": GaugeMetricFamily(
-                "kvcellar_pool_model_ram_bytes", "the model's RAM prompt cache bytes", labels=["model"]
-            ),
-            "ssd_bytes": GaugeMetricFamily(
-                "kvcellar_pool_model_ssd_bytes", "the model's SSD tier bytes", labels=["model"]
-            ),
-            "ram_hits": GaugeMetricFamily(
-                "kvcellar_pool_model_ram_hits", "RAM tier hits while loaded", labels=["model"]
-            ),
-            "requests": GaugeMetricFamily(
-                "kvcellar_pool_model_requests", "requests routed to the model", labels=["model"]
-            ),
-            "loads": GaugeMetricFamily("kvcellar_pool_model_loads", "times the model was loaded", labels=["model"]),
-            "unloads": GaugeMetricFamily(
-                "kvcellar_pool_model_unloads", "times the model was unloaded", labels=["model"]
-            ),
-            "drain": GaugeMetricFamily(
-                "kvcellar_pool_model_last_drain_durable", "1 when its last drain was durable", labels=["model"]
-            ),
-        }
-        for name, model in stats["models"].items():
-            families["loaded"].add_metric([name], 1.0 if model["state"] == "loaded" else 0.0)
-            for key in ("ram_bytes", "ssd_bytes", "ram_hits", "requests", "loads", "unloads"):
-                families[key].add_metric([name], float(model[key]))
-            if model["last_drain"] is not None:
-                families["drain"].add_metric([name], 1.0 if model["last_drain"]["durable"] else 0.0)
-        yield from families.values()
+        yield from _model_gauges(stats["models"])
+        yield from _model_counters(stats["models"])
         yield GaugeMetricFamily("kvcellar_pool_budget_bytes", "the models memory budget", value=stats["budget_bytes"])
         yield GaugeMetricFamily(
             "kvcellar_pool_resident_bytes", "the loaded models' weights bytes", value=stats["resident_bytes"]
         )
+
+
+def _model_gauges(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    families = {
+        "loaded": GaugeMetricFamily("kvcellar_pool_model_loaded", "1 when the model is loaded", labels=["model"]),
+        "ram_bytes": GaugeMetricFamily(
+            "kvcellar_pool_model_ram_bytes", "the model's RAM prompt cache bytes", labels=["model"]
+        ),
+        "ssd_bytes": GaugeMetricFamily("kvcellar_pool_model_ssd_bytes", "the model's SSD tier bytes", labels=["model"]),
+        "ram_hits": GaugeMetricFamily("kvcellar_pool_model_ram_hits", "RAM tier hits while loaded", labels=["model"]),
+        "requests": GaugeMetricFamily("kvcellar_pool_model_requests", "requests routed to the model", labels=["model"]),
+        "loads": GaugeMetricFamily("kvcellar_pool_model_loads", "times the model was loaded", labels=["model"]),
+        "unloads": GaugeMetricFamily("kvcellar_pool_model_unloads", "times the model was unloaded", labels=["model"]),
+        "drain": GaugeMetricFamily(
+            "kvcellar_pool_model_last_drain_durable", "1 when its last drain was durable", labels=["model"]
+        ),
+    }
+    for name, model in models.items():
+        families["loaded"].add_metric([name], 1.0 if model["state"] == "loaded" else 0.0)
+        for key in ("ram_bytes", "ssd_bytes", "ram_hits", "requests", "loads", "unloads"):
+            families[key].add_metric([name], float(model[key]))
+        if model["last_drain"] is not None:
+            families["drain"].add_metric([name], 1.0 if model["last_drain"]["durable"] else 0.0)
+    yield from families.values()
+
+
+def _model_counters(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Every model's engine turns; a loaded model with a draft, its speculative counters."""
+    for field, help in _MODEL_COUNTERS:
+        family = CounterMetricFamily(f"kvcellar_pool_model_{field}", help, labels=["model"])
+        for name, model in models.items():
+            family.add_metric([name], float(model[field]))
+        yield family
+    for field, help in _SPECULATIVE_COUNTERS:
+        family = CounterMetricFamily(f"kvcellar_pool_model_speculative_{field}", help, labels=["model"])
+        for name, model in models.items():
+            if field in model["speculative"]:
+                family.add_metric([name], float(model["speculative"][field]))
+        yield family

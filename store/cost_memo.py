@@ -1,13 +1,21 @@
 """The restore cost model kept across restarts, beside the shard digest memo (issue 44).
 
 One file, `restore-costs.cbor`, in the directory of the digest memo
-(`serve`'s `<cache>/shard-digests`). It holds the `CostModel` with the key
+(`serve`'s `<cache>/shard-digests`). It holds `CostModel`s, each with the key
 it was measured under: the model (config and weight digests of the serving
-fingerprint) and the device (its kind and chip). A start whose key differs
-finds it invalidated and calibrates afresh; a missing, malformed or foreign
-file is the same as none. Written atomically (temp, fsync, rename, fsync of
-the directory). Like the digest memo it uses plain `os`/`pathlib`, not the
-store's `Disk`: it is not a KV entry and needs no simulated durability.
+fingerprint) and the device (its kind and chip), at most
+`COST_MEMO_ENTRIES_MAX`, the most recently saved (so a model pool's models
+keep theirs across loads and unloads). A start whose key is not there
+calibrates afresh; a missing, malformed or foreign file is the same as none,
+and so is one of a newer version (logged; the next save replaces it). A
+version 1 file (one key, before issue 41's pools) reads as one entry. Saving
+reads the file, puts the key last and writes it whole, atomically (temp,
+fsync, rename, fsync of the directory), without a lock: two saves at once
+(two processes, or a pool's model persisting at its close on a worker thread
+while another persists on the engine thread) may lose one's update, which
+costs that model one recalibration. Like the digest
+memo it uses plain `os`/`pathlib`, not the store's `Disk`: it is not a KV
+entry and needs no simulated durability.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ log = logging.getLogger(__name__)
 
 COST_MEMO_FILE_NAME = "restore-costs.cbor"
 COST_MEMO_FORMAT = "kvcellar-restore-costs"
-COST_MEMO_VERSION = 1
+COST_MEMO_VERSION = 2
+# The keys (models x devices) whose costs the file keeps, the most recently saved.
+COST_MEMO_ENTRIES_MAX = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -61,36 +71,88 @@ class CostKey:
 
 
 @attrs.frozen(kw_only=True)
-class _CostFile:
+class _CostHeader:
+    """What every version of the file starts with (the rest is read by version)."""
+
+    format: str
+    version: int
+
+
+@attrs.frozen(kw_only=True)
+class _CostFileV1:
+    """Version 1: one key's costs."""
+
     format: str
     version: int
     key: CostKey
     model: CostModel
 
 
-def load_costs(directory: Path, key: CostKey) -> CostModel | None:
-    """The persisted cost model for `key`, or None (absent, unreadable, or measured for another model or device)."""
-    path = directory / COST_MEMO_FILE_NAME
+@attrs.frozen(kw_only=True)
+class _CostEntry:
+    key: CostKey
+    model: CostModel
+
+
+@attrs.frozen(kw_only=True)
+class _CostFile:
+    """Version 2: several keys' costs, the most recently saved last."""
+
+    format: str
+    version: int
+    entries: tuple[_CostEntry, ...]
+
+
+def _read_entries(path: Path) -> tuple[tuple[_CostEntry, ...], str | None]:
+    """The file's entries, oldest saved first, and why none are usable when the file is there but unusable."""
     try:
-        saved = from_cbor(path.read_bytes(), _CostFile)
+        data = path.read_bytes()
+        header = from_cbor(data, _CostHeader)
+        if header.format != COST_MEMO_FORMAT:
+            return (), f"is not a {COST_MEMO_FORMAT} file"
+        if header.version == 1:
+            v1 = from_cbor(data, _CostFileV1)
+            return (_CostEntry(key=v1.key, model=v1.model),), None
+        if header.version != COST_MEMO_VERSION:
+            return (), (
+                f"is version {header.version}, which this kvcellar (version {COST_MEMO_VERSION}) cannot read: "
+                "ignored, and replaced at the next save"
+            )
+        return from_cbor(data, _CostFile).entries, None
     except FileNotFoundError:
-        return None
+        return (), None
     except (OSError, DecodeError, ValueError) as e:
-        log.info("restore cost memo %s unusable, calibrating afresh: %s", path, e)
-        return None
-    if saved.format != COST_MEMO_FORMAT or saved.version != COST_MEMO_VERSION:
-        return None
-    if saved.key != key:
-        log.info("restore cost memo %s was measured for another model or device: calibrating afresh", path)
-        return None
-    return saved.model
+        return (), f"unusable ({e})"
+
+
+def load_costs(directory: Path, key: CostKey) -> CostModel | None:
+    """The persisted cost model for `key`, or None (absent, unreadable, or none measured for this model and
+    device); each None is one log line saying why and that the costs are calibrated afresh."""
+    path = directory / COST_MEMO_FILE_NAME
+    entries, unusable = _read_entries(path)
+    model = next((entry.model for entry in entries if entry.key == key), None)
+    if unusable is not None:
+        log.info("restore cost memo %s %s: calibrating afresh", path, unusable)
+    elif model is None and not entries:
+        log.info("no restore cost memo at %s yet: calibrating afresh", path)
+    elif model is None:
+        log.info(
+            "restore cost memo %s holds no costs for this model (weights %s) on this device (%s): calibrating afresh",
+            path,
+            key.weights_sha256[:12],
+            key.device_architecture,
+        )
+    return model
 
 
 def save_costs(directory: Path, key: CostKey, model: CostModel) -> bool:
-    """Persist `model` under `key`; returns whether it was written (a failure only costs a recalibration)."""
+    """Persist `model` under `key`, beside the other keys' costs (the `COST_MEMO_ENTRIES_MAX` most recently
+    saved); returns whether it was written (a failure only costs a recalibration)."""
     path = directory / COST_MEMO_FILE_NAME
     temp = directory / f".{COST_MEMO_FILE_NAME}.{secrets.token_hex(4)}.tmp"
-    payload = to_cbor(_CostFile(format=COST_MEMO_FORMAT, version=COST_MEMO_VERSION, key=key, model=model))
+    others = [entry for entry in _read_entries(path)[0] if entry.key != key]
+    entries = (*others[max(0, len(others) - (COST_MEMO_ENTRIES_MAX - 1)) :], _CostEntry(key=key, model=model))
+    payload = to_cbor(_CostFile(format=COST_MEMO_FORMAT, version=COST_MEMO_VERSION, entries=entries))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(temp, "wb") as file:

@@ -4,8 +4,10 @@ tiny llama), the official openai and anthropic SDKs, load on demand, drain befor
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +20,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_serve import wait_until_healthy
 
 from kvcellar.engine.demo_models import packaged_demo_coder_dir
@@ -125,7 +128,11 @@ def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
         assert "'coder', 'small'" in refused.value.body["error"]["message"]
         models = server.models()
         assert models["coder"]["requests"] == 3 and models["small"]["requests"] == 1
-        assert "kvcellar model pool" in httpx.get(f"{server.base}/dashboard", timeout=10).text
+        page = httpx.get(f"{server.base}/dashboard", timeout=10).text
+        assert "kvcellar model pool" in page
+        assert all(f"<th>{column}</th>" in page for column in ("lane", "engine yields", "draft"))
+        # Every per-model field the page's script reads is one /stats has.
+        assert set(re.findall(r"\bm\.(\w+)", page)) <= set(models["coder"])
         # A loaded model's own routes, under /models/NAME/ (its dashboard's relative paths read them).
         assert httpx.get(f"{server.base}/models/coder/stats", timeout=10).json()["prompt_cache"]["entries"] >= 1
         assert httpx.get(f"{server.base}/models/coder/health", timeout=10).json()["model"] == "coder"
@@ -137,7 +144,8 @@ def test_names_and_aliases_route_through_both_sdks(small_dir, tmp_path):
 
 
 def test_a_budget_for_one_model_swaps_and_the_conversation_resumes_from_ssd(small_dir, tmp_path):
-    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB))
+    env = {"KVCELLAR_CACHE_DIR": str(tmp_path / "cache")}  # an empty restore cost memo
+    server = PoolServer(_toml(small_dir), tmp_path, "--models-memory-gb", str(ONE_MODEL_GB), env=env)
     try:
         first, cold_share = _chat(server, "coder")
         assert cold_share == 0
@@ -151,6 +159,9 @@ def test_a_budget_for_one_model_swaps_and_the_conversation_resumes_from_ssd(smal
         models = server.models()
         assert models["coder"]["loads"] == 2 and models["coder"]["ssd_restores"] >= 1
         assert models["small"]["state"] == "unloaded" and models["small"]["last_drain"]["durable"] is True
+        # The memo keeps both models' restore costs: coder's second load reads its own, calibrating nothing.
+        output = server.stop()
+        assert output.count("calibrating afresh") == 2 and output.count("holds no costs for this model") == 1
     finally:
         server.kill()
 
@@ -218,6 +229,17 @@ def test_sigkill_during_a_drain_loses_nothing_the_drain_reported_durable(small_d
         restarted.kill()
 
 
+def _pool_model_samples(server: PoolServer) -> dict[tuple[str, str], float]:
+    """The pool's /metrics samples labelled by model, as {(sample name, model): value}."""
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    return {
+        (sample.name, sample.labels["model"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if "model" in sample.labels
+    }
+
+
 def _copy_under_another_fingerprint(model_dir: Path, to: Path) -> Path:
     """The same weights under another serving fingerprint (one more config key, which mlx-lm ignores), so
     that two pool models of one model keep separate SSD directories."""
@@ -250,5 +272,14 @@ def test_ram_gb_fixes_a_share_and_a_draft_model_keeps_greedy_output(small_dir, t
         assert models["plain"]["speculative"] == {}
         # The draft's weights count against the models memory budget with the model's own.
         assert models["drafted"]["weights_bytes"] == 2 * models["plain"]["weights_bytes"] > 0
+        # /metrics has the engine turns of each model and the speculative counters of the drafted one.
+        samples, later = _pool_model_samples(server), server.models()
+        for name, field in itertools.product(("plain", "drafted"), ("engine_jobs", "engine_yields")):
+            assert models[name][field] <= samples[f"kvcellar_pool_model_{field}_total", name] <= later[name][field]
+        assert models["plain"]["engine_jobs"] > 0 and models["drafted"]["engine_jobs"] > 0
+        for field in ("requests", "rounds", "proposed_tokens", "accepted_tokens"):
+            sample = f"kvcellar_pool_model_speculative_{field}_total"
+            assert samples[sample, "drafted"] == models["drafted"]["speculative"][field]
+            assert (sample, "plain") not in samples
     finally:
         server.kill()
