@@ -171,10 +171,11 @@ def main(prompt_words: int, requests: int, as_json: bool, write_docs: bool) -> N
             [
                 f"`{command}`, {run_date}. "
                 + machine_sentence(machine, ", the CPU back end (mlx[cpu]), one `kvcellar serve --models` each run."),
-                f"Prompts of {prompt_words} words; TTFT is a `max_tokens=1` completion's time, load included. Both "
-                "loads of the swap also calibrate the restore policy (its cost memo is kept for one model at a "
-                "time). The alternation's tiny llama is far cheaper than demo-coder, so the ratio above 1 says "
-                "the switches cost little, not that two models are faster.",
+                f"Prompts of {prompt_words} words; TTFT is a `max_tokens=1` completion's time, load included. A "
+                "reload reads the model's restore costs from the cost memo (it keeps several models' costs) "
+                "instead of calibrating afresh. Each model runs its batch lane (serve's default `--batch`). The "
+                "alternation's tiny llama is far cheaper than demo-coder, so the ratio above 1 says the "
+                "switches cost little, not that two models are faster.",
             ],
             figures,
         )
