@@ -439,6 +439,7 @@ def agents_sdk_session(base_url: str, prompt: str, api: str, follow_up: str | No
     `follow_up`: a second user turn on the same conversation (the first run's items, then it)."""
     from agents import (
         Agent,
+        ModelSettings,
         OpenAIChatCompletionsModel,
         OpenAIResponsesModel,
         Runner,
@@ -460,7 +461,12 @@ def agents_sdk_session(base_url: str, prompt: str, api: str, follow_up: str | No
         client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=DUMMY_KEY)
         model_class = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
         model = model_class(model=SERVED_MODEL, openai_client=client)
-        agent = Agent(name="weather", instructions=AGENT_INSTRUCTIONS, tools=[get_weather], model=model)
+        # Greedy: at the server's default temperature (1.0) the demo model sometimes kept calling the tool
+        # past the SDK's turn bound (one CI run in several); greedy replies are the same every run.
+        settings = ModelSettings(temperature=0.0)
+        agent = Agent(
+            name="weather", instructions=AGENT_INSTRUCTIONS, tools=[get_weather], model=model, model_settings=settings
+        )
         result = await Runner.run(agent, prompt, max_turns=4)
         outputs = sum(isinstance(item, ToolCallOutputItem) for item in result.new_items)
         if follow_up is not None:
