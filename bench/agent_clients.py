@@ -42,6 +42,8 @@ from urllib.parse import urlsplit
 import attrs
 import httpx
 
+from kvcellar.bench.common import wait_until_healthy
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENTS_DIR = REPO_ROOT / ".agents"
 CLAUDE_BIN = AGENTS_DIR / "node_modules" / ".bin" / "claude"
@@ -498,7 +500,9 @@ def served_stock(log_path: Path) -> Iterator[str]:
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
         try:
-            _wait_healthy(process, base, log_path)
+            wait_until_healthy(
+                process, base, timeout_s=SERVER_START_TIMEOUT_S, output=lambda: log_path.read_text()[-2000:]
+            )
             yield base
         finally:
             stop_server(process)
@@ -514,20 +518,6 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
         process.kill()
         process.wait()
         raise RuntimeError(f"kvcellar serve did not stop within {SERVER_STOP_TIMEOUT_S} s of SIGTERM") from None
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kvcellar serve exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError(f"kvcellar serve was not healthy in {SERVER_START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}")
 
 
 def last_request_seq(server_url: str) -> int:

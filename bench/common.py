@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import click
+import httpx
 import platformdirs
 from rich.console import Console
 from rich.table import Table
@@ -312,3 +313,32 @@ def collections_timed(spent: list[float]) -> Iterator[None]:
         yield
     finally:
         gc.callbacks.remove(callback)
+
+
+def wait_until_healthy(
+    process: subprocess.Popen[Any],
+    base: str,
+    *,
+    timeout_s: float,
+    output: Callable[[], str] = lambda: "",
+    name: str = "kvcellar serve",
+    poll_s: float = 0.3,
+) -> None:
+    """Poll `base`/health every `poll_s` until it answers 200. A server that exits first, or is not
+    healthy within `timeout_s` (it is then killed), raises `click.ClickException` saying which, with
+    `output()` (the server's log or its tail) for the cause."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise click.ClickException(
+                f"{name} exited with status {process.returncode} before answering /health:\n{output()}"
+            )
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    process.kill()
+    process.wait()
+    raise click.ClickException(f"{name} was not healthy within {timeout_s:.0f} s:\n{output()}")

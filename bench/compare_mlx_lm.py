@@ -49,6 +49,7 @@ from kvcellar.bench.common import (
     publish_options,
     scratch_dir_option,
     scratch_with_model,
+    wait_until_healthy,
 )
 from kvcellar.blas_preload import find_openblas, preload_environment
 from kvcellar.engine.demo_models import DEMO_ARCH
@@ -135,24 +136,10 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 env=environment,
             )
-        self._wait_healthy()
+        wait_until_healthy(
+            self.process, self.base, timeout_s=START_TIMEOUT_S, output=self.log_tail, name=LABELS[self.name], poll_s=0.2
+        )
         self.start_s = time.perf_counter() - started
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise click.ClickException(
-                    f"{LABELS[self.name]} exited with status {self.process.returncode} "
-                    f"before answering /health:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.kill()
-        raise click.ClickException(f"{LABELS[self.name]} not healthy in {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> int:
         """SIGTERM and wait: kvcellar's graceful flush-and-exit; mlx_lm.server has no handler and just ends."""

@@ -41,7 +41,15 @@ import httpx
 import numpy as np
 from rich.console import Console
 
-from kvcellar.bench.common import describe_machine, load_note, model_option, print_figures, publish, publish_options
+from kvcellar.bench.common import (
+    describe_machine,
+    load_note,
+    model_option,
+    print_figures,
+    publish,
+    publish_options,
+    wait_until_healthy,
+)
 from kvcellar.demo.corpus import Conversation, held_out_chat_prompts, held_out_tool_cases
 from kvcellar.demo.train import TRAINING_LOG_FILE_NAME, build_streams, fixed_windows, held_out_loss
 from kvcellar.demo.training_config import TrainingConfig
@@ -106,7 +114,7 @@ def served_demo_model(*serve_args: str) -> Iterator[httpx.Client]:
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     try:
-        _wait_healthy(process, base)
+        wait_until_healthy(process, base, timeout_s=180)
         with httpx.Client(base_url=base, timeout=120) as client:
             yield client
     finally:
@@ -158,19 +166,6 @@ def run_server_prompts(prompts: int, progress: Console, model_args: tuple[str, .
         sample_tool_reply_with_grammar=with_grammar["sample_tool_reply"],
     )
     return result
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], base: str) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise click.ClickException(f"kvcellar serve exited with status {process.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise click.ClickException("kvcellar serve did not become healthy in 180 s")
 
 
 def decode_tokens_per_s(model_dir: Path) -> float:

@@ -27,7 +27,14 @@ import click
 import httpx
 from rich.console import Console
 
-from kvcellar.bench.common import Figures, describe_machine, docs_section, machine_sentence, publish_figures
+from kvcellar.bench.common import (
+    Figures,
+    describe_machine,
+    docs_section,
+    machine_sentence,
+    publish_figures,
+    wait_until_healthy,
+)
 from kvcellar.engine.demo_models import create_model, packaged_demo_coder_dir
 
 NAME = "model_pool"
@@ -74,15 +81,7 @@ class Pool:
             stderr=subprocess.DEVNULL,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.stop()
-        raise click.ClickException("the pool server did not become healthy")
+        wait_until_healthy(self.process, self.base, timeout_s=120, name="the pool server")
 
     def request_s(self, model: str, prompt: str, max_tokens: int) -> tuple[float, dict[str, Any]]:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 import numpy as np
 from rich.console import Console
 
@@ -48,6 +47,7 @@ from kvcellar.bench.common import (
     publish_options,
     scratch_dir_option,
     scratch_with_model,
+    wait_until_healthy,
 )
 from kvcellar.cli.serve import SHARD_DIGEST_MEMO_DIR_NAME
 from kvcellar.engine.demo_models import (
@@ -126,28 +126,6 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_healthy(process: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise click.ClickException(
-                f"kvcellar serve exited with status {process.returncode} before answering "
-                f"/health:\n{log_path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}"
-            )
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(HEALTH_POLL_S)
-    process.kill()
-    process.wait()
-    raise click.ClickException(
-        f"kvcellar serve not healthy in {START_TIMEOUT_S:.0f} s:\n"
-        f"{log_path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}"
-    )
-
-
 def time_one_start(model_dir: Path, ssd_dir: Path, cache_dir: Path, log_path: Path) -> dict[str, Any]:
     """Spawn `kvcellar serve`, time it to a 200 from `/health`, stop it; the
     server's own fingerprint time and hashed bytes come from its log."""
@@ -175,7 +153,13 @@ def time_one_start(model_dir: Path, ssd_dir: Path, cache_dir: Path, log_path: Pa
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment
         )
         try:
-            _wait_healthy(process, f"http://127.0.0.1:{port}", log_path)
+            wait_until_healthy(
+                process,
+                f"http://127.0.0.1:{port}",
+                timeout_s=START_TIMEOUT_S,
+                output=lambda: log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:],
+                poll_s=HEALTH_POLL_S,
+            )
             start_s = time.perf_counter() - started
             process.send_signal(signal.SIGTERM)
             exit_status = process.wait(timeout=STOP_TIMEOUT_S)

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import wait_until_healthy
 
+from kvcellar.bench.common import wait_until_healthy
 from kvcellar.engine.demo_models import packaged_demo_coder_dir
 
 # demo-coder's safetensors are about 10.5 MB, the tiny llama's about 0.56 MB: this budget holds either, not both.
@@ -53,7 +53,7 @@ class PoolServer:
             text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
-        wait_until_healthy(self.process, self.base)
+        wait_until_healthy(self.process, self.base, timeout_s=120, output=self.process.stdout.read)
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -17,28 +17,13 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcellar.bench.common import wait_until_healthy
+
 
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def wait_until_healthy(process: subprocess.Popen, base: str, timeout_s: float = 120) -> None:
-    """Poll `base`/health until it answers 200; fail with the server's output if it exits, and kill it
-    if it is not healthy within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    process.wait()
-    pytest.fail("server did not become healthy")
 
 
 class Server:
@@ -53,7 +38,7 @@ class Server:
             text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
-        wait_until_healthy(self.process, self.base)
+        wait_until_healthy(self.process, self.base, timeout_s=120, output=self.process.stdout.read)
 
     def stop(self) -> tuple[int, str]:
         """SIGTERM, wait, return (exit status, output)."""
