@@ -72,7 +72,7 @@ from kvcellar.engine.generation import GenerationDone, GenerationRequest, TokenD
 from kvcellar.engine.memory import MemoryGuard, MemoryMeter, MlxMemoryMeter
 from kvcellar.engine.paged_kv import PagedKv
 from kvcellar.engine.restore_policy import PolicyColdTier
-from kvcellar.engine.speculative import Drafter, open_drafter
+from kvcellar.engine.speculative import Drafter, admission_draft_kv_bytes_per_token, open_drafter
 from kvcellar.errors import EngineStopped, JournalError, UsageError
 from kvcellar.store.checkpoints import CheckpointStore
 from kvcellar.store.journal import JournalEvent
@@ -480,7 +480,7 @@ class System:
         guard = self.memory_guard
         if guard is None:
             return
-        draft_bytes = self.drafter.admission_kv_bytes_per_token(request) if self.drafter is not None else 0
+        draft_bytes = admission_draft_kv_bytes_per_token(self.drafter, request)
         footprint = guard.footprint.request_bytes(len(request.prompt_ids), request.params.max_tokens, draft_bytes)
         refusal = guard.fits_budget(footprint)
         if refusal is not None:

@@ -59,7 +59,13 @@ from kvcellar.engine.memory import DECODE_CHECK_TOKENS, GuardedRequest, MemoryGu
 from kvcellar.engine.paged_kv import PagedKv
 from kvcellar.engine.sampling import SerialSampling, TokenLogprob, token_logprob
 from kvcellar.engine.scalars import item_int
-from kvcellar.engine.speculative import Drafter, SpeculativeRounds, prepare_draft, refusal
+from kvcellar.engine.speculative import (
+    Drafter,
+    SpeculativeRounds,
+    admission_draft_kv_bytes_per_token,
+    prepare_draft,
+    refusal,
+)
 from kvcellar.errors import PrefillCancelled, UsageError
 from kvcellar.store.checkpoints import ResumePoint
 from kvcellar.store.companion import SplitEntry, split_companion, with_companion
@@ -316,10 +322,6 @@ class _Start:
         return with_companion(caches, rounds.synced_draft(), rounds.drafter.digest)
 
 
-def _draft_kv_bytes_per_token(drafter: Drafter | None, request: GenerationRequest) -> int:
-    return drafter.admission_kv_bytes_per_token(request) if drafter is not None else 0
-
-
 def _speculation(
     loaded: LoadedModel,
     drafter: Drafter | None,
@@ -363,7 +365,7 @@ def _cold_start(
     prompt = list(request.prompt_ids)
     reuse = take_reuse(prompt_cache, request, drafter.digest if drafter is not None else None)
     memory = GuardedRequest(memory_guard, (reuse.entry_id,))
-    memory.admit(len(prompt), request.params.max_tokens, _draft_kv_bytes_per_token(drafter, request))
+    memory.admit(len(prompt), request.params.max_tokens, admission_draft_kv_bytes_per_token(drafter, request))
     # The tiers this request uses: None exactly when `reuse.use_cache` is false.
     tiers = prompt_cache if reuse.use_cache else None
     cache = reuse.caches if reuse.caches is not None else make_prompt_cache(loaded.model)
@@ -423,7 +425,7 @@ def _resumed_start(
     are where the interrupted run stood, so the rest is what it would have been."""
     prompt = list(request.prompt_ids)
     memory = GuardedRequest(memory_guard)
-    memory.admit(len(prompt), request.params.max_tokens, _draft_kv_bytes_per_token(drafter, request))
+    memory.admit(len(prompt), request.params.max_tokens, admission_draft_kv_bytes_per_token(drafter, request))
     use_cache = prompt_cache is not None and prompt_cache.enabled
     companion = split_companion(point.caches, drafter.digest if drafter is not None else None)
     reuse = Reuse(

@@ -155,6 +155,11 @@ class Drafter:
         return True
 
 
+def admission_draft_kv_bytes_per_token(drafter: Drafter | None, request: Any) -> int:
+    """What a request's memory admission adds per token for the draft's KV: 0 without a draft."""
+    return drafter.admission_kv_bytes_per_token(request) if drafter is not None else 0
+
+
 def request_refusal(request: Any) -> str | None:
     """Why the request itself is served without the draft (None: it can be).
     Log-probabilities are refused because a (k+1)-token forward's values
