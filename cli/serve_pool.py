@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvcellar.actors.model_names import ModelNames, ModelSpec, load_models_file, parse_model_flag
-from kvcellar.actors.model_pool_plan import fixed_shares_fit
+from kvcellar.actors.model_pool_plan import fixed_shares_fit, ram_shares
 from kvcellar.errors import UsageError
 
 if TYPE_CHECKING:
@@ -65,11 +65,9 @@ def pool_configs(
             "can give (it must also leave some RAM to any model without ram_gb): "
             "raise --prompt-cache or lower ram_gb"
         )
-    shared_count = len(names.models) - len(fixed)
-    share = (base.prompt_cache_bytes - sum(fixed.values())) // max(1, shared_count)
-    return {
-        spec.name: _model_config(spec, base, resolve_model_dir, fixed.get(spec.name, share)) for spec in names.models
-    }
+    # The pool's one share rule, before any model has served a request.
+    shares = ram_shares({spec.name: 0 for spec in names.models}, base.prompt_cache_bytes, fixed_bytes=fixed)
+    return {spec.name: _model_config(spec, base, resolve_model_dir, shares[spec.name]) for spec in names.models}
 
 
 def _model_config(
